@@ -1,0 +1,73 @@
+"""KV-cache layouts the engine allocates per attention layer: contiguous rows, or a paged block pool."""
+import torch
+import torch.nn.functional as F
+
+from attention.cache_spec import CacheBatch
+from kernels import paged_decode_attention, write_paged_kv
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float):
+    """q: [B, H, T, D] at `positions` [B, T]; k, v: [B, KVH, L, D] holding positions 0..L-1."""
+    key_pos = torch.arange(k.shape[2], device=k.device)
+    mask = key_pos.view(1, 1, 1, -1) <= positions.view(positions.shape[0], 1, -1, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+class ContiguousKV:
+    """One row per batch slot, [slots, kv_heads, max_len, head_dim], written in place (gpt-fast's static cache)."""
+
+    def __init__(self, max_batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (max_batch, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, batch: CacheBatch) -> None:
+        """k, v: [B, KVH, T, D] for the tokens at batch.positions."""
+        rows = batch.slots[:, None]
+        self.k[rows, :, batch.positions] = k.transpose(1, 2)
+        self.v[rows, :, batch.positions] = v.transpose(1, 2)
+
+    def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float) -> torch.Tensor:
+        k = self.k[batch.slots, :, : batch.max_length]
+        v = self.v[batch.slots, :, : batch.max_length]
+        return masked_attention(q, k, v, batch.positions, scale)
+
+
+class PagedKV:
+    """A pool of fixed-size blocks, [num_blocks, block_size, kv_heads, head_dim]; sequences own blocks via a block table (vLLM)."""
+
+    def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device):
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.block_size = block_size
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, batch: CacheBatch) -> None:
+        b, kvh, t, d = k.shape
+        write_paged_kv(
+            k.transpose(1, 2).reshape(b * t, kvh, d), v.transpose(1, 2).reshape(b * t, kvh, d), self.k, self.v, batch.slot_mapping
+        )
+
+    def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float) -> torch.Tensor:
+        if q.shape[2] == 1:
+            out = paged_decode_attention(q[:, :, 0], self.k, self.v, batch.block_table, batch.lengths, scale)
+            return out.unsqueeze(2)
+        # Several new tokens on top of cached ones (chunked prefill): gather the blocks, then mask.
+        return masked_attention(q, *self.gather(batch), batch.positions, scale)
+
+    def gather(self, batch: CacheBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's keys and values as [B, KVH, max_length, D], read through its block table."""
+        n_blocks = -(-batch.max_length // self.block_size)
+        table = batch.block_table[:, :n_blocks].long().clamp_min(0)
+        b = table.shape[0]
+        k = self.k[table].reshape(b, n_blocks * self.block_size, *self.k.shape[2:])[:, : batch.max_length]
+        v = self.v[table].reshape(b, n_blocks * self.block_size, *self.v.shape[2:])[:, : batch.max_length]
+        return k.transpose(1, 2), v.transpose(1, 2)

@@ -1,0 +1,7 @@
+"""Everything that runs a model: the engine, sampling, metrics, comparisons, charts and the CLI."""
+from harness.engine import Engine
+from harness.metrics import RequestMetrics, measure_copy_bandwidth, summarize
+from harness.sampling import SamplingParams
+from harness.sequence import RequestOutput
+
+__all__ = ["Engine", "RequestMetrics", "RequestOutput", "SamplingParams", "measure_copy_bandwidth", "summarize"]

@@ -1,0 +1,169 @@
+"""The generation engine: request queue, continuous batching, prefill + batched decode, per-request metrics."""
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.block_manager import BlockManager
+from harness.cache_pool import LAYOUTS, CachePool
+from harness.model_runner import ModelRunner
+from harness.sampling import SamplingParams, sample_token
+from harness.scheduler import Scheduler
+from harness.sequence import RequestOutput, Sequence
+from zoo.tokenizer import ByteTokenizer
+
+
+@dataclass
+class DecodeStats:
+    """What every decode step cost, for throughput and MBU."""
+
+    seconds: list[float] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+    kv_bytes: list[int] = field(default_factory=list)  # analytic cache bytes the step had to read
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(self.batch_sizes) / sum(self.seconds) if self.seconds else 0.0
+
+
+class Engine:
+    def __init__(self, model, max_batch: int = 8, max_seq_len: int | None = None, kv_cache: str = "contiguous",
+                 block_size: int = 16, num_blocks: int | None = None, cache_budget_bytes: int | None = None):
+        """kv_cache: "contiguous" ([slots, kv_heads, max_seq_len, head_dim] per layer) or "paged" (block pool).
+
+        num_blocks / cache_budget_bytes size the paged pool (default: room for max_batch full-length sequences);
+        for the contiguous layout a budget caps max_batch at the rows that fit.
+        """
+        config = model.config
+        max_seq_len = config.max_seq_len if max_seq_len is None else max_seq_len
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if kv_cache not in LAYOUTS:
+            raise ValueError(f"unknown kv_cache {kv_cache!r}; allowed: {', '.join(LAYOUTS)}")
+        if not 1 <= max_seq_len <= config.max_seq_len:
+            raise ValueError(f"max_seq_len must be in [1, {config.max_seq_len}] (the model's max_seq_len), got {max_seq_len}")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {block_size}")
+        param = next(model.parameters())
+        self.model, self.device, self.dtype = model.eval(), param.device, param.dtype
+        self.max_seq_len, self.kv_cache = max_seq_len, kv_cache
+        specs = model.cache_specs()
+        per_row = CachePool.block_bytes(specs, max_seq_len, self.dtype)
+        blocks_per_seq = -(-max_seq_len // block_size)
+        if kv_cache == "contiguous":
+            if cache_budget_bytes is not None:
+                if cache_budget_bytes < per_row:
+                    raise ValueError(f"cache budget {cache_budget_bytes} B is too small for one request: one "
+                                     f"contiguous row of max_seq_len={max_seq_len} needs {per_row} B")
+                max_batch = min(max_batch, cache_budget_bytes // per_row)
+            num_blocks = 0
+        elif num_blocks is None:
+            per_block = CachePool.block_bytes(specs, block_size, self.dtype)
+            num_blocks = max_batch * blocks_per_seq if cache_budget_bytes is None else cache_budget_bytes // per_block
+            if num_blocks < blocks_per_seq:
+                raise ValueError(f"cache budget {cache_budget_bytes} B holds {num_blocks} blocks of {block_size} tokens; "
+                                 f"one request of max_seq_len={max_seq_len} needs {blocks_per_seq} blocks "
+                                 f"({blocks_per_seq * per_block} B)")
+        elif num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.max_batch = max_batch
+        self.pool = CachePool(specs, kv_cache, max_batch, max_seq_len, block_size, num_blocks, self.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, block_size) if kv_cache == "paged" else None
+        self.scheduler = Scheduler(max_batch, self.block_manager)
+        self.runner = ModelRunner(model, self.pool, self.block_manager, self.device)
+        self.tokenizer = ByteTokenizer()
+        self.ids = itertools.count()
+        self.decode_stats = DecodeStats()
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(self, prompt: "str | list[int]", params: SamplingParams | None = None) -> int:
+        """Validate and queue one request; a bad one raises here and leaves the queue as it was."""
+        seq = self.make_sequence(prompt, params or SamplingParams())
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def make_sequence(self, prompt, params: SamplingParams) -> Sequence:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise ValueError("empty prompt: a request needs at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id(s) {bad[:5]} out of vocabulary: ids must lie in [0, {vocab})")
+        if len(ids) + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens={params.max_new_tokens} exceeds "
+                             f"max_seq_len={self.max_seq_len}")
+        if self.block_manager is not None and self.block_manager.blocks_for(len(ids) + params.max_new_tokens) > self.block_manager.num_blocks:
+            raise ValueError(f"request needs more cache blocks than the pool holds ({self.block_manager.num_blocks})")
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(self.device)
+            generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
+        return Sequence(next(self.ids), ids, params, generator)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- stepping -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Admit what fits, prefill it, then one decode token for every running request. Returns finished requests."""
+        finished = []
+        for seq in self.scheduler.admit():
+            self.emit(seq, self.runner.prefill(seq), finished)
+        running = list(self.scheduler.running)
+        if running:
+            start = time.perf_counter()
+            logits = self.runner.decode(running)
+            kv_bytes = sum(self.pool.sequence_bytes(s.cached) for s in running)
+            for seq, row in zip(running, logits):
+                self.emit(seq, row, finished)
+            self.decode_stats.seconds.append(time.perf_counter() - start)
+            self.decode_stats.batch_sizes.append(len(running))
+            self.decode_stats.kv_bytes.append(kv_bytes)
+        return finished
+
+    def emit(self, seq: Sequence, logits: torch.Tensor, finished: list[RequestOutput]) -> None:
+        token = sample_token(logits, seq.params, seq.all_ids, seq.generator)
+        seq.token_times.append(time.perf_counter())
+        seq.output_ids.append(token)
+        if seq.params.return_logits:
+            seq.logits.append(logits.float().cpu())
+        if token in seq.params.stop_token_ids:
+            reason = "stop"
+        elif len(seq.output_ids) >= seq.params.max_new_tokens:
+            reason = "length"
+        else:
+            return
+        self.scheduler.finish(seq, reason)
+        finished.append(RequestOutput.of(seq))
+
+    def generate(self, prompts, params: "SamplingParams | list[SamplingParams] | None" = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order. All prompts are validated before any work."""
+        params = params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params_list)]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        done: dict[int, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                done[out.request_id] = out
+        return [done[s.request_id] for s in seqs if s.request_id in done]
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    @property
+    def cache_bytes_allocated(self) -> int:
+        return self.pool.nbytes
+
+    def cache_bytes_in_use(self) -> int:
+        """Bytes the running requests occupy: whole rows (contiguous) or their blocks (paged)."""
+        if self.block_manager is None:
+            return self.pool.nbytes * len(self.scheduler.running) // self.max_batch
+        per_block = CachePool.block_bytes(self.pool.specs, self.block_manager.block_size, self.dtype)
+        return per_block * sum(len(s.blocks) for s in self.scheduler.running)

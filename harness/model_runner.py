@@ -1,0 +1,57 @@
+"""Turns scheduled sequences into model calls: builds each step's CacheBatch and runs prefill or batched decode."""
+import torch
+
+from attention import CacheBatch
+from harness.block_manager import BlockManager
+from harness.cache_pool import CachePool
+from harness.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model, pool: CachePool, block_manager: BlockManager | None, device):
+        self.model = model
+        self.pool = pool
+        self.block_manager = block_manager
+        self.device = device
+
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence) -> torch.Tensor:
+        """Run the whole prompt; returns the last position's logits [vocab]."""
+        n = len(seq.prompt_ids)
+        tokens = torch.tensor([seq.prompt_ids], device=self.device)
+        positions = torch.arange(n, device=self.device).unsqueeze(0)
+        batch = self.cache_batch([seq], positions, [n], is_prefill=True)
+        logits = self.model(tokens, positions, self.pool.layers, batch, last_only=True)
+        seq.cached = n
+        return logits[0, -1]
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Feed each sequence's newest token; returns logits [B, vocab]."""
+        tokens = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)
+        positions = torch.tensor([[s.cached] for s in seqs], device=self.device)
+        lengths = [s.cached + 1 for s in seqs]
+        batch = self.cache_batch(seqs, positions, lengths, is_prefill=False)
+        logits = self.model(tokens, positions, self.pool.layers, batch)
+        for s in seqs:
+            s.cached += 1
+        return logits[:, -1]
+
+    def cache_batch(self, seqs: list[Sequence], positions: torch.Tensor, lengths: list[int], is_prefill: bool) -> CacheBatch:
+        batch = CacheBatch(
+            positions=positions,
+            lengths=torch.tensor(lengths, dtype=torch.int32, device=self.device),
+            max_length=max(lengths),
+            is_prefill=is_prefill,
+            slots=torch.tensor([s.slot for s in seqs], device=self.device),
+        )
+        if self.block_manager is not None:
+            for s, n in zip(seqs, lengths):
+                self.block_manager.grow(s, n)
+            width = max(len(s.blocks) for s in seqs)
+            table = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
+            batch.block_table = torch.tensor(table, dtype=torch.int32, device=self.device)
+            size = self.block_manager.block_size
+            slots = [s.blocks[p // size] * size + p % size for s, row in zip(seqs, positions.tolist()) for p in row]
+            batch.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return batch

@@ -1,0 +1,43 @@
+"""First-come-first-served admission into a fixed number of batch slots (continuous batching)."""
+from collections import deque
+
+from harness.block_manager import BlockManager
+from harness.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, max_batch: int, block_manager: BlockManager | None):
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots = deque(range(max_batch))
+        self.block_manager = block_manager
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def admit(self) -> list[Sequence]:
+        """Move waiting requests into free slots, oldest first; stop at the first that does not fit (no starvation)."""
+        admitted = []
+        while self.waiting and self.free_slots:
+            seq = self.waiting[0]
+            if self.block_manager is not None and not self.block_manager.can_admit(seq.max_length):
+                break
+            self.waiting.popleft()
+            seq.slot = self.free_slots.popleft()
+            seq.status = Status.RUNNING
+            if self.block_manager is not None:
+                self.block_manager.admit(seq)
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Free the request's slot and blocks at once, so the next waiting request is admitted next step."""
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.running.remove(seq)
+        self.free_slots.append(seq.slot)
+        if self.block_manager is not None:
+            self.block_manager.release(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)

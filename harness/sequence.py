@@ -1,0 +1,56 @@
+"""One request's state as it moves through the engine, and its output."""
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.metrics import RequestMetrics
+from harness.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int = -1  # contiguous layout: the cache row this sequence owns
+    blocks: list[int] = field(default_factory=list)  # paged layout: pool blocks in position order
+    cached: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str = ""
+    logits: list[torch.Tensor] = field(default_factory=list)
+    arrival: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def max_length(self) -> int:
+        """Tokens the cache may have to hold for this request (the last sampled token is never cached)."""
+        return len(self.prompt_ids) + self.params.max_new_tokens - 1
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str  # "length" | "stop"
+    metrics: RequestMetrics
+    logits: list[torch.Tensor]  # filled when SamplingParams.return_logits
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestOutput":
+        return cls(seq.request_id, seq.prompt_ids, seq.output_ids, seq.finish_reason,
+                   RequestMetrics.of(seq.arrival, seq.token_times), seq.logits)

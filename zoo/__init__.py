@@ -1,0 +1,13 @@
+"""archzoo's front door: build any registered decoder architecture, size its cache, load HF weights."""
+from zoo.cache import cache_bytes, parameter_bytes
+from zoo.config import MixerSpec, ModelConfig
+from zoo.hf import from_hf
+from zoo.model import DecoderLM
+from zoo.presets import PRESETS
+from zoo.registry import architectures, build, describe, make_config
+from zoo.tokenizer import ByteTokenizer
+
+__all__ = [
+    "ByteTokenizer", "DecoderLM", "MixerSpec", "ModelConfig", "PRESETS",
+    "architectures", "build", "cache_bytes", "describe", "from_hf", "make_config", "parameter_bytes",
+]

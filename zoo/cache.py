@@ -1,0 +1,16 @@
+"""Analytic cache size of a model, from its layers' cache declarations (reference.md §2)."""
+import torch
+
+
+def cache_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | None = None) -> int:
+    """Bytes of KV cache/state `batch` sequences of `seq_len` tokens hold; dtype defaults to the model's."""
+    if seq_len < 0 or batch < 0:
+        raise ValueError(f"seq_len and batch must be >= 0, got seq_len={seq_len}, batch={batch}")
+    dtype = dtype or next(model.parameters()).dtype
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return batch * element_size * sum(spec.elements(seq_len) for spec in model.cache_specs())
+
+
+def parameter_bytes(model) -> int:
+    """Bytes of distinct parameters (a tied embedding/head counts once)."""
+    return sum(p.nbytes for p in model.parameters())

@@ -1,0 +1,71 @@
+"""The decoder LM: embedding -> pre-norm blocks (mixer + MLP) -> norm -> head."""
+import torch
+from torch import nn
+
+from zoo.config import ModelConfig
+from zoo.layers import make_mlp, make_norm
+from zoo.mixers import make_mixer
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.mixer_norm = make_norm(config.norm, config.d_model, config.norm_eps)
+        self.mixer = make_mixer(config.layers[layer_idx], config, layer_idx)
+        self.mlp = make_mlp(config.mlp, config.d_model, config.mlp_hidden)
+        self.mlp_norm = make_norm(config.norm, config.d_model, config.norm_eps) if self.mlp is not None else None
+
+    def forward(self, x, positions=None, cache=None, batch=None):
+        x = x + self.mixer(self.mixer_norm(x), positions, cache, batch)
+        if self.mlp is not None:
+            x = x + self.mlp(self.mlp_norm(x))
+        return x
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = make_norm(config.norm, config.d_model, config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.apply(init_weights)
+
+    def cache_specs(self):
+        """Each layer's cache declaration, in layer order."""
+        return [block.mixer.cache_spec() for block in self.blocks]
+
+    def forward(self, tokens: torch.Tensor, positions=None, caches=None, batch=None, last_only: bool = False):
+        """tokens: [B, T] -> logits [B, T, vocab] ([B, 1, vocab] with last_only).
+
+        Without caches this is the full causal forward; the engine passes one cache per layer and a CacheBatch.
+        """
+        if caches is None:
+            check_tokens(tokens, self.config)
+        x = self.embed(tokens)
+        for i, block in enumerate(self.blocks):
+            x = block(x, positions, None if caches is None else caches[i], batch)
+        if last_only:
+            x = x[:, -1:]
+        return self.head(self.norm(x))
+
+
+def check_tokens(tokens: torch.Tensor, config: ModelConfig) -> None:
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [batch, seq_len], got shape {tuple(tokens.shape)}")
+    if tokens.shape[1] > config.max_seq_len:
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len={config.max_seq_len}")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= config.vocab_size):
+        raise ValueError(
+            f"token ids must lie in [0, {config.vocab_size}), got min {int(tokens.min())}, max {int(tokens.max())}"
+        )
+
+
+def init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)

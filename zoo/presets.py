@@ -1,0 +1,27 @@
+"""Model sizes: tiny for tests, small for CPU comparisons, base (~125M) for benchmarks."""
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Preset:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    gqa_kv_heads: int  # KV heads the "gqa" architecture uses at this size
+    mlp_hidden: int
+    max_seq_len: int
+    tie_embeddings: bool
+
+
+PRESETS = {
+    "tiny": Preset(vocab_size=512, d_model=64, n_layers=2, n_heads=4, gqa_kv_heads=2, mlp_hidden=192, max_seq_len=512, tie_embeddings=True),
+    "small": Preset(vocab_size=512, d_model=512, n_layers=8, n_heads=8, gqa_kv_heads=2, mlp_hidden=1408, max_seq_len=4096, tie_embeddings=True),
+    "base": Preset(vocab_size=32000, d_model=768, n_layers=12, n_heads=12, gqa_kv_heads=4, mlp_hidden=2048, max_seq_len=4096, tie_embeddings=False),
+}
+
+
+def preset_settings(name: str) -> dict:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
+    return asdict(PRESETS[name])
