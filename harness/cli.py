@@ -1,0 +1,131 @@
+"""The `zoo` command: list architectures, compare them, generate text."""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+import zoo
+from harness.charts import write_charts
+from harness.compare import DTYPES, CompareSettings, run_compare, settings_dict
+from harness.engine import Engine
+from harness.results import write_atomic
+from harness.sampling import SamplingParams
+from harness.table import markdown_table
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def name_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def cmd_list(args) -> None:
+    width = max(map(len, zoo.architectures()))
+    for name in zoo.architectures():
+        print(f"{name:<{width}}  {zoo.describe(name)}")
+
+
+def cmd_compare(args) -> None:
+    settings = CompareSettings(archs=args.archs, preset=args.preset, contexts=args.contexts, batches=args.batches,
+                               new_tokens=args.new_tokens, dtype=args.dtype, kv_cache=args.kv_cache,
+                               block_size=args.block_size, device=args.device, seed=args.seed, out=Path(args.out))
+    rows = run_compare(settings, show_progress=not args.quiet)
+    table = markdown_table(rows)
+    write_atomic(settings.out / "table.md", table)
+    charts = write_charts(rows, settings.out)
+    print(table)
+    print(f"peak bandwidth for MBU: {rows[0]['peak_bandwidth_gb_s']:.1f} GB/s (measured large copy, read+write)")
+    print(f"settings: {settings_dict(settings)}")
+    print(f"wrote {settings.out / 'results.jsonl'}, {settings.out / 'table.md'}, " + ", ".join(str(c) for c in charts))
+
+
+def load_weights(model, path: str) -> None:
+    """Safetensors, or a plain tensor state dict loaded with weights_only (never unpickles code)."""
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(state)
+
+
+def cmd_generate(args) -> None:
+    torch.manual_seed(args.seed if args.seed is not None else 0)
+    model = zoo.build(args.arch, preset=args.preset).to(dtype=DTYPES[args.dtype])
+    if args.weights:
+        load_weights(model, args.weights)
+    tokenizer = zoo.ByteTokenizer()
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                            stop_token_ids=(tokenizer.eos_id,))
+    prompt_ids = tokenizer.encode(args.prompt)
+    engine = Engine(model, max_batch=1, max_seq_len=min(model.config.max_seq_len, len(prompt_ids) + args.max_new_tokens),
+                    kv_cache=args.kv_cache)
+    out = engine.generate([prompt_ids], params)[0]
+    print(args.prompt + tokenizer.decode(out.token_ids))
+    m = out.metrics
+    print(f"[{args.arch}/{args.preset}: {len(out.token_ids)} tokens, finish={out.finish_reason}, "
+          f"TTFT {1000 * m.ttft:.1f} ms, TPOT {1000 * m.tpot:.2f} ms, E2E {1000 * m.e2e:.1f} ms"
+          + ("" if args.weights else "; random weights: pass --weights for a trained model") + "]", file=sys.stderr)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zoo", description="archzoo: run LLM decoder architectures through one harness and compare them.")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the registered architectures, one line each").set_defaults(func=cmd_list)
+
+    c = sub.add_parser("compare", help="measure cache bytes, TTFT, TPOT, decode throughput and MBU per architecture",
+                       description="Run every architecture x context x batch cell through the same engine. Rows are "
+                                   "appended to OUT/results.jsonl as each cell finishes (a re-run skips finished cells); "
+                                   "prints a table and writes OUT/table.md and PNG charts.")
+    d = CompareSettings()
+    c.add_argument("--archs", type=name_list, default=d.archs, help=f"comma-separated architectures (default: {','.join(d.archs)}; see `zoo list`)")
+    c.add_argument("--preset", default=d.preset, choices=list(zoo.PRESETS), help=f"model size (default: {d.preset})")
+    c.add_argument("--contexts", type=int_list, default=d.contexts, help=f"comma-separated prompt lengths in tokens (default: {','.join(map(str, d.contexts))})")
+    c.add_argument("--batches", type=int_list, default=d.batches, help=f"comma-separated batch sizes (default: {','.join(map(str, d.batches))})")
+    c.add_argument("--new-tokens", type=int, default=d.new_tokens, help=f"tokens decoded per request, greedy (default: {d.new_tokens})")
+    c.add_argument("--dtype", default=d.dtype, choices=list(DTYPES), help=f"weights and cache dtype (default: {d.dtype})")
+    c.add_argument("--kv-cache", default=d.kv_cache, choices=["contiguous", "paged"], help=f"KV cache layout (default: {d.kv_cache})")
+    c.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per block for the paged layout (default: {d.block_size})")
+    c.add_argument("--device", default=d.device, help=f"torch device, e.g. cpu or cuda (default: {d.device})")
+    c.add_argument("--seed", type=int, default=d.seed, help=f"seed for weights and prompts (default: {d.seed})")
+    c.add_argument("--out", default=str(d.out), help=f"output folder (default: {d.out})")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_compare)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (byte-level tokenizer)")
+    g.add_argument("--arch", default="gqa", help="architecture (default: gqa)")
+    g.add_argument("--preset", default="small", choices=list(zoo.PRESETS), help="model size (default: small)")
+    g.add_argument("--prompt", required=True, help="prompt text")
+    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: 32)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats; 1 = off")
+    g.add_argument("--seed", type=int, default=None, help="seed for weights and sampling")
+    g.add_argument("--kv-cache", default="contiguous", choices=["contiguous", "paged"], help="KV cache layout")
+    g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default: float32)")
+    g.add_argument("--weights", default=None, help="a .safetensors (or tensors-only .pt) state dict for this architecture")
+    g.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as error:
+        print(f"zoo {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

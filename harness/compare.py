@@ -1,0 +1,121 @@
+"""`zoo compare`: every architecture x context x batch cell through the same engine, measured and written as it goes."""
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import zoo
+from harness.engine import Engine
+from harness.metrics import measure_copy_bandwidth, summarize
+from harness.results import ResultStore
+from harness.sampling import SamplingParams
+
+# The fields that identify a cell: a re-run skips rows that match on all of them.
+CELL_KEY = ("arch", "preset", "context", "batch", "new_tokens", "dtype", "kv_cache", "device", "block_size")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class CompareSettings:
+    archs: list[str] = field(default_factory=lambda: ["mha", "gqa", "mqa"])
+    preset: str = "small"
+    contexts: list[int] = field(default_factory=lambda: [256, 1024, 2048])
+    batches: list[int] = field(default_factory=lambda: [1, 4, 8])
+    new_tokens: int = 16
+    dtype: str = "float32"
+    kv_cache: str = "contiguous"
+    block_size: int = 16
+    device: str = "cpu"
+    seed: int = 0
+    out: Path = Path("results/compare")
+
+    def validate(self) -> None:
+        """Every bad setting is reported before any model is built."""
+        for arch in self.archs:
+            zoo.registry.check_architecture(arch)
+        zoo.presets.preset_settings(self.preset)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; allowed: {', '.join(DTYPES)}")
+        if not self.contexts or min(self.contexts) < 1:
+            raise ValueError(f"contexts must be positive integers, got {self.contexts}")
+        if not self.batches or min(self.batches) < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {self.batches}")
+        if self.new_tokens < 2:
+            raise ValueError(f"new_tokens must be >= 2 (TPOT needs two tokens), got {self.new_tokens}")
+        limit = zoo.PRESETS[self.preset].max_seq_len
+        if max(self.contexts) + self.new_tokens > limit:
+            raise ValueError(f"context {max(self.contexts)} + new_tokens {self.new_tokens} exceeds the {self.preset!r} "
+                             f"preset's max_seq_len={limit}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+
+    def cells(self) -> list[dict]:
+        common = {"preset": self.preset, "new_tokens": self.new_tokens, "dtype": self.dtype,
+                  "kv_cache": self.kv_cache, "device": self.device, "block_size": self.block_size}
+        return [{"arch": a, "context": c, "batch": b, **common} for a in self.archs for c in self.contexts for b in self.batches]
+
+
+def build_model(arch: str, settings: CompareSettings):
+    torch.manual_seed(settings.seed)
+    return zoo.build(arch, preset=settings.preset).to(device=settings.device, dtype=DTYPES[settings.dtype]).eval()
+
+
+def measure_cell(model, cell: dict, peak_bandwidth: float, seed: int) -> dict:
+    """Prefill `batch` prompts of `context` tokens together, decode `new_tokens` each; times and bytes."""
+    max_seq_len = cell["context"] + cell["new_tokens"]
+    engine = Engine(model, max_batch=cell["batch"], max_seq_len=max_seq_len, kv_cache=cell["kv_cache"], block_size=cell["block_size"])
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (cell["context"],), generator=gen).tolist() for _ in range(cell["batch"])]
+    # No stop tokens: every request runs exactly new_tokens, so cells are comparable.
+    params = SamplingParams(max_new_tokens=cell["new_tokens"], temperature=0.0)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    duration = time.perf_counter() - start
+    summary = summarize(outputs, duration)
+    stats = engine.decode_stats
+    step_seconds = sum(stats.seconds) / len(stats.seconds)
+    kv_per_step = sum(stats.kv_bytes) / len(stats.kv_bytes)
+    param_bytes = zoo.parameter_bytes(model)
+    analytic = zoo.cache_bytes(model, seq_len=max_seq_len, batch=cell["batch"])
+    return {
+        **cell,
+        "params": sum(p.numel() for p in model.parameters()),
+        "analytic_cache_bytes": analytic,
+        "measured_cache_bytes": engine.cache_bytes_allocated,
+        "cache_bytes_per_token": zoo.cache_bytes(model, seq_len=1),
+        "ttft_ms": summary["Mean TTFT (ms)"],
+        "tpot_ms": summary["Mean TPOT (ms)"],
+        "itl_p99_ms": summary["P99 ITL (ms)"],
+        "decode_tok_s": stats.tokens_per_second,
+        "output_tok_s": summary["Output token throughput (tok/s)"],
+        "mbu": (param_bytes + kv_per_step) / step_seconds / peak_bandwidth,
+        "peak_bandwidth_gb_s": peak_bandwidth / 1e9,
+        "wall_s": duration,
+    }
+
+
+def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[dict]:
+    """Measure every cell not already in results.jsonl; returns all rows of this settings' cells."""
+    settings.validate()
+    store = ResultStore(settings.out / "results.jsonl", CELL_KEY)
+    todo = [c for c in settings.cells() if not store.done(c)]
+    if todo:
+        peak = measure_copy_bandwidth(settings.device, nbytes=1 << 28)
+        model_arch, model = None, None
+        bar = tqdm(todo, desc="zoo compare", unit="cell", disable=not show_progress)
+        for cell in bar:
+            bar.set_postfix_str(f"{cell['arch']} ctx={cell['context']} batch={cell['batch']}")
+            if cell["arch"] != model_arch:
+                model_arch, model = cell["arch"], build_model(cell["arch"], settings)
+            store.append(measure_cell(model, cell, peak, settings.seed))
+    wanted = {store.key(c) for c in settings.cells()}
+    return [r for r in store.rows if store.key(r) in wanted]
+
+
+def settings_dict(settings: CompareSettings) -> dict:
+    d = asdict(settings)
+    d["out"] = str(settings.out)
+    return d
