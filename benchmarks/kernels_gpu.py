@@ -1,0 +1,153 @@
+"""Time the Triton paged-KV kernels against their PyTorch references on a CUDA GPU.
+
+Run from the repository root on a machine with CUDA and triton:
+
+    python -m benchmarks.kernels_gpu                 # defaults: 32 query / 8 KV heads, head_dim 128
+    python -m benchmarks.kernels_gpu --context 8192 --batches 1 8 32
+
+Prints two Markdown tables (decode attention, KV write) with median times from
+triton.testing.do_bench (L2 flushed between runs, launch overhead included), the
+PyTorch / Triton ratio, the bytes each kernel must move divided by its time, and that figure as a
+share of the GPU's measured copy bandwidth (printed first). Each row is checked against the
+reference before it is timed.
+"""
+
+import argparse
+import sys
+
+import torch
+
+from kernels import (
+    paged_decode_attention_ref,
+    paged_decode_attention_triton,
+    write_paged_kv_ref,
+    write_paged_kv_triton,
+)
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 1e-4}  # max abs error, outputs are O(1)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--context", type=int, default=4096, help="keys per sequence")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["fp16", "bf16"])
+    parser.add_argument("--prefill-tokens", type=int, default=4096, help="tokens in the prefill-sized write row")
+    return parser.parse_args()
+
+
+def median_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, return_mode="median")
+
+
+def copy_bandwidth_gbs() -> float:
+    """Peak to compare against: a 1 GiB device-to-device copy, bytes read + written."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (median_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
+def paged_cache(batch, args, dtype):
+    """Every sequence `context` keys long, its blocks scattered over the pool in random order."""
+    blocks_per_seq = -(-args.context // args.block_size)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, args.block_size, args.kv_heads, args.head_dim)
+    k_pool = torch.randn(shape, dtype=dtype, device="cuda")
+    v_pool = torch.randn(shape, dtype=dtype, device="cuda")
+    block_table = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int()
+    seq_lens = torch.full((batch,), args.context, dtype=torch.int32, device="cuda")
+    return k_pool, v_pool, block_table, seq_lens
+
+
+def row(cells) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def timing_cells(triton_ms, torch_ms, nbytes, peak_gbs, max_err) -> list[str]:
+    achieved_gbs = nbytes / (triton_ms * 1e-3) / 1e9
+    return [f"{triton_ms * 1e3:.1f}", f"{torch_ms * 1e3:.1f}", f"{torch_ms / triton_ms:.2f}x",
+            f"{achieved_gbs:.0f}", f"{100 * achieved_gbs / peak_gbs:.0f}%", f"{max_err:.1e}"]
+
+
+HEADER = ["Triton (µs)", "PyTorch (µs)", "PyTorch / Triton", "Triton GB/s", "% of copy BW", "max abs diff"]
+
+
+def bench_attention(args, peak_gbs) -> None:
+    print(f"\n### Paged decode attention: {args.heads} query / {args.kv_heads} KV heads, head_dim {args.head_dim}, "
+          f"context {args.context}, block {args.block_size}\n")
+    print(row(["batch", "dtype", *HEADER]))
+    print(row(["---"] * (2 + len(HEADER))))
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        for batch in args.batches:
+            k_pool, v_pool, block_table, seq_lens = paged_cache(batch, args, dtype)
+            q = torch.randn(batch, args.heads, args.head_dim, dtype=dtype, device="cuda")
+            inputs = (q, k_pool, v_pool, block_table, seq_lens, args.head_dim**-0.5)
+            triton_out, ref_out = paged_decode_attention_triton(*inputs), paged_decode_attention_ref(*inputs)
+            max_err = (triton_out.float() - ref_out.float()).abs().max().item()
+            if max_err > TOLERANCE[dtype]:
+                sys.exit(f"Triton attention differs from the reference by {max_err:.2e} (batch {batch}, {dtype_name})")
+            # the kernel's unavoidable traffic: every cached K and V once, plus q and the output
+            kv_bytes = batch * args.context * args.kv_heads * 2 * args.head_dim * k_pool.element_size()
+            nbytes = kv_bytes + 2 * q.nbytes + block_table.nbytes
+            triton_ms = median_ms(lambda: paged_decode_attention_triton(*inputs))
+            torch_ms = median_ms(lambda: paged_decode_attention_ref(*inputs))
+            cells = timing_cells(triton_ms, torch_ms, nbytes, peak_gbs, max_err)
+            print(row([str(batch), dtype_name, *cells]), flush=True)
+            del k_pool, v_pool, inputs
+            torch.cuda.empty_cache()
+
+
+def bench_write(args, peak_gbs) -> None:
+    print(f"\n### Paged KV write: {args.kv_heads} KV heads, head_dim {args.head_dim}, block {args.block_size} "
+          f"(decode rows write one token per sequence, the last row a prefill)\n")
+    print(row(["tokens", "dtype", *HEADER]))
+    print(row(["---"] * (2 + len(HEADER))))
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        for num_tokens in [*args.batches, args.prefill_tokens]:
+            num_blocks = 2 * (-(-num_tokens // args.block_size))
+            shape = (num_blocks, args.block_size, args.kv_heads, args.head_dim)
+            k_pools = [torch.zeros(shape, dtype=dtype, device="cuda") for _ in range(2)]
+            v_pools = [torch.zeros(shape, dtype=dtype, device="cuda") for _ in range(2)]
+            k = torch.randn(num_tokens, args.kv_heads, args.head_dim, dtype=dtype, device="cuda")
+            v = torch.randn_like(k)
+            slot_mapping = torch.randperm(num_blocks * args.block_size, device="cuda")[:num_tokens]
+            write_paged_kv_triton(k, v, k_pools[0], v_pools[0], slot_mapping)
+            write_paged_kv_ref(k, v, k_pools[1], v_pools[1], slot_mapping)
+            max_err = max((a.float() - b.float()).abs().max().item() for a, b in (k_pools, v_pools))
+            if max_err != 0:
+                sys.exit(f"Triton KV write differs from the reference ({num_tokens} tokens, {dtype_name})")
+            nbytes = 2 * (k.nbytes + v.nbytes) + slot_mapping.nbytes  # read the new K/V, write them once
+            triton_ms = median_ms(lambda: write_paged_kv_triton(k, v, k_pools[0], v_pools[0], slot_mapping))
+            torch_ms = median_ms(lambda: write_paged_kv_ref(k, v, k_pools[1], v_pools[1], slot_mapping))
+            cells = timing_cells(triton_ms, torch_ms, nbytes, peak_gbs, max_err)
+            print(row([str(num_tokens), dtype_name, *cells]), flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels_gpu.py times CUDA kernels, and this machine has no CUDA device "
+                 "(torch.cuda.is_available() is False). Nothing was measured.")
+    try:
+        import triton
+    except ImportError:
+        sys.exit("benchmarks/kernels_gpu.py needs triton (pip install triton). Nothing was measured.")
+    peak_gbs = copy_bandwidth_gbs()
+    print(f"## Paged-KV kernels on {torch.cuda.get_device_name()} "
+          f"(torch {torch.__version__}, triton {triton.__version__})")
+    print(f"\nMeasured copy bandwidth (1 GiB device copy, read + write): {peak_gbs:.0f} GB/s")
+    bench_attention(args, peak_gbs)
+    bench_write(args, peak_gbs)
+
+
+if __name__ == "__main__":
+    main()

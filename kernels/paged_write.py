@@ -1,0 +1,97 @@
+"""Scatter new tokens' K/V into a paged KV cache.
+
+k [N, KVH, Dk], v [N, KVH, Dv]; k_pool/v_pool contiguous [num_blocks, block_size, KVH, D];
+slot_mapping [N], flat slot = block * block_size + offset, negative = skip (padding token).
+In a contiguous pool the flat slot is simply the token's row in pool.view(-1, KVH, D).
+"""
+
+from __future__ import annotations  # keeps the `tl.constexpr` annotations inert until triton is imported
+
+import functools
+
+from .dispatch import use_triton
+
+tl = None  # triton.language, bound by _jitted_kernel() on the first Triton call
+
+
+def _check_args(k, v, k_pool, v_pool, slot_mapping) -> None:
+    if k.dim() != 3 or v.dim() != 3 or slot_mapping.shape != (k.shape[0],) or v.shape[0] != k.shape[0]:
+        raise ValueError("expected k [N, KVH, Dk], v [N, KVH, Dv] and slot_mapping [N]")
+    if k_pool.shape[2:] != k.shape[1:] or v_pool.shape[2:] != v.shape[1:]:
+        raise ValueError(f"tokens {tuple(k.shape)}/{tuple(v.shape)} do not fit pools "
+                         f"{tuple(k_pool.shape)}/{tuple(v_pool.shape)}")
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("k_pool and v_pool must be contiguous")
+
+
+def write_paged_kv_ref(k, v, k_pool, v_pool, slot_mapping) -> None:
+    _check_args(k, v, k_pool, v_pool, slot_mapping)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_pool.view(-1, *k_pool.shape[2:])[slots] = k[keep].to(k_pool.dtype)
+    v_pool.view(-1, *v_pool.shape[2:])[slots] = v[keep].to(v_pool.dtype)
+
+
+def _write_kernel(
+    k_ptr, v_ptr, k_pool_ptr, v_pool_ptr, slot_mapping_ptr,
+    stride_k_token, stride_k_head, stride_k_dim,
+    stride_v_token, stride_v_head, stride_v_dim,
+    NUM_KV_HEADS: tl.constexpr, NUM_KV_HEADS_PAD: tl.constexpr,
+    DIM_K: tl.constexpr, DIM_K_PAD: tl.constexpr, DIM_V: tl.constexpr, DIM_V_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    keep = slot >= 0
+    slot = tl.where(keep, slot, 0)  # never form a pointer before the pool, even a masked one
+    heads = tl.arange(0, NUM_KV_HEADS_PAD)
+    head_ok = heads < tl.where(keep, NUM_KV_HEADS, 0)  # a skipped token writes no heads
+
+    dims_k = tl.arange(0, DIM_K_PAD)
+    mask_k = head_ok[:, None] & (dims_k < DIM_K)[None, :]
+    new_k = tl.load(k_ptr + token * stride_k_token + heads[:, None] * stride_k_head + dims_k[None, :] * stride_k_dim,
+                    mask=mask_k)
+    k_dest = k_pool_ptr + slot * (NUM_KV_HEADS * DIM_K) + heads[:, None] * DIM_K + dims_k[None, :]
+    tl.store(k_dest, new_k.to(k_pool_ptr.dtype.element_ty), mask=mask_k)
+
+    dims_v = tl.arange(0, DIM_V_PAD)
+    mask_v = head_ok[:, None] & (dims_v < DIM_V)[None, :]
+    new_v = tl.load(v_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims_v[None, :] * stride_v_dim,
+                    mask=mask_v)
+    v_dest = v_pool_ptr + slot * (NUM_KV_HEADS * DIM_V) + heads[:, None] * DIM_V + dims_v[None, :]
+    tl.store(v_dest, new_v.to(v_pool_ptr.dtype.element_ty), mask=mask_v)
+
+
+@functools.cache
+def _jitted_kernel():
+    # Import and jit on first use, not at import: triton reads TRITON_INTERPRET both when it is
+    # imported and when triton.jit runs.
+    global tl
+    import triton
+    import triton.language as tl
+
+    return triton.jit(_write_kernel)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def write_paged_kv_triton(k, v, k_pool, v_pool, slot_mapping) -> None:
+    _check_args(k, v, k_pool, v_pool, slot_mapping)
+    num_tokens, num_kv_heads, dim_k = k.shape
+    dim_v = v.shape[2]
+    if num_tokens == 0:
+        return
+    _jitted_kernel()[(num_tokens,)](
+        k, v, k_pool, v_pool, slot_mapping, *k.stride(), *v.stride(),
+        NUM_KV_HEADS=num_kv_heads, NUM_KV_HEADS_PAD=_next_power_of_2(num_kv_heads),
+        DIM_K=dim_k, DIM_K_PAD=_next_power_of_2(dim_k),
+        DIM_V=dim_v, DIM_V_PAD=_next_power_of_2(dim_v),
+    )
+
+
+def write_paged_kv(k, v, k_pool, v_pool, slot_mapping) -> None:
+    if use_triton(k, v, k_pool, v_pool, slot_mapping):
+        write_paged_kv_triton(k, v, k_pool, v_pool, slot_mapping)
+    else:
+        write_paged_kv_ref(k, v, k_pool, v_pool, slot_mapping)

@@ -1,0 +1,124 @@
+import pytest
+import torch
+
+import kernels.paged_attention as paged_attention
+from kernels import (
+    FORCE_TRITON_ENV,
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_decode_attention_triton,
+    triton_available,
+    use_triton,
+)
+
+SEQ_LENS = [1, 19, 70, 33]  # mixed lengths, all but one ending mid-block; 1 = a fresh sequence
+# (query heads, KV heads); the MQA group of 6 is no power of two
+HEAD_LAYOUTS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (6, 1)}
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=3e-3, rtol=1e-2)}
+
+
+def naive_decode_attention(q, k_pool, v_pool, block_table, seq_lens, scale):
+    """Gather each sequence's keys one position at a time and take a plain float64 softmax."""
+    batch, num_heads, _ = q.shape
+    block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    out = torch.empty(batch, num_heads, v_pool.shape[3], dtype=torch.float64)
+    for seq in range(batch):
+        for head in range(num_heads):
+            kv_head = head // (num_heads // num_kv_heads)
+            slots = [(int(block_table[seq, pos // block_size]), pos % block_size) for pos in range(seq_lens[seq])]
+            keys = torch.stack([k_pool[block, offset, kv_head] for block, offset in slots]).double()
+            values = torch.stack([v_pool[block, offset, kv_head] for block, offset in slots]).double()
+            weights = torch.softmax(keys @ q[seq, head].double() * scale, dim=0)
+            out[seq, head] = weights @ values
+    return out
+
+
+def make_query(batch, num_heads, dim, dtype, device):
+    """A strided (non-contiguous) [B, H, D] view, as attention layers slice it from a projection."""
+    generator = torch.Generator().manual_seed(batch * num_heads + dim)
+    return torch.randn(batch, dim, num_heads, generator=generator).to(device, dtype).transpose(1, 2)
+
+
+def check_triton_against_reference(cache, q, num_splits=None):
+    scale = q.shape[-1] ** -0.5
+    args = (q, cache.k_pool, cache.v_pool, cache.block_table, cache.seq_lens, scale)
+    expected = paged_decode_attention_ref(*args)
+    actual = paged_decode_attention_triton(*args, num_splits=num_splits)
+    assert actual.dtype == q.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, **TOLERANCE[q.dtype])
+
+
+@pytest.mark.parametrize("layout", HEAD_LAYOUTS)
+def test_reference_matches_naive_gather(paged_cache, layout):
+    num_heads, num_kv_heads = HEAD_LAYOUTS[layout]
+    cache = paged_cache(SEQ_LENS, 16, num_kv_heads, 32, 32, torch.float32, "cpu")
+    q = make_query(len(SEQ_LENS), num_heads, 32, torch.float32, "cpu")
+    args = (q, cache.k_pool, cache.v_pool, cache.block_table, cache.seq_lens, 0.3)
+    torch.testing.assert_close(paged_decode_attention_ref(*args), naive_decode_attention(*args).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("layout", HEAD_LAYOUTS)
+def test_triton_matches_reference(force_triton, device, paged_cache, layout, dtype):
+    num_heads, num_kv_heads = HEAD_LAYOUTS[layout]
+    cache = paged_cache(SEQ_LENS, 16, num_kv_heads, 32, 32, dtype, device)
+    check_triton_against_reference(cache, make_query(len(SEQ_LENS), num_heads, 32, dtype, device))
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_triton_block_sizes(force_triton, device, paged_cache, block_size):
+    cache = paged_cache(SEQ_LENS, block_size, 2, 16, 16, torch.float32, device)
+    check_triton_against_reference(cache, make_query(len(SEQ_LENS), 8, 16, torch.float32, device))
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_triton_splits_with_empty_slices(force_triton, device, paged_cache, num_splits):
+    # 150 keys span several 64-key steps and splits; the short sequences leave later splits empty
+    seq_lens = [150, 3, 70, 1]
+    cache = paged_cache(seq_lens, 16, 2, 16, 16, torch.float32, device)
+    check_triton_against_reference(cache, make_query(len(seq_lens), 8, 16, torch.float32, device), num_splits)
+
+
+def test_triton_every_sequence_of_length_one(force_triton, device, paged_cache):
+    cache = paged_cache([1, 1, 1], 16, 1, 32, 32, torch.float16, device)
+    check_triton_against_reference(cache, make_query(3, 4, 32, torch.float16, device), num_splits=2)
+
+
+def test_triton_unpadded_and_unequal_head_dims(force_triton, device, paged_cache):
+    # MLA-style decode: keys wider than values, neither a power of two
+    cache = paged_cache(SEQ_LENS, 16, 1, 24, 20, torch.float32, device)
+    check_triton_against_reference(cache, make_query(len(SEQ_LENS), 4, 24, torch.float32, device))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 is broken in the Triton interpreter")
+def test_triton_bf16_on_gpu(paged_cache):
+    cache = paged_cache([1, 300, 4097], 16, 8, 128, 128, torch.bfloat16, "cuda")
+    q = make_query(3, 32, 128, torch.bfloat16, "cuda")
+    scale = 128**-0.5
+    args = (q, cache.k_pool, cache.v_pool, cache.block_table, cache.seq_lens, scale)
+    torch.testing.assert_close(paged_decode_attention_triton(*args), paged_decode_attention_ref(*args),
+                               atol=2e-2, rtol=2e-2)
+
+
+def test_use_triton_false_for_cpu_tensors_by_default(monkeypatch):
+    monkeypatch.delenv(FORCE_TRITON_ENV, raising=False)
+    assert not use_triton(torch.zeros(2), torch.zeros(3))
+
+
+def test_use_triton_true_when_forced(monkeypatch):
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    assert use_triton(torch.zeros(2)) == triton_available()
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_dispatcher_routes_by_use_triton(monkeypatch, paged_cache, forced):
+    if forced and not triton_available():
+        pytest.skip("triton not installed")
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1" if forced else "0")
+    called = []
+    monkeypatch.setattr(paged_attention, "paged_decode_attention_triton", lambda *a: called.append("triton"))
+    monkeypatch.setattr(paged_attention, "paged_decode_attention_ref", lambda *a: called.append("ref"))
+    cache = paged_cache([5], 16, 1, 16, 16, torch.float32, "cpu")
+    paged_decode_attention(make_query(1, 2, 16, torch.float32, "cpu"), cache.k_pool, cache.v_pool,
+                           cache.block_table, cache.seq_lens, 0.25)
+    assert called == ["triton" if forced else "ref"]
