@@ -29,11 +29,13 @@ class DecodeStats:
 
 class Engine:
     def __init__(self, model, max_batch: int = 8, max_seq_len: int | None = None, kv_cache: str = "contiguous",
-                 block_size: int = 16, num_blocks: int | None = None, cache_budget_bytes: int | None = None):
+                 block_size: int = 16, num_blocks: int | None = None, cache_budget_bytes: int | None = None,
+                 compile: bool = False):
         """kv_cache: "contiguous" ([slots, kv_heads, max_seq_len, head_dim] per layer) or "paged" (block pool).
 
         num_blocks / cache_budget_bytes size the paged pool (default: room for max_batch full-length sequences);
         for the contiguous layout a budget caps max_batch at the rows that fit.
+        compile: torch.compile the decode step (fixed shapes; each new batch size compiles once).
         """
         config = model.config
         max_seq_len = config.max_seq_len if max_seq_len is None else max_seq_len
@@ -71,7 +73,7 @@ class Engine:
         self.pool = CachePool(specs, kv_cache, max_batch, max_seq_len, block_size, num_blocks, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, block_size) if kv_cache == "paged" else None
         self.scheduler = Scheduler(max_batch, self.block_manager)
-        self.runner = ModelRunner(model, self.pool, self.block_manager, self.device)
+        self.runner = ModelRunner(model, self.pool, self.block_manager, self.device, max_seq_len, compile)
         self.tokenizer = ByteTokenizer()
         self.ids = itertools.count()
         self.decode_stats = DecodeStats()

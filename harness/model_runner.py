@@ -8,11 +8,17 @@ from harness.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model, pool: CachePool, block_manager: BlockManager | None, device):
+    def __init__(self, model, pool: CachePool, block_manager: BlockManager | None, device, max_seq_len: int,
+                 compile_decode: bool = False):
         self.model = model
         self.pool = pool
         self.block_manager = block_manager
         self.device = device
+        self.max_seq_len = max_seq_len
+        self.compile_decode = compile_decode
+        # A compiled step needs fixed shapes: attend over the whole cache (masked) instead of the longest sequence.
+        # Freezing lets inductor pre-pack the weights for the CPU's matmul kernels.
+        self.decode_forward = torch.compile(model, dynamic=False, options={"freezing": True}) if compile_decode else model
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence) -> torch.Tensor:
@@ -32,7 +38,7 @@ class ModelRunner:
         positions = torch.tensor([[s.cached] for s in seqs], device=self.device)
         lengths = [s.cached + 1 for s in seqs]
         batch = self.cache_batch(seqs, positions, lengths, is_prefill=False)
-        logits = self.model(tokens, positions, self.pool.layers, batch)
+        logits = self.decode_forward(tokens, positions, self.pool.layers, batch)
         for s in seqs:
             s.cached += 1
         return logits[:, -1]
@@ -41,14 +47,14 @@ class ModelRunner:
         batch = CacheBatch(
             positions=positions,
             lengths=torch.tensor(lengths, dtype=torch.int32, device=self.device),
-            max_length=max(lengths),
+            max_length=self.max_seq_len if self.compile_decode and not is_prefill else max(lengths),
             is_prefill=is_prefill,
             slots=torch.tensor([s.slot for s in seqs], device=self.device),
         )
         if self.block_manager is not None:
             for s, n in zip(seqs, lengths):
                 self.block_manager.grow(s, n)
-            width = max(len(s.blocks) for s in seqs)
+            width = self.block_manager.blocks_for(self.max_seq_len) if self.compile_decode else max(len(s.blocks) for s in seqs)
             table = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
             batch.block_table = torch.tensor(table, dtype=torch.int32, device=self.device)
             size = self.block_manager.block_size
