@@ -5,6 +5,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on CI or servers
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
 
 
 def by_arch(rows: list[dict]) -> dict[str, list[dict]]:
@@ -23,8 +24,12 @@ def line_chart(path: Path, title: str, xlabel: str, ylabel: str, series: dict[st
             ax.scatter(*markers[name], marker="x", s=60, color=line.get_color(), zorder=3)
     if logx:
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({x for xs, _ in series.values() for x in xs}))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
     if logy:
         ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
