@@ -1,0 +1,91 @@
+"""`zoo compare` and the CLI: rows written per cell, resume after an interruption, charts, help text."""
+import json
+
+import pytest
+
+import zoo
+from harness import cli, compare
+from harness.compare import CompareSettings, run_compare
+
+
+def tiny_settings(tmp_path, **kw) -> CompareSettings:
+    return CompareSettings(archs=["mha", "mqa"], preset="tiny", contexts=[16, 32], batches=[1, 2], new_tokens=3, out=tmp_path, **kw)
+
+
+def test_rows_have_measured_and_analytic_bytes(tmp_path):
+    rows = run_compare(tiny_settings(tmp_path), show_progress=False)
+    assert len(rows) == 8
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 8
+    for row in rows:
+        model = zoo.build(row["arch"], preset="tiny")
+        # contiguous layout: allocated bytes are exactly the analytic bytes of batch rows at max_seq_len
+        assert row["measured_cache_bytes"] == row["analytic_cache_bytes"]
+        assert row["analytic_cache_bytes"] == zoo.cache_bytes(model, seq_len=row["context"] + 3, batch=row["batch"])
+        assert row["ttft_ms"] > 0 and row["tpot_ms"] > 0 and row["decode_tok_s"] > 0 and row["mbu"] > 0
+    mha = next(r for r in rows if r["arch"] == "mha")
+    mqa = next(r for r in rows if r["arch"] == "mqa" and r["context"] == mha["context"] and r["batch"] == mha["batch"])
+    assert mha["analytic_cache_bytes"] == 4 * mqa["analytic_cache_bytes"]  # tiny: 4 heads vs 1 KV head
+
+
+def test_interrupted_run_resumes_without_redoing_cells(tmp_path, monkeypatch):
+    real = compare.measure_cell
+    calls = []
+
+    def dies_on_third(model, cell, peak, seed):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(cell)
+        return real(model, cell, peak, seed)
+
+    monkeypatch.setattr(compare, "measure_cell", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        run_compare(tiny_settings(tmp_path), show_progress=False)
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 2
+
+    redone = []
+    monkeypatch.setattr(compare, "measure_cell", lambda *a: redone.append(a[1]) or real(*a))
+    rows = run_compare(tiny_settings(tmp_path), show_progress=False)
+    assert len(rows) == 8 and len(redone) == 6
+    assert not any(c in calls for c in redone)
+    # a third run has nothing left to do
+    redone.clear()
+    run_compare(tiny_settings(tmp_path), show_progress=False)
+    assert redone == []
+
+
+def test_cli_compare_writes_table_and_charts(tmp_path, capsys):
+    argv = ["compare", "--archs", "gqa", "--preset", "tiny", "--contexts", "16", "--batches", "1,2",
+            "--new-tokens", "3", "--kv-cache", "paged", "--out", str(tmp_path), "--quiet"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| gqa | 16 | 2 |" in out and "TPOT (ms)" in out
+    for name in ("results.jsonl", "table.md", "cache_bytes_vs_context.png", "decode_throughput_vs_batch.png", "latency_vs_context.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert {json.loads(line)["kv_cache"] for line in (tmp_path / "results.jsonl").read_text().splitlines()} == {"paged"}
+
+
+def test_compare_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--help"])
+    text = capsys.readouterr().out
+    for option in ("--archs", "--preset", "--contexts", "--batches", "--new-tokens", "--dtype", "--kv-cache",
+                   "--block-size", "--device", "--seed", "--out", "--quiet"):
+        assert option in text
+
+
+def test_bad_compare_settings_fail_before_any_work(tmp_path, capsys):
+    assert cli.main(["compare", "--archs", "gqa,nope", "--preset", "tiny", "--out", str(tmp_path)]) == 2
+    assert "unknown architecture 'nope'" in capsys.readouterr().err
+    assert not (tmp_path / "results.jsonl").exists()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        run_compare(CompareSettings(preset="tiny", contexts=[100000], out=tmp_path), show_progress=False)
+
+
+def test_cli_list_and_generate(capsys):
+    assert cli.main(["list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in listed] == zoo.architectures()
+    assert cli.main(["generate", "--arch", "mqa", "--preset", "tiny", "--prompt", "hello", "--max-new-tokens", "5"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("hello") and "5 tokens" in captured.err
