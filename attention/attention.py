@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.cache_spec import CacheBatch, CacheSpec
-from attention.rope import RotaryEmbedding
+from attention.rope import RotaryEmbedding, apply_rope
 
 
 class Attention(nn.Module):
@@ -52,7 +52,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = self.rope(q, positions), self.rope(k, positions)
+        cos, sin = self.rope(positions, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.write(k, v, batch)
         if cache is None or batch.is_prefill:

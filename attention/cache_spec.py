@@ -30,5 +30,6 @@ class CacheBatch:
     max_length: int  # max(lengths) as a Python int, so layouts can slice without a device sync
     is_prefill: bool  # every sequence starts at position 0: attend over the new keys alone
     slots: torch.Tensor | None = None  # [B] contiguous layout: cache row of each sequence
+    slot_range: slice | None = None  # the same rows when they are consecutive: layouts read a view instead of gathering
     block_table: torch.Tensor | None = None  # [B, max_blocks] int32, paged layout
     slot_mapping: torch.Tensor | None = None  # [B*T] int64 flat pool slot per new token, paged layout

@@ -32,8 +32,9 @@ class ContiguousKV:
         self.v[rows, :, batch.positions] = v.transpose(1, 2)
 
     def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float) -> torch.Tensor:
-        k = self.k[batch.slots, :, : batch.max_length]
-        v = self.v[batch.slots, :, : batch.max_length]
+        rows = batch.slots if batch.slot_range is None else batch.slot_range
+        k = self.k[rows, :, : batch.max_length]
+        v = self.v[rows, :, : batch.max_length]
         return masked_attention(q, k, v, batch.positions, scale)
 
 

@@ -44,12 +44,15 @@ class ModelRunner:
         return logits[:, -1]
 
     def cache_batch(self, seqs: list[Sequence], positions: torch.Tensor, lengths: list[int], is_prefill: bool) -> CacheBatch:
+        slots = [s.slot for s in seqs]
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         batch = CacheBatch(
             positions=positions,
             lengths=torch.tensor(lengths, dtype=torch.int32, device=self.device),
             max_length=self.max_seq_len if self.compile_decode and not is_prefill else max(lengths),
             is_prefill=is_prefill,
-            slots=torch.tensor([s.slot for s in seqs], device=self.device),
+            slots=torch.tensor(slots, device=self.device),
+            slot_range=slice(slots[0], slots[0] + len(slots)) if consecutive else None,
         )
         if self.block_manager is not None:
             for s, n in zip(seqs, lengths):
