@@ -1,0 +1,129 @@
+"""The shared conformance suite: every registered architecture, through every KV layout.
+
+cached decode == full forward, batched == alone, paged == contiguous, measured cache bytes == analytic.
+A new registry entry is picked up here without editing this file.
+"""
+import pytest
+import torch
+
+import zoo
+from harness import Engine
+
+ARCHS = zoo.architectures()
+LAYOUTS = ("contiguous", "paged")
+BLOCK_SIZE = 8  # small blocks so short prompts already span several of them
+MAX_SEQ_LEN = 96
+ATOL = 1e-4
+
+
+def engine_for(model, kv_cache: str, max_batch: int, **kwargs) -> Engine:
+    kwargs.setdefault("max_seq_len", MAX_SEQ_LEN)
+    if kv_cache == "paged":
+        kwargs.setdefault("block_size", BLOCK_SIZE)
+    return Engine(model, max_batch=max_batch, kv_cache=kv_cache, **kwargs)
+
+
+@pytest.fixture(params=ARCHS)
+def arch_name(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def model(arch_name, helpers):
+    return helpers.random_model(arch_name, seed=ARCHS.index(arch_name))
+
+
+@pytest.mark.parametrize("kv_cache", LAYOUTS)
+def test_cached_decode_matches_full_forward(model, arch_name, kv_cache, helpers):
+    prompts = helpers.make_prompts([1, 5, 8, 17, 33], model.config.vocab_size, seed=1)
+    outputs = engine_for(model, kv_cache, max_batch=len(prompts)).generate(prompts, helpers.greedy(24))
+    for prompt, out in zip(prompts, outputs):
+        context = f"{arch_name}/{kv_cache} prompt len {len(prompt)}"
+        helpers.assert_not_constant(out.token_ids, context)
+        assert len(out.token_ids) == 24 and len(out.logits) == 24
+        cached = torch.stack(out.logits)
+        # greedy means each token is the argmax of the logits it was sampled from
+        assert cached.argmax(-1).tolist() == out.token_ids, context
+        sequence = prompt + out.token_ids[:-1]
+        with torch.no_grad():
+            full = model(torch.tensor([sequence]))[0, len(prompt) - 1 :]
+        assert full.shape == cached.shape
+        err = (full - cached).abs().max().item()
+        assert err <= ATOL, f"{context}: cached decode differs from the full forward by {err:.3g}"
+
+
+@pytest.mark.parametrize("kv_cache", LAYOUTS)
+def test_batch_of_mixed_lengths_equals_each_alone(model, arch_name, kv_cache, helpers):
+    lengths = [3, 40, 11, 1, 26, 17]
+    new_tokens = [16, 5, 20, 9, 12, 1]  # requests finish at different steps, the batch shrinks under the others
+    prompts = helpers.make_prompts(lengths, model.config.vocab_size, seed=2)
+    params = [helpers.greedy(n) for n in new_tokens]
+    batched = engine_for(model, kv_cache, max_batch=len(prompts)).generate(prompts, params)
+    assert [len(o.token_ids) for o in batched] == new_tokens
+    helpers.assert_not_constant([t for o in batched for t in o.token_ids], arch_name)
+    for prompt, p, out in zip(prompts, params, batched):
+        alone = engine_for(model, kv_cache, max_batch=1).generate([prompt], p)[0]
+        helpers.assert_same_output(out, alone, ATOL, f"{arch_name}/{kv_cache} prompt len {len(prompt)}")
+
+
+def test_paged_equals_contiguous(model, arch_name, helpers):
+    prompts = helpers.make_prompts([2, 9, 16, 31, 45], model.config.vocab_size, seed=3)
+    params = helpers.greedy(30)
+    contiguous = engine_for(model, "contiguous", max_batch=3).generate(prompts, params)
+    paged = engine_for(model, "paged", max_batch=3).generate(prompts, params)
+    for prompt, c, p in zip(prompts, contiguous, paged):
+        helpers.assert_not_constant(c.token_ids, arch_name)
+        helpers.assert_same_output(p, c, ATOL, f"{arch_name} paged vs contiguous, prompt len {len(prompt)}")
+
+
+def test_contiguous_cache_bytes_equal_analytic(model):
+    engine = engine_for(model, "contiguous", max_batch=3, max_seq_len=48)
+    assert engine.cache_bytes_allocated == zoo.cache_bytes(model, seq_len=48, batch=3)
+    assert engine.cache_bytes_allocated > 0
+    # a budget of 2.5 rows caps the batch at 2 rows, and the allocation follows
+    row = zoo.cache_bytes(model, seq_len=48)
+    capped = engine_for(model, "contiguous", max_batch=8, max_seq_len=48, cache_budget_bytes=row * 5 // 2)
+    assert capped.max_batch == 2
+    assert capped.cache_bytes_allocated == zoo.cache_bytes(model, seq_len=48, batch=2)
+
+
+def test_contiguous_cache_bytes_in_use_count_whole_rows(model, helpers):
+    engine = engine_for(model, "contiguous", max_batch=4, max_seq_len=48)
+    for prompt in helpers.make_prompts([5, 12], model.config.vocab_size, seed=4):
+        engine.add_request(prompt, helpers.greedy(10))
+    assert engine.cache_bytes_in_use() == 0
+    engine.step()
+    assert len(engine.scheduler.running) == 2
+    assert engine.cache_bytes_in_use() == zoo.cache_bytes(model, seq_len=48, batch=2)
+
+
+def test_paged_cache_bytes_track_analytic(model, arch_name, helpers):
+    max_batch, max_seq_len = 4, 64
+    engine = engine_for(model, "paged", max_batch=max_batch, max_seq_len=max_seq_len)
+    block_bytes = zoo.cache_bytes(model, seq_len=BLOCK_SIZE)
+    num_blocks = engine.block_manager.num_blocks
+    assert num_blocks == max_batch * max_seq_len // BLOCK_SIZE
+    # the pool's tensors are exactly num_blocks blocks of the analytic size
+    assert engine.cache_bytes_allocated == num_blocks * block_bytes
+    assert engine.cache_bytes_allocated == zoo.cache_bytes(model, seq_len=max_seq_len, batch=max_batch)
+
+    lengths, new_tokens = [1, 7, 8, 9, 30, 50], [20, 12, 1, 17, 25, 14]
+    for prompt, n in zip(helpers.make_prompts(lengths, model.config.vocab_size, seed=5), new_tokens):
+        engine.add_request(prompt, helpers.greedy(n))
+    assert engine.cache_bytes_in_use() == 0
+    checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        running = engine.scheduler.running
+        analytic = sum(zoo.cache_bytes(model, seq_len=s.cached) for s in running)
+        in_use = engine.cache_bytes_in_use()
+        assert all(s.cached > 0 for s in running)
+        assert in_use >= analytic, f"{arch_name}: {in_use} B in use < {analytic} B the cached tokens need"
+        if running:
+            assert in_use < analytic + len(running) * block_bytes, (
+                f"{arch_name}: {in_use} B in use wastes a whole block or more per sequence (analytic {analytic} B)"
+            )
+        assert in_use == engine.block_manager.used * block_bytes
+        checked += bool(running)
+    assert checked > 5
+    assert engine.cache_bytes_in_use() == 0 and engine.block_manager.used == 0
