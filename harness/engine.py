@@ -97,13 +97,17 @@ class Engine:
         if len(ids) + params.max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens={params.max_new_tokens} exceeds "
                              f"max_seq_len={self.max_seq_len}")
-        if self.block_manager is not None and self.block_manager.blocks_for(len(ids) + params.max_new_tokens) > self.block_manager.num_blocks:
-            raise ValueError(f"request needs more cache blocks than the pool holds ({self.block_manager.num_blocks})")
         generator = None
         if not params.greedy:
             generator = torch.Generator(self.device)
             generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
-        return Sequence(next(self.ids), ids, params, generator)
+        seq = Sequence(next(self.ids), ids, params, generator)
+        if self.block_manager is not None:
+            needed = self.block_manager.blocks_for(seq.max_length)
+            if needed > self.block_manager.num_blocks:
+                raise ValueError(f"request needs {needed} cache blocks of {self.block_manager.block_size} tokens; "
+                                 f"the pool holds {self.block_manager.num_blocks}")
+        return seq
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -144,6 +148,8 @@ class Engine:
 
     def generate(self, prompts, params: "SamplingParams | list[SamplingParams] | None" = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. All prompts are validated before any work."""
+        if isinstance(prompts, str):
+            prompts = [prompts]  # one text is one prompt, not a list of one-character prompts
         params = params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
