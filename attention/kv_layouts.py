@@ -1,16 +1,24 @@
 """KV-cache layouts the engine allocates per attention layer: contiguous rows, or a paged block pool."""
 import torch
-import torch.nn.functional as F
 
 from attention.cache_spec import CacheBatch
 from kernels import paged_decode_attention, write_paged_kv
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float):
-    """q: [B, H, T, D] at `positions` [B, T]; k, v: [B, KVH, L, D] holding positions 0..L-1."""
-    key_pos = torch.arange(k.shape[2], device=k.device)
-    mask = key_pos.view(1, 1, 1, -1) <= positions.view(positions.shape[0], 1, -1, 1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    """q: [B, H, T, D] at `positions` [B, T]; k, v: [B, KVH, L, D] holding positions 0..L-1.
+
+    Written out rather than SDPA: for a few query tokens SDPA's per-call cost dominates, and these plain ops
+    fuse under torch.compile. Each KV head's query group is one matmul, so K/V are read once per group.
+    """
+    b, h, t, d = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    group = h // kv_heads
+    scores = torch.matmul(q.reshape(b, kv_heads, group * t, d), k.transpose(-1, -2)).float() * scale
+    visible = torch.arange(length, device=k.device).view(1, 1, 1, length) <= positions.view(b, 1, t, 1)
+    scores = scores.view(b, kv_heads, group, t, length).masked_fill(~visible.unsqueeze(1), float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype).view(b, kv_heads, group * t, length)
+    return torch.matmul(probs, v).view(b, h, t, d)
 
 
 class ContiguousKV:
