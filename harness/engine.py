@@ -118,22 +118,29 @@ class Engine:
         """Admit what fits, prefill it, then one decode token for every running request. Returns finished requests."""
         finished = []
         for seq in self.scheduler.admit():
-            self.emit(seq, self.runner.prefill(seq), finished)
+            self.emit([seq], self.runner.prefill(seq).unsqueeze(0), finished)
         running = list(self.scheduler.running)
         if running:
             start = time.perf_counter()
             logits = self.runner.decode(running)
             kv_bytes = sum(self.pool.sequence_bytes(s.cached) for s in running)
-            for seq, row in zip(running, logits):
-                self.emit(seq, row, finished)
+            self.emit(running, logits, finished)
             self.decode_stats.seconds.append(time.perf_counter() - start)
             self.decode_stats.batch_sizes.append(len(running))
             self.decode_stats.kv_bytes.append(kv_bytes)
         return finished
 
-    def emit(self, seq: Sequence, logits: torch.Tensor, finished: list[RequestOutput]) -> None:
-        token = sample_token(logits, seq.params, seq.all_ids, seq.generator)
-        seq.token_times.append(time.perf_counter())
+    def emit(self, seqs: list[Sequence], logits: torch.Tensor, finished: list[RequestOutput]) -> None:
+        """Sample one token per sequence from logits [B, vocab]; finish the sequences that are done."""
+        tokens = logits.argmax(dim=-1).tolist()  # every greedy row without a penalty, in one call
+        now = time.perf_counter()
+        for seq, row, token in zip(seqs, logits, tokens):
+            if not seq.params.greedy or seq.params.repetition_penalty != 1.0:
+                token = sample_token(row, seq.params, seq.all_ids, seq.generator)
+            self.append_token(seq, token, now, row, finished)
+
+    def append_token(self, seq: Sequence, token: int, now: float, logits: torch.Tensor, finished: list[RequestOutput]) -> None:
+        seq.token_times.append(now)
         seq.output_ids.append(token)
         if seq.params.return_logits:
             seq.logits.append(logits.float().cpu())

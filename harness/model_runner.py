@@ -1,6 +1,7 @@
 """Turns scheduled sequences into model calls: builds each step's CacheBatch and runs prefill or batched decode."""
+import contextlib
+
 import torch
-import torch._inductor.config as inductor_config
 
 from attention import CacheBatch
 from harness.block_manager import BlockManager
@@ -19,6 +20,15 @@ class ModelRunner:
         self.compile_decode = compile_decode
         # A compiled step needs fixed shapes: attend over the whole cache (masked) instead of the longest sequence.
         self.decode_forward = torch.compile(model, dynamic=False) if compile_decode else model
+        self.freeze_weights = contextlib.nullcontext
+        if compile_decode:
+            # Imported only here: inductor's config imports triton, which must not happen before tests select
+            # triton's interpreter. Freezing turns the weights into constants inductor pre-packs for oneDNN
+            # (decode GEMVs ~1.5x faster on CPU); the compiled step keeps the weights it was compiled with.
+            # It is set around each call because torch.compile(options={"freezing": True}) is not honoured.
+            from torch._inductor import config as inductor_config
+
+            self.freeze_weights = lambda: inductor_config.patch(freezing=True)
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence) -> torch.Tensor:
@@ -38,9 +48,7 @@ class ModelRunner:
         positions = torch.tensor([[s.cached] for s in seqs], device=self.device)
         lengths = [s.cached + 1 for s in seqs]
         batch = self.cache_batch(seqs, positions, lengths, is_prefill=False)
-        # Freezing turns the weights into constants inductor pre-packs for oneDNN (the decode GEMVs run ~1.5x faster
-        # on CPU); the compiled step then keeps the weights it was compiled with. (The compile() option is not honoured.)
-        with inductor_config.patch(freezing=self.compile_decode):
+        with self.freeze_weights():
             logits = self.decode_forward(tokens, positions, self.pool.layers, batch)
         for s in seqs:
             s.cached += 1

@@ -1,10 +1,16 @@
 """Shared helpers for the archzoo suites: random models whose greedy continuations vary, prompts, comparisons."""
+import os
 import pathlib
 import sys
 import types
 
 import pytest
 import torch
+
+# Without CUDA, Triton kernels run in triton's interpreter; triton reads this when first imported, and
+# importing the library (torch.compile's config, say) may import triton, so it is set before anything else.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from torch import nn
 
 # Let plain `pytest` (not only `python -m pytest`) import the top-level packages from the checkout.
