@@ -21,17 +21,23 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     return torch.matmul(probs, v).view(b, h, t, d)
 
 
-class ContiguousKV:
-    """One row per batch slot, [slots, kv_heads, max_len, head_dim], written in place (gpt-fast's static cache)."""
+class KVTensors:
+    """A key and a value tensor of one shape; their bytes are the layer's measured cache."""
 
-    def __init__(self, max_batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        shape = (max_batch, kv_heads, max_len, head_dim)
+    def __init__(self, shape: tuple[int, ...], dtype, device):
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+
+class ContiguousKV(KVTensors):
+    """One row per batch slot, [slots, kv_heads, max_len, head_dim], written in place (gpt-fast's static cache)."""
+
+    def __init__(self, max_batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        super().__init__((max_batch, kv_heads, max_len, head_dim), dtype, device)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, batch: CacheBatch) -> None:
         """k, v: [B, KVH, T, D] for the tokens at batch.positions."""
@@ -46,18 +52,12 @@ class ContiguousKV:
         return masked_attention(q, k, v, batch.positions, scale)
 
 
-class PagedKV:
+class PagedKV(KVTensors):
     """A pool of fixed-size blocks, [num_blocks, block_size, kv_heads, head_dim]; sequences own blocks via a block table (vLLM)."""
 
     def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device):
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+        super().__init__((num_blocks, block_size, kv_heads, head_dim), dtype, device)
         self.block_size = block_size
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
 
     def write(self, k: torch.Tensor, v: torch.Tensor, batch: CacheBatch) -> None:
         b, kvh, t, d = k.shape

@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 import zoo
 from harness.engine import Engine
-from harness.metrics import measure_copy_bandwidth, summarize
+from harness.metrics import mbu, measure_copy_bandwidth, summarize
 from harness.results import ResultStore
 from harness.sampling import SamplingParams
 
@@ -78,7 +78,7 @@ def measure_cell(model, cell: dict, peak_bandwidth: float, seed: int) -> dict:
     stats = engine.decode_stats
     step_seconds = sum(stats.seconds) / len(stats.seconds)
     kv_per_step = sum(stats.kv_bytes) / len(stats.kv_bytes)
-    param_bytes = zoo.parameter_bytes(model)
+    weight_bytes = zoo.decode_weight_bytes(model)
     analytic = zoo.cache_bytes(model, seq_len=max_seq_len, batch=cell["batch"])
     return {
         **cell,
@@ -91,7 +91,7 @@ def measure_cell(model, cell: dict, peak_bandwidth: float, seed: int) -> dict:
         "itl_p99_ms": summary["P99 ITL (ms)"],
         "decode_tok_s": stats.tokens_per_second,
         "output_tok_s": summary["Output token throughput (tok/s)"],
-        "mbu": (param_bytes + kv_per_step) / step_seconds / peak_bandwidth,
+        "mbu": mbu(weight_bytes, kv_per_step, step_seconds, peak_bandwidth),
         "peak_bandwidth_gb_s": peak_bandwidth / 1e9,
         "wall_s": duration,
     }

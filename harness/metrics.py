@@ -69,6 +69,6 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def mbu(param_bytes: int, kv_bytes_per_step: float, step_seconds: float, peak_bandwidth: float) -> float:
-    """Model bandwidth utilisation (Databricks): bytes one decode step must read / step time / peak bandwidth."""
-    return (param_bytes + kv_bytes_per_step) / step_seconds / peak_bandwidth
+def mbu(weight_bytes: int, kv_bytes_per_step: float, step_seconds: float, peak_bandwidth: float) -> float:
+    """Model bandwidth utilisation (Databricks): bytes one decode step must read (weights + KV) / step time / peak."""
+    return (weight_bytes + kv_bytes_per_step) / step_seconds / peak_bandwidth

@@ -141,3 +141,11 @@ def test_byte_tokenizer_fits_the_presets():
     assert all(i >= 256 for i in (tok.bos_id, tok.eos_id, tok.mask_id))
     for name, preset in zoo.PRESETS.items():
         assert preset.vocab_size >= tok.min_vocab_size, name
+
+
+def test_decode_weight_bytes_leave_out_only_an_untied_embedding():
+    tied = zoo.build("gqa", preset="tiny")
+    untied = zoo.build("gqa", preset="tiny", tie_embeddings=False)
+    assert zoo.decode_weight_bytes(tied) == zoo.parameter_bytes(tied)  # the head reads the shared table
+    table = untied.config.vocab_size * untied.config.d_model * 4
+    assert zoo.decode_weight_bytes(untied) == zoo.parameter_bytes(untied) - table

@@ -14,3 +14,9 @@ def cache_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | None =
 def parameter_bytes(model) -> int:
     """Bytes of distinct parameters (a tied embedding/head counts once)."""
     return sum(p.nbytes for p in model.parameters())
+
+
+def decode_weight_bytes(model) -> int:
+    """Weight bytes one decode step must read: every parameter but an untied embedding table (one row is looked up)."""
+    untied_embedding = 0 if model.config.tie_embeddings else model.embed.weight.nbytes
+    return parameter_bytes(model) - untied_embedding
