@@ -46,14 +46,14 @@ def cmd_compare(args) -> None:
 
 
 def load_weights(model, path: str) -> None:
-    """Safetensors, or a plain tensor state dict loaded with weights_only (never unpickles code)."""
+    """Safetensors (as safetensors' save_model writes it: a tied head stored once), or a plain tensor
+    state dict loaded with weights_only (never unpickles code)."""
     if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
+        from safetensors.torch import load_model
 
-        state = load_file(path)
+        load_model(model, path)
     else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    model.load_state_dict(state)
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
 
 def cmd_generate(args) -> None:

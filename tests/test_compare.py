@@ -89,3 +89,28 @@ def test_cli_list_and_generate(capsys):
     assert cli.main(["generate", "--arch", "mqa", "--preset", "tiny", "--prompt", "hello", "--max-new-tokens", "5"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("hello") and "5 tokens" in captured.err
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_cli_generate_loads_weights(tmp_path, capsys, helpers, suffix):
+    import torch
+    from safetensors.torch import save_model
+
+    trained = helpers.spread_weights(zoo.build("gqa", preset="tiny"), seed=123)  # a "trained" model: varied output
+    path = tmp_path / f"weights{suffix}"
+    save_model(trained, str(path)) if suffix == ".safetensors" else torch.save(trained.state_dict(), path)
+    argv = ["generate", "--arch", "gqa", "--preset", "tiny", "--prompt", "hi", "--max-new-tokens", "6"]
+    assert cli.main(argv + ["--weights", str(path)]) == 0
+    with_weights = capsys.readouterr().out
+    expected = harness_generate(trained, "hi", 6)
+    assert with_weights.strip() == ("hi" + expected).strip()
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out != with_weights  # random weights give another text: the file was really used
+
+
+def harness_generate(model, prompt: str, n: int) -> str:
+    from harness import Engine, SamplingParams
+
+    tok = zoo.ByteTokenizer()
+    out = Engine(model, max_batch=1, max_seq_len=64).generate([prompt], SamplingParams(max_new_tokens=n, temperature=0.0, stop_token_ids=(tok.eos_id,)))[0]
+    return tok.decode(out.token_ids)
