@@ -31,6 +31,6 @@ class CachePool:
         return self.element_size * sum(spec.elements(tokens) for spec in self.specs)
 
     @staticmethod
-    def block_bytes(specs: list[CacheSpec], block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block costs across all layers (the unit a cache budget is divided into)."""
-        return torch.empty((), dtype=dtype).element_size() * block_size * sum(s.elements_per_token for s in specs)
+    def slot_bytes(specs: list[CacheSpec], tokens: int, dtype: torch.dtype) -> int:
+        """Bytes `tokens` allocated token slots cost across all layers: a block, or a contiguous row."""
+        return torch.empty((), dtype=dtype).element_size() * tokens * sum(s.elements_per_token for s in specs)

@@ -27,6 +27,30 @@ class DecodeStats:
         return sum(self.batch_sizes) / sum(self.seconds) if self.seconds else 0.0
 
 
+def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, block_size: int,
+               num_blocks: int | None, budget: int | None) -> tuple[int, int]:
+    """(max_batch, num_blocks) the cache can serve; a budget that cannot hold one full-length request is an error."""
+    if kv_cache == "contiguous":
+        per_row = CachePool.slot_bytes(specs, max_seq_len, dtype)
+        if budget is not None:
+            if budget < per_row:
+                raise ValueError(f"cache budget {budget} B is too small for one request: one contiguous row of "
+                                 f"max_seq_len={max_seq_len} needs {per_row} B")
+            max_batch = min(max_batch, budget // per_row)
+        return max_batch, 0
+    if num_blocks is not None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        return max_batch, num_blocks
+    blocks_per_seq = -(-max_seq_len // block_size)
+    per_block = CachePool.slot_bytes(specs, block_size, dtype)
+    num_blocks = max_batch * blocks_per_seq if budget is None else budget // per_block
+    if num_blocks < blocks_per_seq:
+        raise ValueError(f"cache budget {budget} B holds {num_blocks} blocks of {block_size} tokens; one request of "
+                         f"max_seq_len={max_seq_len} needs {blocks_per_seq} blocks ({blocks_per_seq * per_block} B)")
+    return max_batch, num_blocks
+
+
 class Engine:
     def __init__(self, model, max_batch: int = 8, max_seq_len: int | None = None, kv_cache: str = "contiguous",
                  block_size: int = 16, num_blocks: int | None = None, cache_budget_bytes: int | None = None,
@@ -51,24 +75,8 @@ class Engine:
         self.model, self.device, self.dtype = model.eval(), param.device, param.dtype
         self.max_seq_len, self.kv_cache = max_seq_len, kv_cache
         specs = model.cache_specs()
-        per_row = CachePool.block_bytes(specs, max_seq_len, self.dtype)
-        blocks_per_seq = -(-max_seq_len // block_size)
-        if kv_cache == "contiguous":
-            if cache_budget_bytes is not None:
-                if cache_budget_bytes < per_row:
-                    raise ValueError(f"cache budget {cache_budget_bytes} B is too small for one request: one "
-                                     f"contiguous row of max_seq_len={max_seq_len} needs {per_row} B")
-                max_batch = min(max_batch, cache_budget_bytes // per_row)
-            num_blocks = 0
-        elif num_blocks is None:
-            per_block = CachePool.block_bytes(specs, block_size, self.dtype)
-            num_blocks = max_batch * blocks_per_seq if cache_budget_bytes is None else cache_budget_bytes // per_block
-            if num_blocks < blocks_per_seq:
-                raise ValueError(f"cache budget {cache_budget_bytes} B holds {num_blocks} blocks of {block_size} tokens; "
-                                 f"one request of max_seq_len={max_seq_len} needs {blocks_per_seq} blocks "
-                                 f"({blocks_per_seq * per_block} B)")
-        elif num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        max_batch, num_blocks = size_cache(specs, self.dtype, kv_cache, max_batch, max_seq_len, block_size,
+                                           num_blocks, cache_budget_bytes)
         self.max_batch = max_batch
         self.pool = CachePool(specs, kv_cache, max_batch, max_seq_len, block_size, num_blocks, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, block_size) if kv_cache == "paged" else None
@@ -180,5 +188,5 @@ class Engine:
         """Bytes the running requests occupy: whole rows (contiguous) or their blocks (paged)."""
         if self.block_manager is None:
             return self.pool.nbytes * len(self.scheduler.running) // self.max_batch
-        per_block = CachePool.block_bytes(self.pool.specs, self.block_manager.block_size, self.dtype)
+        per_block = CachePool.slot_bytes(self.pool.specs, self.block_manager.block_size, self.dtype)
         return per_block * sum(len(s.blocks) for s in self.scheduler.running)
