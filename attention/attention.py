@@ -1,10 +1,21 @@
-"""Softmax attention with grouped KV heads: MHA (kv_heads = heads), GQA (a divisor), MQA (1)."""
+"""Softmax attention with grouped KV heads: MHA (kv_heads = heads), GQA (a divisor), MQA (1); optionally over a
+sliding window of keys, or reading the keys and values of an earlier layer (cross-layer attention)."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attention.cache_spec import CacheBatch, CacheSpec
+from attention.kv_layouts import fresh_attention
 from attention.rope import RotaryEmbedding, apply_rope
+
+
+def check_heads(n_heads: int, n_kv_heads: int) -> None:
+    if n_heads < 1 or n_kv_heads < 1:
+        raise ValueError(f"n_heads and n_kv_heads must be >= 1, got n_heads={n_heads}, n_kv_heads={n_kv_heads}")
+    if n_heads % n_kv_heads:
+        raise ValueError(
+            f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}; "
+            f"allowed n_kv_heads: {[k for k in range(1, n_heads + 1) if n_heads % k == 0]}"
+        )
 
 
 class Attention(nn.Module):
@@ -16,48 +27,61 @@ class Attention(nn.Module):
         n_kv_heads: int | None = None,
         head_dim: int | None = None,
         rope_base: float = 10000.0,
-        max_seq_len: int = 2048,
         bias: bool = False,
+        window: int | None = None,
+        kv_source: int | None = None,
     ):
+        """window: each query sees the newest `window` keys, itself included (HF Mistral's sliding_window).
+        kv_source: index of an earlier layer whose keys and values this layer reads instead of computing its own."""
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if n_heads < 1 or n_kv_heads < 1:
-            raise ValueError(f"n_heads and n_kv_heads must be >= 1, got n_heads={n_heads}, n_kv_heads={n_kv_heads}")
-        if n_heads % n_kv_heads:
-            raise ValueError(
-                f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}; "
-                f"allowed n_kv_heads: {[k for k in range(1, n_heads + 1) if n_heads % k == 0]}"
-            )
+        check_heads(n_heads, n_kv_heads)
         if head_dim is None:
             if d_model % n_heads:
                 raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim explicitly")
             head_dim = d_model // n_heads
-        self.layer_idx = layer_idx
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 (keys each query sees, itself included), got {window}")
+        if kv_source is not None and not 0 <= kv_source < layer_idx:
+            raise ValueError(f"layer {layer_idx} can share keys and values only with an earlier layer, got kv_source={kv_source}")
+        self.layer_idx, self.window, self.kv_source = layer_idx, window, kv_source
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        if kv_source is None:
+            self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+            self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
-        self.rope = RotaryEmbedding(head_dim, max_seq_len, rope_base)
+        self.rope = RotaryEmbedding(head_dim, rope_base)
 
     def cache_spec(self) -> CacheSpec:
-        return CacheSpec(kind="kv", kv_heads=self.n_kv_heads, head_dim=self.head_dim)
+        if self.kv_source is not None:
+            return CacheSpec(kind="shared", kv_heads=self.n_kv_heads, head_dim=self.head_dim, source=self.kv_source)
+        return CacheSpec(kind="kv", kv_heads=self.n_kv_heads, head_dim=self.head_dim, value_dim=self.head_dim,
+                         window=self.window)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, batch: CacheBatch | None = None):
-        """x: [B, T, d_model]. Without a cache: causal attention over x. With one: write this step's K/V, then attend."""
+        """x: [B, T, d_model]. Without a cache: causal attention over x. With one: write this step's K/V, then attend.
+
+        A layer that shares another's keys only reads: its cache is the producer's (the engine's, or the
+        uncached forward's hand-off), which the producer has already written this step.
+        """
         b, t, _ = x.shape
         if positions is None:
             positions = torch.arange(t, device=x.device).expand(b, t)
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = self.rope(positions, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            cache.write(k, v, batch)
-        if cache is None or batch.is_prefill:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads)
-        else:
+        q = apply_rope(q, cos, sin)
+        if self.kv_source is not None:
             out = cache.attend(q, batch, self.scale)
+        else:
+            k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            k = apply_rope(k, cos, sin)
+            if cache is not None:
+                cache.write(k, v, batch)
+            if batch is None or batch.is_prefill:
+                out = fresh_attention(q, k, v, positions, self.window, self.scale)
+            else:
+                out = cache.attend(q, batch, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))

@@ -3,33 +3,69 @@ from dataclasses import dataclass
 
 import torch
 
+CACHE_KINDS = ("kv", "latent", "shared")
+
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """What one layer keeps per sequence; the engine allocates from this and `cache_bytes` sums it."""
+    """What one layer keeps per sequence; the engine allocates from this and `cache_bytes` sums it.
 
-    kind: str  # "kv": per-token keys and values
-    kv_heads: int
-    head_dim: int
+    kind "kv": keys [kv_heads, head_dim] and values [kv_heads, value_dim] per token.
+    kind "latent": one row of head_dim per token whose first value_dim columns double as the value (MLA).
+    kind "shared": no memory of its own; the layer reads layer `source`'s cache (cross-layer attention).
+    window: keep only the newest `window` tokens (sliding-window attention).
+    """
+
+    kind: str
+    kv_heads: int = 0
+    head_dim: int = 0
+    value_dim: int = 0
+    window: int | None = None
+    source: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in CACHE_KINDS:
+            raise ValueError(f"unknown cache kind {self.kind!r}; allowed: {', '.join(CACHE_KINDS)}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if (self.kind == "shared") != (self.source is not None):
+            raise ValueError("a 'shared' cache names its source layer, and only it does")
+
+    @property
+    def owns_memory(self) -> bool:
+        return self.kind != "shared"
 
     @property
     def elements_per_token(self) -> int:
-        return 2 * self.kv_heads * self.head_dim
+        """Elements one cached token costs: keys plus values ("latent": the one row; "shared": nothing)."""
+        if self.kind == "shared":
+            return 0
+        if self.kind == "latent":
+            return self.kv_heads * self.head_dim
+        return self.kv_heads * (self.head_dim + self.value_dim)
+
+    def tokens_held(self, seq_len: int) -> int:
+        """Tokens of a `seq_len`-token sequence the cache keeps: all of them, or the last `window`."""
+        return seq_len if self.window is None else min(seq_len, self.window)
 
     def elements(self, seq_len: int) -> int:
         """Cache elements one sequence of `seq_len` tokens holds in this layer."""
-        return self.elements_per_token * seq_len
+        return self.elements_per_token * self.tokens_held(seq_len)
 
 
 @dataclass
 class CacheBatch:
-    """Where this step's tokens live in the caches; built by the engine once per step, shared by all layers."""
+    """Where this step's tokens live in the caches; built by the engine once per step, shared by all layers.
+
+    The paged fields are per cache group (layers whose blocks live and die together: one group per window
+    size), so a layout reads `block_tables[its group]`.
+    """
 
     positions: torch.Tensor  # [B, T] absolute position of each new token
-    lengths: torch.Tensor  # [B] tokens cached per sequence after this step (keys to attend over)
+    lengths: torch.Tensor  # [B] tokens in each sequence after this step (the newest query's position + 1)
     max_length: int  # max(lengths) as a Python int, so layouts can slice without a device sync
     is_prefill: bool  # every sequence starts at position 0: attend over the new keys alone
     slots: torch.Tensor | None = None  # [B] contiguous layout: cache row of each sequence
     slot_range: slice | None = None  # the same rows when they are consecutive: layouts read a view instead of gathering
-    block_table: torch.Tensor | None = None  # [B, max_blocks] int32, paged layout
-    slot_mapping: torch.Tensor | None = None  # [B*T] int64 flat pool slot per new token, paged layout
+    block_tables: tuple[torch.Tensor, ...] = ()  # per group [B, max_blocks] int32, -1 = no block (freed or unused)
+    slot_mappings: tuple[torch.Tensor, ...] = ()  # per group [B*T] int64 flat pool slot per new token, -1 = not kept

@@ -1,12 +1,23 @@
-"""KV-cache layouts the engine allocates per attention layer: contiguous rows, or a paged block pool."""
+"""KV-cache layouts the engine allocates per attention layer: contiguous rows (a rolling buffer under a
+sliding window), or a paged block pool; plus the hand-off an uncached forward uses between shared layers."""
 import torch
+import torch.nn.functional as F
 
-from attention.cache_spec import CacheBatch
-from kernels import paged_decode_attention, write_paged_kv
+from attention.cache_spec import CacheBatch, CacheSpec
+from kernels import mla_decode_attention, paged_decode_attention, write_paged_kv
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float):
-    """q: [B, H, T, D] at `positions` [B, T]; k, v: [B, KVH, L, D] holding positions 0..L-1.
+def visible_keys(key_positions: torch.Tensor, query_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[B, T, L] mask: a query sees keys at or before it, within the window (W keys including itself); -1 = empty."""
+    keys, queries = key_positions.unsqueeze(-2), query_positions.unsqueeze(-1)
+    visible = (keys <= queries) & (keys >= 0)
+    if window is not None:
+        visible &= keys > queries - window
+    return visible
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float):
+    """q: [B, H, T, D]; k: [B, KVH, L, D]; v: [B, KVH, L, Dv]; visible: [B, T, L]. Returns [B, H, T, Dv].
 
     Written out rather than SDPA: for a few query tokens SDPA's per-call cost dominates, and these plain ops
     fuse under torch.compile. Each KV head's query group is one matmul, so K/V are read once per group.
@@ -15,68 +26,126 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     kv_heads, length = k.shape[1], k.shape[2]
     group = h // kv_heads
     scores = torch.matmul(q.reshape(b, kv_heads, group * t, d), k.transpose(-1, -2)).float() * scale
-    visible = torch.arange(length, device=k.device).view(1, 1, 1, length) <= positions.view(b, 1, t, 1)
-    scores = scores.view(b, kv_heads, group, t, length).masked_fill(~visible.unsqueeze(1), float("-inf"))
+    scores = scores.view(b, kv_heads, group, t, length).masked_fill(~visible[:, None, None], float("-inf"))
     probs = scores.softmax(dim=-1).to(v.dtype).view(b, kv_heads, group * t, length)
-    return torch.matmul(probs, v).view(b, h, t, d)
+    return torch.matmul(probs, v).view(b, h, t, v.shape[-1])
+
+
+def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int | None,
+                    scale: float) -> torch.Tensor:
+    """Causal (optionally windowed) attention over the keys of this call alone: no cache, or a prefill from 0."""
+    gqa = k.shape[1] != q.shape[1]
+    if window is None or window >= q.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    mask = visible_keys(positions, positions, window).unsqueeze(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 class KVTensors:
-    """A key and a value tensor of one shape; their bytes are the layer's measured cache."""
+    """Keys (for a "latent" cache, the one row per token) and values; their bytes are the layer's measured cache."""
 
-    def __init__(self, shape: tuple[int, ...], dtype, device):
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, spec: CacheSpec, key_shape: tuple[int, ...], dtype, device):
+        self.window = spec.window
+        self.k = torch.zeros(*key_shape, spec.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(*key_shape, spec.value_dim, dtype=dtype, device=device) if spec.kind == "kv" else None
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + (0 if self.v is None else self.v.nbytes)
+
+    def values(self, k: torch.Tensor, v: torch.Tensor | None, value_dim: int | None) -> torch.Tensor:
+        """A latent cache's value is the first value_dim columns of its key row."""
+        return k[..., :value_dim] if v is None else v
 
 
 class ContiguousKV(KVTensors):
-    """One row per batch slot, [slots, kv_heads, max_len, head_dim], written in place (gpt-fast's static cache)."""
+    """One row per batch slot, [slots, kv_heads, rows, dim], written in place (gpt-fast's static cache).
 
-    def __init__(self, max_batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        super().__init__((max_batch, kv_heads, max_len, head_dim), dtype, device)
+    rows = max_len, or the window: then a rolling buffer where position p lives in row p mod window.
+    """
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, batch: CacheBatch) -> None:
-        """k, v: [B, KVH, T, D] for the tokens at batch.positions."""
-        rows = batch.slots[:, None]
-        self.k[rows, :, batch.positions] = k.transpose(1, 2)
-        self.v[rows, :, batch.positions] = v.transpose(1, 2)
+    def __init__(self, spec: CacheSpec, max_batch: int, max_len: int, dtype, device):
+        self.rows = spec.tokens_held(max_len)
+        self.rolling = self.rows < max_len
+        super().__init__(spec, (max_batch, spec.kv_heads, self.rows), dtype, device)
 
-    def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float) -> torch.Tensor:
+    def write(self, k: torch.Tensor, v: torch.Tensor | None, batch: CacheBatch) -> None:
+        """k, v: [B, KVH, T, D] for the tokens at batch.positions; a rolling buffer keeps the last `rows` of them."""
+        positions = batch.positions[:, -self.rows:]
+        k = k[:, :, -self.rows:]
+        index = (batch.slots[:, None], slice(None), positions % self.rows if self.rolling else positions)
+        self.k[index] = k.transpose(1, 2)
+        if self.v is not None:
+            self.v[index] = v[:, :, -self.rows:].transpose(1, 2)
+
+    def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None = None) -> torch.Tensor:
         rows = batch.slots if batch.slot_range is None else batch.slot_range
-        k = self.k[rows, :, : batch.max_length]
-        v = self.v[rows, :, : batch.max_length]
-        return masked_attention(q, k, v, batch.positions, scale)
+        if self.rolling:
+            if q.shape[2] != 1:
+                raise ValueError("a rolling-window cache attends one new token per sequence after its prefill")
+            k, v = self.k[rows], None if self.v is None else self.v[rows]
+            newest = (batch.lengths.long() - 1)[:, None]
+            # row r holds the latest position <= newest that is congruent to r; negative = not written yet
+            key_positions = newest - (newest - torch.arange(self.rows, device=q.device)) % self.rows
+        else:
+            k = self.k[rows, :, : batch.max_length]
+            v = None if self.v is None else self.v[rows, :, : batch.max_length]
+            key_positions = torch.arange(batch.max_length, device=q.device).unsqueeze(0)
+        visible = visible_keys(key_positions, batch.positions, self.window)
+        return masked_attention(q, k, self.values(k, v, value_dim), visible, scale)
 
 
 class PagedKV(KVTensors):
-    """A pool of fixed-size blocks, [num_blocks, block_size, kv_heads, head_dim]; sequences own blocks via a block table (vLLM)."""
+    """A pool of fixed-size blocks, [num_blocks, block_size, kv_heads, dim]; sequences own blocks via the block
+    table of this layer's cache group (vLLM). Under a window, blocks that leave it go back to the pool."""
 
-    def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device):
-        super().__init__((num_blocks, block_size, kv_heads, head_dim), dtype, device)
-        self.block_size = block_size
+    def __init__(self, spec: CacheSpec, num_blocks: int, block_size: int, group: int, dtype, device):
+        super().__init__(spec, (num_blocks, block_size, spec.kv_heads), dtype, device)
+        self.block_size, self.group = block_size, group
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, batch: CacheBatch) -> None:
-        b, kvh, t, d = k.shape
-        write_paged_kv(
-            k.transpose(1, 2).reshape(b * t, kvh, d), v.transpose(1, 2).reshape(b * t, kvh, d), self.k, self.v, batch.slot_mapping
-        )
+    def write(self, k: torch.Tensor, v: torch.Tensor | None, batch: CacheBatch) -> None:
+        b, kvh, t, _ = k.shape
+        flat_k = k.transpose(1, 2).reshape(b * t, kvh, -1)
+        flat_v = None if v is None else v.transpose(1, 2).reshape(b * t, kvh, -1)
+        write_paged_kv(flat_k, flat_v, self.k, self.v, batch.slot_mappings[self.group])
 
-    def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None = None) -> torch.Tensor:
+        table = batch.block_tables[self.group]
+        if q.shape[2] == 1 and self.v is None:
+            return mla_decode_attention(q[:, :, 0], self.k[:, :, 0], table, batch.lengths, scale, value_dim).unsqueeze(2)
         if q.shape[2] == 1:
-            out = paged_decode_attention(q[:, :, 0], self.k, self.v, batch.block_table, batch.lengths, scale)
+            out = paged_decode_attention(q[:, :, 0], self.k, self.v, table, batch.lengths, scale, window=self.window)
             return out.unsqueeze(2)
-        # Several new tokens on top of cached ones (chunked prefill): gather the blocks, then mask.
-        return masked_attention(q, *self.gather(batch), batch.positions, scale)
+        # Several new tokens on top of cached ones: gather the blocks, then mask.
+        k, v = self.gather(table, batch.max_length)
+        key_positions = torch.arange(batch.max_length, device=q.device).unsqueeze(0)
+        visible = visible_keys(key_positions, batch.positions, self.window)
+        return masked_attention(q, k, self.values(k, v, value_dim), visible, scale)
 
-    def gather(self, batch: CacheBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sequence's keys and values as [B, KVH, max_length, D], read through its block table."""
-        n_blocks = -(-batch.max_length // self.block_size)
-        table = batch.block_table[:, :n_blocks].long().clamp_min(0)
-        b = table.shape[0]
-        k = self.k[table].reshape(b, n_blocks * self.block_size, *self.k.shape[2:])[:, : batch.max_length]
-        v = self.v[table].reshape(b, n_blocks * self.block_size, *self.v.shape[2:])[:, : batch.max_length]
-        return k.transpose(1, 2), v.transpose(1, 2)
+    def gather(self, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each sequence's first `length` keys and values as [B, KVH, length, D], read through its block table.
+
+        Freed or unused entries (-1) read block 0: those positions are masked out by the caller.
+        """
+        n_blocks = -(-length // self.block_size)
+        table = table[:, :n_blocks].long().clamp_min(0)
+
+        def read(pool):
+            flat = pool[table].reshape(table.shape[0], n_blocks * self.block_size, *pool.shape[2:])
+            return flat[:, :length].transpose(1, 2)
+
+        return read(self.k), None if self.v is None else read(self.v)
+
+
+class CallKV:
+    """The keys and values one uncached forward computed in a producer layer, handed to the layers sharing them."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, batch) -> None:
+        self.k, self.v = k, v
+
+    def attend(self, q: torch.Tensor, batch, scale: float, value_dim: int | None = None) -> torch.Tensor:
+        positions = torch.arange(q.shape[2], device=q.device).unsqueeze(0)
+        return fresh_attention(q, self.k, self.v, positions, None, scale)

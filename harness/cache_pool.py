@@ -1,4 +1,10 @@
-"""The engine's cache memory: one layout per layer, allocated from the layers' cache declarations."""
+"""The engine's cache memory: one layout per layer, allocated from the layers' cache declarations.
+
+Paged layers are grouped by window: a group's layers share block ids (one block table per sequence per group),
+so a sliding-window group can return blocks while a global group in the same model keeps them.
+"""
+from dataclasses import dataclass
+
 import torch
 
 from attention import CacheSpec, ContiguousKV, PagedKV
@@ -6,31 +12,48 @@ from attention import CacheSpec, ContiguousKV, PagedKV
 LAYOUTS = ("contiguous", "paged")
 
 
+@dataclass
+class CacheGroup:
+    window: int | None
+    layers: list[int]  # memory-owning layers whose blocks live and die together
+    token_elements: int  # cache elements one token costs across those layers
+
+
+def cache_groups(specs: list[CacheSpec]) -> list[CacheGroup]:
+    """Memory-owning layers grouped by window, in order of first appearance."""
+    groups: dict[int | None, CacheGroup] = {}
+    for i, spec in enumerate(specs):
+        if spec.owns_memory:
+            group = groups.setdefault(spec.window, CacheGroup(spec.window, [], 0))
+            group.layers.append(i)
+            group.token_elements += spec.elements_per_token
+    return list(groups.values())
+
+
 class CachePool:
     def __init__(self, specs: list[CacheSpec], layout: str, max_batch: int, max_seq_len: int,
-                 block_size: int, num_blocks: int, dtype: torch.dtype, device):
-        self.specs = specs
-        self.layout = layout
-        self.block_size = block_size
+                 block_size: int, num_blocks: list[int], dtype: torch.dtype, device):
+        """num_blocks: pool size of each cache group (paged layout)."""
+        self.specs, self.layout, self.block_size = specs, layout, block_size
         self.element_size = torch.empty((), dtype=dtype).element_size()
+        self.groups = cache_groups(specs)
+        self.layers = [None] * len(specs)
+        for g, group in enumerate(self.groups):
+            for i in group.layers:
+                self.layers[i] = (ContiguousKV(specs[i], max_batch, max_seq_len, dtype, device) if layout == "contiguous"
+                                  else PagedKV(specs[i], num_blocks[g], block_size, g, dtype, device))
         for i, spec in enumerate(specs):
-            if spec.kind != "kv":
-                raise ValueError(f"layer {i} declares a {spec.kind!r} cache; this engine allocates: kv")
-        if layout == "contiguous":
-            self.layers = [ContiguousKV(max_batch, s.kv_heads, max_seq_len, s.head_dim, dtype, device) for s in specs]
-        else:
-            self.layers = [PagedKV(num_blocks, block_size, s.kv_heads, s.head_dim, dtype, device) for s in specs]
+            if not spec.owns_memory:
+                self.layers[i] = self.layers[spec.source]  # cross-layer sharing: the producer's cache object
 
     @property
     def nbytes(self) -> int:
-        """Bytes actually allocated for the caches (the measured figure)."""
-        return sum(layer.nbytes for layer in self.layers)
+        """Bytes actually allocated for the caches (the measured figure); a shared cache counts once."""
+        return sum(self.layers[i].nbytes for group in self.groups for i in group.layers)
 
     def sequence_bytes(self, tokens: int) -> int:
         """Analytic bytes one sequence of `tokens` tokens occupies across all layers."""
         return self.element_size * sum(spec.elements(tokens) for spec in self.specs)
 
-    @staticmethod
-    def slot_bytes(specs: list[CacheSpec], tokens: int, dtype: torch.dtype) -> int:
-        """Bytes `tokens` allocated token slots cost across all layers: a block, or a contiguous row."""
-        return torch.empty((), dtype=dtype).element_size() * tokens * sum(s.elements_per_token for s in specs)
+    def block_bytes(self, group: int) -> int:
+        return self.element_size * self.block_size * self.groups[group].token_elements

@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.block_manager import BlockManager
-from harness.cache_pool import LAYOUTS, CachePool
+from harness.block_manager import BlockManager, peak_blocks
+from harness.cache_pool import LAYOUTS, CachePool, cache_groups
 from harness.model_runner import ModelRunner
 from harness.sampling import SamplingParams, sample_token
 from harness.scheduler import Scheduler
@@ -28,27 +28,33 @@ class DecodeStats:
 
 
 def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, block_size: int,
-               num_blocks: int | None, budget: int | None) -> tuple[int, int]:
-    """(max_batch, num_blocks) the cache can serve; a budget that cannot hold one full-length request is an error."""
+               num_blocks: int | None, budget: int | None) -> tuple[int, list[int]]:
+    """(max_batch, blocks per cache group) the cache can serve; a budget that cannot hold one full-length request
+    is an error. A paged budget is split between groups in proportion to what one request needs of each."""
+    element_size = torch.empty((), dtype=dtype).element_size()
     if kv_cache == "contiguous":
-        per_row = CachePool.slot_bytes(specs, max_seq_len, dtype)
+        per_row = element_size * sum(spec.elements(max_seq_len) for spec in specs)
         if budget is not None:
             if budget < per_row:
                 raise ValueError(f"cache budget {budget} B is too small for one request: one contiguous row of "
                                  f"max_seq_len={max_seq_len} needs {per_row} B")
             max_batch = min(max_batch, budget // per_row)
-        return max_batch, 0
+        return max_batch, []
+    groups = cache_groups(specs)
+    needs = [peak_blocks(max_seq_len, block_size, g.window) for g in groups]
     if num_blocks is not None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        return max_batch, num_blocks
-    blocks_per_seq = -(-max_seq_len // block_size)
-    per_block = CachePool.slot_bytes(specs, block_size, dtype)
-    num_blocks = max_batch * blocks_per_seq if budget is None else budget // per_block
-    if num_blocks < blocks_per_seq:
-        raise ValueError(f"cache budget {budget} B holds {num_blocks} blocks of {block_size} tokens; one request of "
-                         f"max_seq_len={max_seq_len} needs {blocks_per_seq} blocks ({blocks_per_seq * per_block} B)")
-    return max_batch, num_blocks
+        return max_batch, [num_blocks] * len(groups)
+    if budget is None:
+        return max_batch, [max_batch * need for need in needs]
+    block_bytes = [element_size * block_size * g.token_elements for g in groups]
+    per_request = sum(need * b for need, b in zip(needs, block_bytes))
+    blocks = [budget * need // per_request for need in needs]
+    if any(n < need for n, need in zip(blocks, needs)):
+        raise ValueError(f"cache budget {budget} B is too small for one request: one of max_seq_len={max_seq_len} "
+                         f"needs {per_request} B of {block_size}-token blocks")
+    return max_batch, blocks
 
 
 class Engine:
@@ -57,7 +63,8 @@ class Engine:
                  compile: bool = False):
         """kv_cache: "contiguous" ([slots, kv_heads, max_seq_len, head_dim] per layer) or "paged" (block pool).
 
-        num_blocks / cache_budget_bytes size the paged pool (default: room for max_batch full-length sequences);
+        num_blocks / cache_budget_bytes size the paged pool (default: room for max_batch full-length sequences;
+        num_blocks is per cache group, i.e. per distinct sliding window in the model);
         for the contiguous layout a budget caps max_batch at the rows that fit.
         compile: torch.compile the decode step (fixed shapes; each new batch size compiles once).
         """
@@ -79,9 +86,10 @@ class Engine:
                                            num_blocks, cache_budget_bytes)
         self.max_batch = max_batch
         self.pool = CachePool(specs, kv_cache, max_batch, max_seq_len, block_size, num_blocks, self.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, block_size) if kv_cache == "paged" else None
-        self.scheduler = Scheduler(max_batch, self.block_manager)
-        self.runner = ModelRunner(model, self.pool, self.block_manager, self.device, max_seq_len, compile)
+        # one block manager per cache group (paged layout only)
+        self.block_managers = [BlockManager(n, block_size, group.window) for n, group in zip(num_blocks, self.pool.groups)]
+        self.scheduler = Scheduler(max_batch, self.block_managers)
+        self.runner = ModelRunner(model, self.pool, self.block_managers, self.device, max_seq_len, compile)
         self.tokenizer = ByteTokenizer()
         self.ids = itertools.count()
         self.decode_stats = DecodeStats()
@@ -110,11 +118,11 @@ class Engine:
             generator = torch.Generator(self.device)
             generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
         seq = Sequence(next(self.ids), ids, params, generator)
-        if self.block_manager is not None:
-            needed = self.block_manager.blocks_for(seq.max_length)
-            if needed > self.block_manager.num_blocks:
-                raise ValueError(f"request needs {needed} cache blocks of {self.block_manager.block_size} tokens; "
-                                 f"the pool holds {self.block_manager.num_blocks}")
+        for manager in self.block_managers:
+            needed = manager.peak_blocks(seq.max_length)
+            if needed > manager.num_blocks:
+                raise ValueError(f"request needs {needed} cache blocks of {manager.block_size} tokens; "
+                                 f"the pool holds {manager.num_blocks}")
         return seq
 
     def has_unfinished(self) -> bool:
@@ -186,7 +194,7 @@ class Engine:
 
     def cache_bytes_in_use(self) -> int:
         """Bytes the running requests occupy: whole rows (contiguous) or their blocks (paged)."""
-        if self.block_manager is None:
+        if not self.block_managers:
             return self.pool.nbytes * len(self.scheduler.running) // self.max_batch
-        per_block = CachePool.slot_bytes(self.pool.specs, self.block_manager.block_size, self.dtype)
-        return per_block * sum(len(s.blocks) for s in self.scheduler.running)
+        return sum(self.pool.block_bytes(g) * sum(manager.held(s) for s in self.scheduler.running)
+                   for g, manager in enumerate(self.block_managers))

@@ -10,11 +10,11 @@ from harness.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model, pool: CachePool, block_manager: BlockManager | None, device, max_seq_len: int,
+    def __init__(self, model, pool: CachePool, block_managers: list[BlockManager], device, max_seq_len: int,
                  compile_decode: bool = False):
         self.model = model
         self.pool = pool
-        self.block_manager = block_manager
+        self.block_managers = block_managers
         self.device = device
         self.max_seq_len = max_seq_len
         self.compile_decode = compile_decode
@@ -65,13 +65,14 @@ class ModelRunner:
             slots=torch.tensor(slots, device=self.device),
             slot_range=slice(slots[0], slots[0] + len(slots)) if consecutive else None,
         )
-        if self.block_manager is not None:
+        tables, mappings = [], []
+        for manager in self.block_managers:
             for s, n in zip(seqs, lengths):
-                self.block_manager.grow(s, n)
-            width = self.block_manager.blocks_for(self.max_seq_len) if self.compile_decode else max(len(s.blocks) for s in seqs)
-            table = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
-            batch.block_table = torch.tensor(table, dtype=torch.int32, device=self.device)
-            size = self.block_manager.block_size
-            slots = [s.blocks[p // size] * size + p % size for s, row in zip(seqs, positions.tolist()) for p in row]
-            batch.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=self.device)
+                manager.grow(s, n)
+            rows = [manager.tables[s.request_id] for s in seqs]
+            width = manager.blocks_for(self.max_seq_len) if self.compile_decode else max(map(len, rows))
+            tables.append(torch.tensor([row + [-1] * (width - len(row)) for row in rows], dtype=torch.int32, device=self.device))
+            mapping = [manager.slot(s, p, n) for s, n, row in zip(seqs, lengths, positions.tolist()) for p in row]
+            mappings.append(torch.tensor(mapping, dtype=torch.int64, device=self.device))
+        batch.block_tables, batch.slot_mappings = tuple(tables), tuple(mappings)
         return batch

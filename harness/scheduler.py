@@ -6,11 +6,11 @@ from harness.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, block_manager: BlockManager | None):
+    def __init__(self, max_batch: int, block_managers: list[BlockManager]):
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = deque(range(max_batch))
-        self.block_manager = block_manager
+        self.block_managers = block_managers  # empty for the contiguous layout
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -20,13 +20,13 @@ class Scheduler:
         admitted = []
         while self.waiting and self.free_slots:
             seq = self.waiting[0]
-            if self.block_manager is not None and not self.block_manager.can_admit(seq.max_length):
+            if not all(manager.can_admit(seq.max_length) for manager in self.block_managers):
                 break
             self.waiting.popleft()
             seq.slot = self.free_slots.popleft()
             seq.status = Status.RUNNING
-            if self.block_manager is not None:
-                self.block_manager.admit(seq)
+            for manager in self.block_managers:
+                manager.admit(seq)
             self.running.append(seq)
             admitted.append(seq)
         return admitted
@@ -36,8 +36,8 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.running.remove(seq)
         self.free_slots.append(seq.slot)
-        if self.block_manager is not None:
-            self.block_manager.release(seq)
+        for manager in self.block_managers:
+            manager.release(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

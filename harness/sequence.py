@@ -24,7 +24,6 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     slot: int = -1  # contiguous layout: the cache row this sequence owns
-    blocks: list[int] = field(default_factory=list)  # paged layout: pool blocks in position order
     cached: int = 0  # tokens whose K/V are in the cache
     finish_reason: str = ""
     logits: list[torch.Tensor] = field(default_factory=list)

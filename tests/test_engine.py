@@ -44,13 +44,13 @@ def check_bookkeeping(engine: Engine) -> None:
     slots = [s.slot for s in sched.running]
     assert len(set(slots)) == len(slots)
     assert sorted(slots + list(sched.free_slots)) == list(range(engine.max_batch))
-    bm = engine.block_manager
-    if bm is not None:
-        held = [b for s in sched.running for b in s.blocks]
+    for bm in engine.block_managers:
+        assert sorted(bm.tables) == sorted(s.request_id for s in sched.running)
+        held = [b for s in sched.running for b in bm.tables[s.request_id] if b >= 0]
         assert len(set(held)) == len(held), "a block is owned by two sequences"
         assert bm.used == len(held)
         assert sorted(held + list(bm.free)) == list(range(bm.num_blocks))
-        assert bm.promised == sum(bm.blocks_for(s.max_length) - len(s.blocks) for s in sched.running)
+        assert bm.promised == sum(bm.peak_blocks(s.max_length) - bm.held(s) for s in sched.running)
 
 
 @pytest.mark.parametrize("kv_cache", LAYOUTS)
@@ -81,8 +81,7 @@ def test_continuous_batching_of_40_requests(model, workload, alone, kv_cache):
     assert len({t for toks in alone for t in toks}) > 20  # varied output: equality above means something
     # everything returned at once
     assert len(engine.scheduler.free_slots) == max_batch and not engine.scheduler.running
-    if engine.block_manager is not None:
-        assert engine.block_manager.used == 0 and engine.block_manager.promised == 0
+    assert all(bm.used == 0 and bm.promised == 0 for bm in engine.block_managers)
     assert engine.cache_bytes_in_use() == 0
 
 
@@ -96,9 +95,9 @@ def test_finished_request_frees_its_slot_for_the_next_step(model, kv_cache):
     assert [s.request_id for s in engine.scheduler.waiting] == [third]
     finished = engine.step()
     assert [o.request_id for o in finished] == [short]  # 3 tokens: done on step 2
-    if engine.block_manager is not None:
+    for bm in engine.block_managers:
         long_seq = engine.scheduler.running[0]
-        assert engine.block_manager.used == len(long_seq.blocks)
+        assert bm.used == bm.held(long_seq) == len(bm.tables[long_seq.request_id])
     assert len(engine.scheduler.free_slots) == 1
     engine.step()
     assert third in [s.request_id for s in engine.scheduler.running]  # admitted on the very next step
@@ -114,7 +113,7 @@ def test_paged_pool_for_two_requests_completes_ten(model):
     budget = 2 * (max_seq_len // block_size) * block_bytes  # room for two full-length requests
     engine = Engine(model, max_batch=8, max_seq_len=max_seq_len, kv_cache="paged", block_size=block_size,
                     cache_budget_bytes=budget)
-    assert engine.block_manager.num_blocks == 2 * max_seq_len // block_size
+    assert [bm.num_blocks for bm in engine.block_managers] == [2 * max_seq_len // block_size]
     rng = random.Random(1)
     prompts = [[rng.randrange(512) for _ in range(40)] for _ in range(10)]
     params = SamplingParams(max_new_tokens=24, temperature=0)  # 40 + 24 - 1 cached tokens: 8 blocks each

@@ -157,8 +157,7 @@ def test_generate_validates_all_prompts_before_any_work(model, kv_cache):
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert engine.decode_stats.batch_sizes == [] and engine.decode_stats.seconds == []
     assert len(engine.scheduler.free_slots) == 4
-    if engine.block_manager is not None:
-        assert engine.block_manager.used == 0 and engine.block_manager.promised == 0
+    assert all(bm.used == 0 and bm.promised == 0 for bm in engine.block_managers)
     # and the engine still works afterwards
     assert len(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5, temperature=0))[0].token_ids) == 5
 

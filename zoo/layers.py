@@ -3,18 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the gain, as HF Llama does, so logits match it.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+from attention.norm import RMSNorm
 
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:

@@ -3,13 +3,13 @@ import inspect
 
 from torch import nn
 
-from attention import Attention
+from attention import Attention, MLAttention
 from zoo.config import MixerSpec, ModelConfig
 
-MIXERS: dict[str, type[nn.Module]] = {"attention": Attention}
+MIXERS: dict[str, type[nn.Module]] = {"attention": Attention, "mla": MLAttention}
 
 # Model-wide settings a mixer receives when its constructor asks for them by name.
-SHARED_SETTINGS = ("rope_base", "max_seq_len")
+SHARED_SETTINGS = ("rope_base",)
 
 
 def make_mixer(spec: MixerSpec, config: ModelConfig, layer_idx: int) -> nn.Module:

@@ -2,6 +2,7 @@
 import torch
 from torch import nn
 
+from attention import CallKV
 from zoo.config import ModelConfig
 from zoo.layers import make_mlp, make_norm
 from zoo.mixers import make_mixer
@@ -33,10 +34,19 @@ class DecoderLM(nn.Module):
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         self.apply(init_weights)
+        check_shared_caches(self.cache_specs())
 
     def cache_specs(self):
         """Each layer's cache declaration, in layer order."""
         return [block.mixer.cache_spec() for block in self.blocks]
+
+    def handoff_caches(self) -> list:
+        """For an uncached forward: a producer and the layers that share its keys get one hand-off; others None."""
+        caches = [None] * len(self.blocks)
+        for i, spec in enumerate(self.cache_specs()):
+            if spec.kind == "shared":
+                caches[i] = caches[spec.source] = caches[spec.source] or CallKV()
+        return caches
 
     def forward(self, tokens: torch.Tensor, positions=None, caches=None, batch=None, last_only: bool = False):
         """tokens: [B, T] -> logits [B, T, vocab] ([B, 1, vocab] with last_only).
@@ -45,12 +55,26 @@ class DecoderLM(nn.Module):
         """
         if caches is None:
             check_tokens(tokens, self.config)
+            caches = self.handoff_caches()
         x = self.embed(tokens)
         for i, block in enumerate(self.blocks):
-            x = block(x, positions, None if caches is None else caches[i], batch)
+            x = block(x, positions, caches[i], batch)
         if last_only:
             x = x[:, -1:]
         return self.head(self.norm(x))
+
+
+def check_shared_caches(specs) -> None:
+    """A layer may share only a full (unwindowed) KV cache of an earlier layer with its own head layout."""
+    for i, spec in enumerate(specs):
+        if spec.kind != "shared":
+            continue
+        source = specs[spec.source]
+        if source.kind != "kv" or source.window is not None:
+            raise ValueError(f"layer {i} shares the cache of layer {spec.source}, which is not a full KV cache ({source})")
+        if (source.kv_heads, source.head_dim) != (spec.kv_heads, spec.head_dim):
+            raise ValueError(f"layer {i} reads {spec.kv_heads} KV heads of dim {spec.head_dim} from layer {spec.source}, "
+                             f"which caches {source.kv_heads} of dim {source.head_dim}")
 
 
 def check_tokens(tokens: torch.Tensor, config: ModelConfig) -> None:

@@ -8,22 +8,33 @@ from zoo.presets import Preset, preset_settings
 
 # ModelConfig fields a user may override besides the preset's sizes.
 CONFIG_OVERRIDES = ("mlp", "norm", "norm_eps", "rope_base", "tie_embeddings", "max_seq_len", "vocab_size", "d_model", "mlp_hidden")
-# Per-layer settings every attention architecture understands.
+# Per-layer settings every architecture understands.
 ATTENTION_OVERRIDES = ("n_layers", "n_heads", "n_kv_heads", "head_dim")
+MLA_SETTINGS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 @dataclass(frozen=True)
 class Architecture:
     description: str
     layers: Callable[[dict], list[MixerSpec]]  # size settings -> one MixerSpec per layer
+    settings: tuple[str, ...] = ()  # settings beyond the common ones that this architecture reads
+    in_patterns: bool = True  # may be a layer of a hybrid pattern (a per-layer mixer, not a cross-layer scheme)
+
+
+def attention_params(s: dict, kv_heads: int) -> dict:
+    params = {"n_heads": s["n_heads"], "n_kv_heads": kv_heads}
+    if s.get("head_dim") is not None:
+        params["head_dim"] = s["head_dim"]
+    return params
+
+
+def gqa_kv_heads(s: dict) -> int:
+    return s["n_kv_heads"] if s.get("n_kv_heads") is not None else s["gqa_kv_heads"]
 
 
 def grouped_attention(kv_heads: Callable[[dict], int]) -> Callable[[dict], list[MixerSpec]]:
     def layers(s: dict) -> list[MixerSpec]:
-        params = {"n_heads": s["n_heads"], "n_kv_heads": kv_heads(s)}
-        if s.get("head_dim") is not None:
-            params["head_dim"] = s["head_dim"]
-        return [MixerSpec("attention", dict(params)) for _ in range(s["n_layers"])]
+        return [MixerSpec("attention", attention_params(s, kv_heads(s))) for _ in range(s["n_layers"])]
 
     return layers
 
@@ -40,6 +51,59 @@ def fixed_kv_heads(name: str, value: Callable[[dict], int]) -> Callable[[dict], 
     return kv_heads
 
 
+def sliding_window_layers(s: dict) -> list[MixerSpec]:
+    window = s["window"]
+    if window is None or window < 1:
+        raise ValueError(f"window must be >= 1 (keys each query sees, itself included), got {window}")
+    return [MixerSpec("attention", {**attention_params(s, gqa_kv_heads(s)), "window": window}) for _ in range(s["n_layers"])]
+
+
+def latent_attention_layers(s: dict) -> list[MixerSpec]:
+    """MLA sized from the preset unless set: latent d_model/4, rope key half a head, nope and value a whole head."""
+    head_dim = s.get("head_dim") or s["d_model"] // s["n_heads"]
+    params = {
+        "n_heads": s["n_heads"],
+        "kv_lora_rank": s.get("kv_lora_rank") or s["d_model"] // 4,
+        "q_lora_rank": s.get("q_lora_rank"),
+        "qk_nope_head_dim": s.get("qk_nope_head_dim") or head_dim,
+        "qk_rope_head_dim": s.get("qk_rope_head_dim") or head_dim // 2,
+        "v_head_dim": s.get("v_head_dim") or head_dim,
+    }
+    for name in MLA_SETTINGS:  # 0 or a negative size is an error, not "use the default"
+        if s.get(name) is not None and s[name] < 1:
+            raise ValueError(f"{name} must be >= 1, got {s[name]}")
+    return [MixerSpec("mla", dict(params)) for _ in range(s["n_layers"])]
+
+
+def cross_layer_layers(s: dict) -> list[MixerSpec]:
+    """Groups of `share` consecutive layers: the first computes and caches K/V, the rest read it (Brandon et al.)."""
+    share, n_layers = s["share"], s["n_layers"]
+    if share is None or share < 1 or n_layers % share:
+        divisors = [k for k in range(1, n_layers + 1) if n_layers % k == 0]
+        raise ValueError(f"share factor {share} must divide n_layers={n_layers}; allowed: {divisors}")
+    params = attention_params(s, gqa_kv_heads(s))
+    return [MixerSpec("attention", dict(params) if i % share == 0 else {**params, "kv_source": i - i % share})
+            for i in range(n_layers)]
+
+
+def pattern_layers(default: str) -> Callable[[dict], list[MixerSpec]]:
+    """A hybrid: registry names per layer, repeated to fill n_layers so the model ends on the pattern's last layer."""
+
+    def layers(s: dict) -> list[MixerSpec]:
+        pattern = s.get("layers") or default
+        names = [n.strip() for n in pattern.split(",")] if isinstance(pattern, str) else list(pattern)
+        allowed = [n for n, a in ARCHITECTURES.items() if a.in_patterns]
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise ValueError(f"hybrid pattern {pattern!r} names unknown layer kind(s) {bad}; allowed: {', '.join(allowed)}")
+        n = s["n_layers"]
+        return [ARCHITECTURES[names[(i - n) % len(names)]].layers({**s, "n_layers": 1})[0] for i in range(n)]
+
+    return layers
+
+
+HYBRID_SETTINGS = ("layers", "window", *MLA_SETTINGS)
+
 ARCHITECTURES: dict[str, Architecture] = {
     "mha": Architecture(
         "multi-head attention: one KV head per query head (the full KV cache)",
@@ -47,13 +111,38 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
     "gqa": Architecture(
         "grouped-query attention: query heads share fewer KV heads (cache shrinks by n_heads/n_kv_heads)",
-        grouped_attention(lambda s: s["n_kv_heads"] if s.get("n_kv_heads") is not None else s["gqa_kv_heads"]),
+        grouped_attention(gqa_kv_heads),
     ),
     "mqa": Architecture(
         "multi-query attention: all query heads share one KV head (smallest attention KV cache)",
         grouped_attention(fixed_kv_heads("mqa", lambda s: 1)),
     ),
+    "mla": Architecture(
+        "multi-head latent attention (DeepSeek-V2/V3): caches one latent + shared rope key per token; decode by weight absorption",
+        latent_attention_layers, MLA_SETTINGS,
+    ),
+    "cla": Architecture(
+        "cross-layer attention: each group of `share` layers (default 2) caches one set of GQA keys/values",
+        cross_layer_layers, ("share",), in_patterns=False,
+    ),
+    "swa": Architecture(
+        "sliding-window GQA: each query sees the newest `window` keys; the cache stops growing at the window",
+        sliding_window_layers, ("window",),
+    ),
+    "hybrid": Architecture(
+        "any per-layer mix of registered mixers, layers='swa,swa,swa,gqa' (default 'swa,gqa'), repeated to n_layers",
+        pattern_layers("swa,gqa"), HYBRID_SETTINGS, in_patterns=False,
+    ),
+    "hybrid-1in6": Architecture(
+        "character.ai style: five sliding-window layers per global GQA layer",
+        pattern_layers("swa,swa,swa,swa,swa,gqa"), HYBRID_SETTINGS, in_patterns=False,
+    ),
+    "hybrid-3to1": Architecture(
+        "sliding-window heavy: three sliding-window layers per global GQA layer",
+        pattern_layers("swa,swa,swa,gqa"), HYBRID_SETTINGS, in_patterns=False,
+    ),
 }
+DEFAULT_SETTINGS = {"share": 2}  # settings no preset sizes
 
 
 def architectures() -> list[str]:
@@ -72,8 +161,9 @@ def check_architecture(name: str) -> str:
 
 def make_config(name: str, preset: str = "small", **overrides) -> ModelConfig:
     arch = ARCHITECTURES[check_architecture(name)]
-    settings = preset_settings(preset)
-    allowed = set(CONFIG_OVERRIDES) | set(ATTENTION_OVERRIDES) | {f.name for f in fields(Preset)}
+    settings = {**DEFAULT_SETTINGS, **preset_settings(preset)}
+    sizes = {f.name for f in fields(Preset)} - {"window"}  # a window means something only where an architecture reads it
+    allowed = set(CONFIG_OVERRIDES) | set(ATTENTION_OVERRIDES) | sizes | set(arch.settings)
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         raise ValueError(f"unknown setting(s) {unknown} for {name!r}; allowed: {sorted(allowed)}")

@@ -1,0 +1,93 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): keys and values come from one normalised latent per token plus a
+rotary key shared by all heads, so the cache holds only [latent ; rope key]. Weight names follow HF DeepseekV3."""
+import torch
+from torch import nn
+
+from attention.cache_spec import CacheBatch, CacheSpec
+from attention.kv_layouts import fresh_attention
+from attention.rope import RotaryEmbedding, apply_rope
+from attention.norm import RMSNorm
+
+
+class MLAttention(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        layer_idx: int,
+        n_heads: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        q_lora_rank: int | None = None,
+        rope_base: float = 10000.0,
+        norm_eps: float = 1e-6,
+    ):
+        super().__init__()
+        sizes = dict(n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
+                     qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim)
+        bad = {name: value for name, value in sizes.items() if value < 1}
+        if q_lora_rank is not None and q_lora_rank < 1:
+            bad["q_lora_rank"] = q_lora_rank
+        if bad:
+            raise ValueError(f"MLA sizes must be >= 1 (q_lora_rank may be None for a plain q_proj), got {bad}")
+        self.layer_idx = layer_idx
+        self.n_heads, self.kv_lora_rank, self.v_head_dim = n_heads, kv_lora_rank, v_head_dim
+        self.nope_dim, self.rope_dim = qk_nope_head_dim, qk_rope_head_dim
+        self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+        q_out = n_heads * (qk_nope_head_dim + qk_rope_head_dim)
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(d_model, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d_model, q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps)
+            self.q_b_proj = nn.Linear(q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d_model, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(n_heads * v_head_dim, d_model, bias=False)
+        self.rope = RotaryEmbedding(qk_rope_head_dim, rope_base)
+
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(kind="latent", kv_heads=1, head_dim=self.kv_lora_rank + self.rope_dim, value_dim=self.kv_lora_rank)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, batch: CacheBatch | None = None):
+        """Uncached and prefill: the expanded form (per-head keys/values from the latent). Decode: weight absorption,
+        MQA over the cached latent rows, so a step reads kv_lora_rank + qk_rope_head_dim elements per token."""
+        b, t, _ = x.shape
+        if positions is None:
+            positions = torch.arange(t, device=x.device).expand(b, t)
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(b, t, self.n_heads, -1).transpose(1, 2).split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent).unsqueeze(1)  # [B, 1, T, rank]: one "head" shared by all
+        cos, sin = self.rope(positions, q.dtype)
+        q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope.unsqueeze(1), cos, sin)
+        rows = torch.cat([latent, k_rope], dim=-1)
+        if cache is not None:
+            cache.write(rows, None, batch)
+        if batch is None or batch.is_prefill:
+            out = self.expanded(q_nope, q_rope, latent, k_rope, positions)
+        else:
+            out = self.absorbed(q_nope, q_rope, cache, batch)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.v_head_dim))
+
+    def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, rank] and W_UV [H, v, rank], the per-head maps from the latent to keys and values."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def expanded(self, q_nope, q_rope, latent, k_rope, positions) -> torch.Tensor:
+        b, _, t, _ = latent.shape
+        kv = self.kv_b_proj(latent[:, 0]).view(b, t, self.n_heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(-1, self.n_heads, -1, -1)], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        return fresh_attention(q, k, v, positions, None, self.scale)
+
+    def absorbed(self, q_nope, q_rope, cache, batch: CacheBatch) -> torch.Tensor:
+        w_uk, w_uv = self.up_projections()
+        # q·k_nope = (q W_UK)·latent: fold W_UK into the query, so keys stay in the latent space
+        q = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk), q_rope], dim=-1)
+        out_latent = cache.attend(q, batch, self.scale, value_dim=self.kv_lora_rank)  # [B, H, T, rank]
+        return torch.einsum("bhtr,hvr->bhtv", out_latent, w_uv)  # W_UV applied after attention
