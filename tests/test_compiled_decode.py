@@ -14,3 +14,15 @@ def test_compiled_decode_equals_eager(helpers, kv_cache):
     for got, want in zip(compiled, eager):
         helpers.assert_not_constant(want.token_ids)
         helpers.assert_same_output(got, want, context=f"compiled {kv_cache}")
+
+
+@pytest.mark.parametrize("arch,settings", [("hybrid", {"layers": "mla,swa", "window": 12}), ("cla", {})])
+def test_compiled_decode_equals_eager_for_latent_rolling_and_shared_caches(helpers, arch, settings):
+    model = helpers.random_model(arch, **settings)
+    prompts = helpers.make_prompts([5, 19], model.config.vocab_size)
+    params = helpers.greedy(8)
+    eager = Engine(model, max_batch=2, max_seq_len=40).generate(prompts, params)
+    compiled = Engine(model, max_batch=2, max_seq_len=40, compile=True).generate(prompts, params)
+    for got, want in zip(compiled, eager):
+        helpers.assert_not_constant(want.token_ids)
+        helpers.assert_same_output(got, want, context=f"compiled {arch}")
