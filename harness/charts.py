@@ -8,6 +8,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
 
 
+MARKERS = "os^vDP*X"
+DASHES = ("-", "--", "-.", ":")
+
+
 def by_arch(rows: list[dict]) -> dict[str, list[dict]]:
     groups: dict[str, list[dict]] = {}
     for row in rows:
@@ -18,8 +22,9 @@ def by_arch(rows: list[dict]) -> dict[str, list[dict]]:
 def line_chart(path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]],
                markers: dict[str, tuple[list, list]] | None = None, logx: bool = True, logy: bool = False) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
-    for name, (xs, ys) in series.items():
-        line, = ax.plot(xs, ys, marker="o", label=name)
+    for i, (name, (xs, ys)) in enumerate(series.items()):
+        # marker and dash vary too: lines that coincide (e.g. mqa and cla caches) stay distinguishable
+        line, = ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], linestyle=DASHES[i % len(DASHES)], label=name)
         if markers and name in markers:
             ax.scatter(*markers[name], marker="x", s=60, color=line.get_color(), zorder=3)
     if logx:
