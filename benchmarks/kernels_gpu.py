@@ -3,9 +3,10 @@
 Run from the repository root on a machine with CUDA and triton:
 
     python -m benchmarks.kernels_gpu                 # defaults: 32 query / 8 KV heads, head_dim 128
-    python -m benchmarks.kernels_gpu --context 8192 --batches 1 8 32
+    python -m benchmarks.kernels_gpu --context 8192 --batches 1 8 32 --window 4096
 
-Prints two Markdown tables (decode attention, KV write) with median times from
+Prints four Markdown tables (decode attention, the same under a sliding window, MLA decode over a
+paged latent cache, KV write) with median times from
 triton.testing.do_bench (L2 flushed between runs, launch overhead included), the
 PyTorch / Triton ratio, the bytes each kernel must move divided by its time, and that figure as a
 share of the GPU's measured copy bandwidth (printed first). Each row is checked against the
@@ -18,6 +19,8 @@ import sys
 import torch
 
 from kernels import (
+    mla_decode_attention_ref,
+    mla_decode_attention_triton,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
     write_paged_kv_ref,
@@ -36,6 +39,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--window", type=int, default=1024, help="keys a query sees in the sliding-window table")
+    parser.add_argument("--mla-heads", type=int, default=128, help="query heads of the MLA table (DeepSeek-V3: 128)")
+    parser.add_argument("--kv-lora-rank", type=int, default=512, help="MLA latent width, also the value width")
+    parser.add_argument("--rope-dim", type=int, default=64, help="MLA rope key width, stored after the latent")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["fp16", "bf16"])
     parser.add_argument("--prefill-tokens", type=int, default=4096, help="tokens in the prefill-sized write row")
     return parser.parse_args()
@@ -54,16 +61,15 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() / (median_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
 
 
-def paged_cache(batch, args, dtype):
-    """Every sequence `context` keys long, its blocks scattered over the pool in random order."""
+def paged_pools(batch, args, row_shape, dtype, count):
+    """`count` pools of rows of `row_shape`; every sequence `context` keys long, its blocks scattered over
+    the pools in random order. Returns (*pools, block_table, seq_lens)."""
     blocks_per_seq = -(-args.context // args.block_size)
     num_blocks = batch * blocks_per_seq
-    shape = (num_blocks, args.block_size, args.kv_heads, args.head_dim)
-    k_pool = torch.randn(shape, dtype=dtype, device="cuda")
-    v_pool = torch.randn(shape, dtype=dtype, device="cuda")
+    pools = [torch.randn(num_blocks, args.block_size, *row_shape, dtype=dtype, device="cuda") for _ in range(count)]
     block_table = torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int()
     seq_lens = torch.full((batch,), args.context, dtype=torch.int32, device="cuda")
-    return k_pool, v_pool, block_table, seq_lens
+    return *pools, block_table, seq_lens
 
 
 def row(cells) -> str:
@@ -79,37 +85,69 @@ def timing_cells(triton_ms, torch_ms, nbytes, peak_gbs, max_err) -> list[str]:
 HEADER = ["Triton (µs)", "PyTorch (µs)", "PyTorch / Triton", "Triton GB/s", "% of copy BW", "max abs diff"]
 
 
-def bench_attention(args, peak_gbs) -> None:
-    print(f"\n### Paged decode attention: {args.heads} query / {args.kv_heads} KV heads, head_dim {args.head_dim}, "
-          f"context {args.context}, block {args.block_size}\n")
-    print(row(["batch", "dtype", *HEADER]))
+def print_header(title, first_column) -> None:
+    print(f"\n### {title}\n")
+    print(row([first_column, "dtype", *HEADER]))
     print(row(["---"] * (2 + len(HEADER))))
+
+
+def bench_attention(args, peak_gbs, window=None) -> None:
+    title = (f"Paged decode attention: {args.heads} query / {args.kv_heads} KV heads, head_dim {args.head_dim}, "
+             f"context {args.context}, block {args.block_size}")
+    print_header(title if window is None else f"{title}, sliding window {window}", "batch")
+    visible = args.context if window is None else min(window, args.context)
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
         for batch in args.batches:
-            k_pool, v_pool, block_table, seq_lens = paged_cache(batch, args, dtype)
+            row_shape = (args.kv_heads, args.head_dim)
+            k_pool, v_pool, block_table, seq_lens = paged_pools(batch, args, row_shape, dtype, count=2)
             q = torch.randn(batch, args.heads, args.head_dim, dtype=dtype, device="cuda")
             inputs = (q, k_pool, v_pool, block_table, seq_lens, args.head_dim**-0.5)
-            triton_out, ref_out = paged_decode_attention_triton(*inputs), paged_decode_attention_ref(*inputs)
+            triton_out = paged_decode_attention_triton(*inputs, window=window)
+            ref_out = paged_decode_attention_ref(*inputs, window=window)
             max_err = (triton_out.float() - ref_out.float()).abs().max().item()
             if max_err > TOLERANCE[dtype]:
                 sys.exit(f"Triton attention differs from the reference by {max_err:.2e} (batch {batch}, {dtype_name})")
-            # the kernel's unavoidable traffic: every cached K and V once, plus q and the output
-            kv_bytes = batch * args.context * args.kv_heads * 2 * args.head_dim * k_pool.element_size()
+            # the kernel's unavoidable traffic: every visible cached K and V once, plus q and the output
+            kv_bytes = batch * visible * args.kv_heads * 2 * args.head_dim * k_pool.element_size()
             nbytes = kv_bytes + 2 * q.nbytes + block_table.nbytes
-            triton_ms = median_ms(lambda: paged_decode_attention_triton(*inputs))
-            torch_ms = median_ms(lambda: paged_decode_attention_ref(*inputs))
+            triton_ms = median_ms(lambda: paged_decode_attention_triton(*inputs, window=window))
+            torch_ms = median_ms(lambda: paged_decode_attention_ref(*inputs, window=window))
             cells = timing_cells(triton_ms, torch_ms, nbytes, peak_gbs, max_err)
             print(row([str(batch), dtype_name, *cells]), flush=True)
             del k_pool, v_pool, inputs
             torch.cuda.empty_cache()
 
 
+def bench_mla(args, peak_gbs) -> None:
+    width, value_dim = args.kv_lora_rank + args.rope_dim, args.kv_lora_rank
+    print_header(f"MLA decode attention (absorbed): {args.mla_heads} query heads over a paged latent of "
+                 f"{args.kv_lora_rank} + {args.rope_dim} per token, context {args.context}, block {args.block_size}",
+                 "batch")
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        for batch in args.batches:
+            latent_pool, block_table, seq_lens = paged_pools(batch, args, (width,), dtype, count=1)
+            q = torch.randn(batch, args.mla_heads, width, dtype=dtype, device="cuda")
+            inputs = (q, latent_pool, block_table, seq_lens, width**-0.5, value_dim)
+            triton_out, ref_out = mla_decode_attention_triton(*inputs), mla_decode_attention_ref(*inputs)
+            max_err = (triton_out.float() - ref_out.float()).abs().max().item()
+            if max_err > TOLERANCE[dtype]:
+                sys.exit(f"Triton MLA differs from the reference by {max_err:.2e} (batch {batch}, {dtype_name})")
+            # the kernel's unavoidable traffic: every cached latent row once (key and value), plus q and the output
+            latent_bytes = batch * args.context * width * latent_pool.element_size()
+            nbytes = latent_bytes + q.nbytes + triton_out.nbytes + block_table.nbytes
+            triton_ms = median_ms(lambda: mla_decode_attention_triton(*inputs))
+            torch_ms = median_ms(lambda: mla_decode_attention_ref(*inputs))
+            cells = timing_cells(triton_ms, torch_ms, nbytes, peak_gbs, max_err)
+            print(row([str(batch), dtype_name, *cells]), flush=True)
+            del latent_pool, inputs
+            torch.cuda.empty_cache()
+
+
 def bench_write(args, peak_gbs) -> None:
-    print(f"\n### Paged KV write: {args.kv_heads} KV heads, head_dim {args.head_dim}, block {args.block_size} "
-          f"(decode rows write one token per sequence, the last row a prefill)\n")
-    print(row(["tokens", "dtype", *HEADER]))
-    print(row(["---"] * (2 + len(HEADER))))
+    print_header(f"Paged KV write: {args.kv_heads} KV heads, head_dim {args.head_dim}, block {args.block_size} "
+                 f"(decode rows write one token per sequence, the last row a prefill)", "tokens")
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
         for num_tokens in [*args.batches, args.prefill_tokens]:
@@ -146,6 +184,8 @@ def main() -> None:
           f"(torch {torch.__version__}, triton {triton.__version__})")
     print(f"\nMeasured copy bandwidth (1 GiB device copy, read + write): {peak_gbs:.0f} GB/s")
     bench_attention(args, peak_gbs)
+    bench_attention(args, peak_gbs, window=args.window)
+    bench_mla(args, peak_gbs)
     bench_write(args, peak_gbs)
 
 

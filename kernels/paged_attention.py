@@ -5,6 +5,10 @@ KVH, Dv]; block_table [B, max_blocks] (entry j = pool block holding positions j*
 seq_lens [B] (valid keys per sequence, the current token included). Query head h reads KV head
 h // (H // KVH). Output [B, H, Dv] in q's dtype, softmax computed in fp32.
 
+Sliding window (HF Mistral's convention): the query at position seq_len-1 sees the `window` keys at
+positions seq_len-window .. seq_len-1. Keys before that are never read: the engine returns blocks
+that leave the window to the pool and sets their table entries to -1.
+
 The PyTorch reference is the CPU path and the oracle. The Triton kernel is split-K
 "flash-decoding": stage 1 gives each (sequence, KV head, split) program the whole GQA group of
 query heads and one slice of the sequence, walked through the block table with an online softmax;
@@ -26,7 +30,7 @@ _MAX_SPLITS = 16
 _PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep its memory pipe busy
 
 
-def _check_args(q, k_pool, v_pool, block_table, seq_lens) -> None:
+def _check_args(q, k_pool, v_pool, block_table, seq_lens, window) -> None:
     if q.dim() != 3 or k_pool.dim() != 4 or v_pool.dim() != 4:
         raise ValueError("expected q [B, H, D] and pools [num_blocks, block_size, KVH, D]")
     if k_pool.shape[:3] != v_pool.shape[:3]:
@@ -38,16 +42,23 @@ def _check_args(q, k_pool, v_pool, block_table, seq_lens) -> None:
         raise ValueError(f"query dim {q.shape[2]} != key dim {k_pool.shape[3]}")
     if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
         raise ValueError("expected block_table [B, max_blocks] and seq_lens [B]")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be at least 1 key, got {window}")
 
 
-def paged_decode_attention_ref(q, k_pool, v_pool, block_table, seq_lens, scale: float) -> torch.Tensor:
-    _check_args(q, k_pool, v_pool, block_table, seq_lens)
+def paged_decode_attention_ref(
+    q, k_pool, v_pool, block_table, seq_lens, scale: float, window: int | None = None
+) -> torch.Tensor:
+    _check_args(q, k_pool, v_pool, block_table, seq_lens, window)
     batch, num_heads, _ = q.shape
     block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
     max_len = int(seq_lens.max())
-    positions = torch.arange(max_len, device=q.device)
-    valid = positions < seq_lens[:, None]  # [B, L]
-    pages = block_table[:, positions // block_size].long()
+    span = max_len if window is None else min(window, max_len)
+    # each sequence gathers only its own window: earlier table entries may already be -1
+    first = (seq_lens.long() - span).clamp(min=0)
+    positions = first[:, None] + torch.arange(span, device=q.device)  # [B, L], all < max_len
+    valid = positions < seq_lens[:, None]
+    pages = block_table.gather(1, positions // block_size).long()
     # invalid positions may map to unused table entries (-1): point them at slot 0, masked below
     slots = torch.where(valid, pages * block_size + positions % block_size, 0)
     keys = k_pool.flatten(0, 1)[slots].float()  # [B, L, KVH, Dk]
@@ -62,7 +73,7 @@ def paged_decode_attention_ref(q, k_pool, v_pool, block_table, seq_lens, scale: 
 
 def _split_kernel(
     q_ptr, k_pool_ptr, v_pool_ptr, block_table_ptr, seq_lens_ptr, partial_out_ptr, partial_lse_ptr,
-    scale, split_len,
+    scale, window, split_len,
     stride_q_seq, stride_q_head, stride_q_dim,
     stride_k_block, stride_k_pos, stride_k_head, stride_k_dim,
     stride_v_block, stride_v_pos, stride_v_head, stride_v_dim,
@@ -75,7 +86,8 @@ def _split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_start = split * split_len
+    # the splits tile the window alone: blocks before it are never loaded (their table entries may be -1)
+    split_start = tl.maximum(seq_len - window, 0) + split * split_len
     split_end = tl.minimum(split_start + split_len, seq_len)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -144,7 +156,7 @@ def _merge_kernel(
     partial_rows = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
 
     lse = tl.load(partial_lse_ptr + partial_rows, mask=split_ok, other=float("-inf"))
-    # split 0 always holds a key (seq_len >= 1), so the max is finite
+    # split 0 starts at the window's first key and seq_len >= 1, so it holds a key and the max is finite
     weights = tl.exp(lse - tl.max(lse, axis=0))
     partial_out = tl.load(partial_out_ptr + partial_rows[:, None] * DIM_V + dims[None, :],
                           mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
@@ -186,9 +198,9 @@ def _default_num_splits(max_len: int, programs_per_split: int, device: torch.dev
 
 
 def paged_decode_attention_triton(
-    q, k_pool, v_pool, block_table, seq_lens, scale: float, num_splits: int | None = None
+    q, k_pool, v_pool, block_table, seq_lens, scale: float, num_splits: int | None = None, window: int | None = None
 ) -> torch.Tensor:
-    _check_args(q, k_pool, v_pool, block_table, seq_lens)
+    _check_args(q, k_pool, v_pool, block_table, seq_lens, window)
     split_kernel, merge_kernel = _jitted_kernels()
     batch, num_heads, dim_k = q.shape
     block_size, num_kv_heads, dim_v = v_pool.shape[1], v_pool.shape[2], v_pool.shape[3]
@@ -196,18 +208,19 @@ def paged_decode_attention_triton(
     # the table's capacity bounds the longest sequence without a device sync (reading seq_lens would
     # need one); callers size the table to their longest sequence, so the bound is tight
     max_len = block_table.shape[1] * block_size
+    span = max_len if window is None else min(window, max_len)  # keys one sequence can see
     if num_splits is None:
-        num_splits = _default_num_splits(max_len, batch * num_kv_heads, q.device)
+        num_splits = _default_num_splits(span, batch * num_kv_heads, q.device)
     dim_k_pad, dim_v_pad = _padded(dim_k), _padded(dim_v)
     keys_per_step, num_warps = _tile_shape(max(dim_k_pad, dim_v_pad), k_pool.element_size())
-    split_len = _cdiv(_cdiv(max_len, num_splits), keys_per_step) * keys_per_step
+    split_len = _cdiv(_cdiv(span, num_splits), keys_per_step) * keys_per_step
 
     partial_out = torch.empty(batch, num_heads, num_splits, dim_v, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(batch, num_heads, dim_v, dtype=q.dtype, device=q.device)
     split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_pool, v_pool, block_table, seq_lens, partial_out, partial_lse,
-        scale, split_len,
+        scale, span, split_len,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *block_table.stride(),
         GROUP=group, GROUP_PAD=_padded(group), DIM_K=dim_k, DIM_K_PAD=dim_k_pad,
         DIM_V=dim_v, DIM_V_PAD=dim_v_pad, BLOCK_SIZE=block_size, KEYS_PER_STEP=keys_per_step,
@@ -221,7 +234,9 @@ def paged_decode_attention_triton(
     return out
 
 
-def paged_decode_attention(q, k_pool, v_pool, block_table, seq_lens, scale: float) -> torch.Tensor:
+def paged_decode_attention(
+    q, k_pool, v_pool, block_table, seq_lens, scale: float, window: int | None = None
+) -> torch.Tensor:
     if use_triton(q, k_pool, v_pool, block_table, seq_lens):
-        return paged_decode_attention_triton(q, k_pool, v_pool, block_table, seq_lens, scale)
-    return paged_decode_attention_ref(q, k_pool, v_pool, block_table, seq_lens, scale)
+        return paged_decode_attention_triton(q, k_pool, v_pool, block_table, seq_lens, scale, window=window)
+    return paged_decode_attention_ref(q, k_pool, v_pool, block_table, seq_lens, scale, window=window)

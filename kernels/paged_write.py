@@ -3,6 +3,7 @@
 k [N, KVH, Dk], v [N, KVH, Dv]; k_pool/v_pool contiguous [num_blocks, block_size, KVH, D];
 slot_mapping [N], flat slot = block * block_size + offset, negative = skip (padding token).
 In a contiguous pool the flat slot is simply the token's row in pool.view(-1, KVH, D).
+v = v_pool = None writes keys only: an MLA latent cache holds one row per token, [latent ; rope key].
 """
 
 from __future__ import annotations  # keeps the `tl.constexpr` annotations inert until triton is imported
@@ -15,6 +16,10 @@ tl = None  # triton.language, bound by _jitted_kernel() on the first Triton call
 
 
 def _check_args(k, v, k_pool, v_pool, slot_mapping) -> None:
+    if (v is None) != (v_pool is None):
+        raise ValueError("pass v and v_pool together, or neither for a keys-only write")
+    if v is None:  # check the keys alone, through the same rules
+        v, v_pool = k, k_pool
     if k.dim() != 3 or v.dim() != 3 or slot_mapping.shape != (k.shape[0],) or v.shape[0] != k.shape[0]:
         raise ValueError("expected k [N, KVH, Dk], v [N, KVH, Dv] and slot_mapping [N]")
     if k_pool.shape[2:] != k.shape[1:] or v_pool.shape[2:] != v.shape[1:]:
@@ -29,7 +34,8 @@ def write_paged_kv_ref(k, v, k_pool, v_pool, slot_mapping) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k_pool.view(-1, *k_pool.shape[2:])[slots] = k[keep].to(k_pool.dtype)
-    v_pool.view(-1, *v_pool.shape[2:])[slots] = v[keep].to(v_pool.dtype)
+    if v is not None:
+        v_pool.view(-1, *v_pool.shape[2:])[slots] = v[keep].to(v_pool.dtype)
 
 
 def _write_kernel(
@@ -38,6 +44,7 @@ def _write_kernel(
     stride_v_token, stride_v_head, stride_v_dim,
     NUM_KV_HEADS: tl.constexpr, NUM_KV_HEADS_PAD: tl.constexpr,
     DIM_K: tl.constexpr, DIM_K_PAD: tl.constexpr, DIM_V: tl.constexpr, DIM_V_PAD: tl.constexpr,
+    HAS_VALUES: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -53,12 +60,13 @@ def _write_kernel(
     k_dest = k_pool_ptr + slot * (NUM_KV_HEADS * DIM_K) + heads[:, None] * DIM_K + dims_k[None, :]
     tl.store(k_dest, new_k.to(k_pool_ptr.dtype.element_ty), mask=mask_k)
 
-    dims_v = tl.arange(0, DIM_V_PAD)
-    mask_v = head_ok[:, None] & (dims_v < DIM_V)[None, :]
-    new_v = tl.load(v_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims_v[None, :] * stride_v_dim,
-                    mask=mask_v)
-    v_dest = v_pool_ptr + slot * (NUM_KV_HEADS * DIM_V) + heads[:, None] * DIM_V + dims_v[None, :]
-    tl.store(v_dest, new_v.to(v_pool_ptr.dtype.element_ty), mask=mask_v)
+    if HAS_VALUES:
+        dims_v = tl.arange(0, DIM_V_PAD)
+        mask_v = head_ok[:, None] & (dims_v < DIM_V)[None, :]
+        new_v = tl.load(v_ptr + token * stride_v_token + heads[:, None] * stride_v_head
+                        + dims_v[None, :] * stride_v_dim, mask=mask_v)
+        v_dest = v_pool_ptr + slot * (NUM_KV_HEADS * DIM_V) + heads[:, None] * DIM_V + dims_v[None, :]
+        tl.store(v_dest, new_v.to(v_pool_ptr.dtype.element_ty), mask=mask_v)
 
 
 @functools.cache
@@ -79,14 +87,17 @@ def _next_power_of_2(n: int) -> int:
 def write_paged_kv_triton(k, v, k_pool, v_pool, slot_mapping) -> None:
     _check_args(k, v, k_pool, v_pool, slot_mapping)
     num_tokens, num_kv_heads, dim_k = k.shape
-    dim_v = v.shape[2]
     if num_tokens == 0:
         return
+    has_values = v is not None
+    # a keys-only write compiles without the value half (HAS_VALUES), so the stand-ins below are never read
+    v, v_pool = (v, v_pool) if has_values else (k, k_pool)
+    dim_v = v.shape[2]
     _jitted_kernel()[(num_tokens,)](
         k, v, k_pool, v_pool, slot_mapping, *k.stride(), *v.stride(),
         NUM_KV_HEADS=num_kv_heads, NUM_KV_HEADS_PAD=_next_power_of_2(num_kv_heads),
         DIM_K=dim_k, DIM_K_PAD=_next_power_of_2(dim_k),
-        DIM_V=dim_v, DIM_V_PAD=_next_power_of_2(dim_v),
+        DIM_V=dim_v, DIM_V_PAD=_next_power_of_2(dim_v), HAS_VALUES=has_values,
     )
 
 

@@ -34,9 +34,13 @@ class PagedCache:
     seq_lens: torch.Tensor  # [B] int32
 
 
-def build_paged_cache(seq_lens, block_size, num_kv_heads, dim_k, dim_v, dtype, device) -> PagedCache:
+def build_paged_cache(seq_lens, block_size, num_kv_heads, dim_k, dim_v, dtype, device, window=None) -> PagedCache:
     """Random K/V for each sequence in shuffled pool blocks; every slot no sequence owns holds NaN,
-    so a kernel that reads past a sequence's end or into a foreign block produces NaN."""
+    so a kernel that reads past a sequence's end or into a foreign block produces NaN.
+
+    With a window, as the engine leaves it: blocks wholly before the window are back in the pool (table
+    entry -1, contents NaN), and the positions before it in the first kept block hold NaN too.
+    """
     generator = torch.Generator().manual_seed(sum(seq_lens) + block_size)
     blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3  # spare blocks nobody owns
@@ -45,12 +49,15 @@ def build_paged_cache(seq_lens, block_size, num_kv_heads, dim_k, dim_v, dtype, d
     block_table = torch.full((len(seq_lens), max(blocks_per_seq) + 1), -1, dtype=torch.int32)
     shuffled_blocks = torch.randperm(num_blocks, generator=generator).tolist()
     for seq, (seq_len, num_seq_blocks) in enumerate(zip(seq_lens, blocks_per_seq)):
-        for entry in range(num_seq_blocks):
+        first_visible = 0 if window is None else max(0, seq_len - window)
+        for entry in range(first_visible // block_size, num_seq_blocks):
             block = shuffled_blocks.pop()
             block_table[seq, entry] = block
             filled = min(block_size, seq_len - entry * block_size)
             k_pool[block, :filled] = torch.randn(filled, num_kv_heads, dim_k, generator=generator)
             v_pool[block, :filled] = torch.randn(filled, num_kv_heads, dim_v, generator=generator)
+            hidden = max(0, first_visible - entry * block_size)  # positions before the window in this block
+            k_pool[block, :hidden] = v_pool[block, :hidden] = float("nan")
     return PagedCache(
         k_pool=k_pool.to(device, dtype),
         v_pool=v_pool.to(device, dtype),

@@ -55,6 +55,31 @@ def test_triton_all_skipped_leaves_pools_untouched(force_triton, device):
     assert torch.equal(k_pool, original_k) and torch.equal(v_pool, original_v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_keys_only_write(force_triton, device, dtype):
+    # an MLA latent cache: one 48-wide row per token ([latent 32 ; rope key 16]) and no value pool
+    latent, _ = make_tokens(48, 4, dtype, device)
+    slot_mapping = torch.tensor(SLOTS, device=device)
+    expected, _ = make_pools(48, 4, dtype, device)
+    for token, slot in enumerate(SLOTS):
+        if slot >= 0:  # negative slots (padding tokens) leave the pool as it was
+            expected.view(-1, NUM_KV_HEADS, 48)[slot] = latent[token]
+    for write in (write_paged_kv_ref, write_paged_kv_triton):
+        pool, _ = make_pools(48, 4, dtype, device)
+        write(latent, None, pool, None, slot_mapping)
+        assert torch.equal(pool, expected), write.__name__
+
+
+@pytest.mark.parametrize("write", [write_paged_kv_ref, write_paged_kv_triton])
+def test_values_without_value_pool_raise(write):
+    k, v = make_tokens(4, 4, torch.float32, "cpu")
+    k_pool, v_pool = make_pools(4, 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="v_pool"):
+        write(k, v, k_pool, None, torch.tensor(SLOTS))
+    with pytest.raises(ValueError, match="v_pool"):
+        write(k, None, k_pool, v_pool, torch.tensor(SLOTS))
+
+
 def test_dispatcher_writes_on_cpu_without_triton_path(monkeypatch):
     monkeypatch.delenv(FORCE_TRITON_ENV, raising=False)
     k, v = make_tokens(4, 4, torch.float32, "cpu")
