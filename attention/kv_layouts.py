@@ -35,10 +35,16 @@ def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
                     scale: float) -> torch.Tensor:
     """Causal (optionally windowed) attention over the keys of this call alone: no cache, or a prefill from 0."""
     gqa = k.shape[1] != q.shape[1]
+    value_dim, width = v.shape[-1], max(v.shape[-1], q.shape[-1])
+    if value_dim != q.shape[-1]:
+        # SDPA's fused CPU kernel needs equal head dims (MLA's differ), else a ~6x slower path; zeros change nothing
+        q, k, v = (F.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
     if window is None or window >= q.shape[2]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    mask = visible_keys(positions, positions, window).unsqueeze(1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        mask = visible_keys(positions, positions, window).unsqueeze(1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out[..., :value_dim]
 
 
 class KVTensors:

@@ -37,12 +37,12 @@ def run_cached(mixer, cache, x: torch.Tensor, chunks: list[int], make_batch) -> 
     return torch.cat(outs, dim=1)
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 12])
+@pytest.mark.parametrize("q_lora_rank,v_head_dim", [(None, 10), (12, 10), (None, 24)])  # value narrower / wider than q·k
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
-def test_mla_absorbed_decode_equals_expanded_form(q_lora_rank, layout):
+def test_mla_absorbed_decode_equals_expanded_form(q_lora_rank, v_head_dim, layout):
     torch.manual_seed(0)
     mla = MLAttention(d_model=32, layer_idx=0, n_heads=4, kv_lora_rank=20, qk_nope_head_dim=8, qk_rope_head_dim=6,
-                      v_head_dim=10, q_lora_rank=q_lora_rank)
+                      v_head_dim=v_head_dim, q_lora_rank=q_lora_rank)
     x = torch.randn(2, 21, 32)
     with torch.no_grad():
         expanded = mla(x)  # uncached: per-head keys and values expanded from the latent
