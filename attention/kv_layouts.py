@@ -19,16 +19,11 @@ def visible_keys(key_positions: torch.Tensor, query_positions: torch.Tensor, win
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float):
     """q: [B, H, T, D]; k: [B, KVH, L, D]; v: [B, KVH, L, Dv]; visible: [B, T, L]. Returns [B, H, T, Dv].
 
-    Written out rather than SDPA: for a few query tokens SDPA's per-call cost dominates, and these plain ops
-    fuse under torch.compile. Each KV head's query group is one matmul, so K/V are read once per group.
+    SDPA with a boolean mask: its fused CPU kernel reads a 16-bit cache as it is, where matmuls over the
+    transposed cache copy it first (bf16 decode 4x faster at batch 14 x 4096 keys; no slower in fp32).
     """
-    b, h, t, d = q.shape
-    kv_heads, length = k.shape[1], k.shape[2]
-    group = h // kv_heads
-    scores = torch.matmul(q.reshape(b, kv_heads, group * t, d), k.transpose(-1, -2)).float() * scale
-    scores = scores.view(b, kv_heads, group, t, length).masked_fill(~visible[:, None, None], float("-inf"))
-    probs = scores.softmax(dim=-1).to(v.dtype).view(b, kv_heads, group * t, length)
-    return torch.matmul(probs, v).view(b, h, t, v.shape[-1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible.unsqueeze(1), scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int | None,
@@ -59,9 +54,12 @@ class KVTensors:
     def nbytes(self) -> int:
         return self.k.nbytes + (0 if self.v is None else self.v.nbytes)
 
-    def values(self, k: torch.Tensor, v: torch.Tensor | None, value_dim: int | None) -> torch.Tensor:
-        """A latent cache's value is the first value_dim columns of its key row."""
-        return k[..., :value_dim] if v is None else v
+    def attend_over(self, q, k, v, visible, scale: float, value_dim: int | None) -> torch.Tensor:
+        """A latent cache's value is the first value_dim columns of its key row: attend with the whole row as
+        the value (no copy, equal head dims for SDPA's fused kernel) and keep those columns of the output."""
+        if v is None:
+            return masked_attention(q, k, k, visible, scale)[..., :value_dim]
+        return masked_attention(q, k, v, visible, scale)
 
 
 class ContiguousKV(KVTensors):
@@ -98,7 +96,7 @@ class ContiguousKV(KVTensors):
             v = None if self.v is None else self.v[rows, :, : batch.max_length]
             key_positions = torch.arange(batch.max_length, device=q.device).unsqueeze(0)
         visible = visible_keys(key_positions, batch.positions, self.window)
-        return masked_attention(q, k, self.values(k, v, value_dim), visible, scale)
+        return self.attend_over(q, k, v, visible, scale, value_dim)
 
 
 class PagedKV(KVTensors):
@@ -126,7 +124,7 @@ class PagedKV(KVTensors):
         k, v = self.gather(table, batch.max_length)
         key_positions = torch.arange(batch.max_length, device=q.device).unsqueeze(0)
         visible = visible_keys(key_positions, batch.positions, self.window)
-        return masked_attention(q, k, self.values(k, v, value_dim), visible, scale)
+        return self.attend_over(q, k, v, visible, scale, value_dim)
 
     def gather(self, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each sequence's first `length` keys and values as [B, KVH, length, D], read through its block table.

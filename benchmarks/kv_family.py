@@ -7,7 +7,7 @@ The `base` size (12 layers, d_model 768, 12 query heads), one cache budget (defa
 - measured max batch, contiguous = the rows the Engine allocates under the budget; paged = how many such requests
   the scheduler admits at once from a pool sized by the same budget;
 - decode tok/s at the contiguous max batch, and the memory-bound prediction batch / ((weights + cache read) / copy
-  bandwidth), with the bandwidth measured in the same run.
+  bandwidth), with the bandwidth measured in the same run and a shared (CLA) cache counted once per layer that reads it.
 
 Decode starts from a full-length cache without running the prefill (batch x 4096 tokens of prefill would take
 hours on a CPU); a decode step's cost does not depend on the cached values, only on how many there are.
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
         engine = admitted_at_once(model, budget, args.context, new_tokens, "contiguous", offered)
         batch = len(engine.scheduler.running)
         rate = decode_tok_s(engine, args.steps)
-        step_bytes = zoo.decode_weight_bytes(model) + batch * zoo.cache_bytes(model, seq_len=args.context)
+        step_bytes = zoo.decode_weight_bytes(model) + zoo.cache_read_bytes(model, seq_len=args.context, batch=batch)
         roofline = batch / (step_bytes / bandwidth)
         print(f"| {arch} | {per_request / 2**20:.1f} | {predicted} | {batch} | {paged} | {rate:.1f} | {roofline:.1f} | "
               f"{rate / roofline:.2f} |", flush=True)

@@ -51,9 +51,11 @@ class CachePool:
         """Bytes actually allocated for the caches (the measured figure); a shared cache counts once."""
         return sum(self.layers[i].nbytes for group in self.groups for i in group.layers)
 
-    def sequence_bytes(self, tokens: int) -> int:
-        """Analytic bytes one sequence of `tokens` tokens occupies across all layers."""
-        return self.element_size * sum(spec.elements(tokens) for spec in self.specs)
+    def read_bytes(self, tokens: int) -> int:
+        """Analytic cache bytes a decode step reads for one sequence of `tokens` tokens; a shared cache is read by
+        every layer that shares it."""
+        read = [self.specs[s.source] if s.kind == "shared" else s for s in self.specs]
+        return self.element_size * sum(spec.elements(tokens) for spec in read)
 
     def block_bytes(self, group: int) -> int:
         return self.element_size * self.block_size * self.groups[group].token_elements

@@ -20,7 +20,7 @@ class DecodeStats:
 
     seconds: list[float] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
-    kv_bytes: list[int] = field(default_factory=list)  # analytic cache bytes the step had to read
+    kv_bytes: list[int] = field(default_factory=list)  # analytic cache bytes the step had to read (zoo.cache_read_bytes)
 
     @property
     def tokens_per_second(self) -> float:
@@ -139,7 +139,7 @@ class Engine:
         if running:
             start = time.perf_counter()
             logits = self.runner.decode(running)
-            kv_bytes = sum(self.pool.sequence_bytes(s.cached) for s in running)
+            kv_bytes = sum(self.pool.read_bytes(s.cached) for s in running)
             self.emit(running, logits, finished)
             self.decode_stats.seconds.append(time.perf_counter() - start)
             self.decode_stats.batch_sizes.append(len(running))

@@ -5,7 +5,7 @@ import torch
 
 import zoo
 from attention import Attention, CacheBatch, ContiguousKV, MLAttention, PagedKV
-from harness import Engine
+from harness import Engine, SamplingParams
 
 DTYPE_SIZE = {torch.float32: 4, torch.bfloat16: 2}
 
@@ -204,3 +204,14 @@ def test_shared_cache_must_match_its_producer():
         zoo.build(zoo.ModelConfig(vocab_size=64, d_model=32, layers=windowed))
     with pytest.raises(ValueError, match="only with an earlier layer, got kv_source=1"):
         Attention(d_model=32, layer_idx=1, n_heads=4, kv_source=1)
+
+
+def test_shared_caches_are_owned_once_but_read_by_every_layer():
+    cla = zoo.build("cla", preset="tiny", n_layers=4, share=2)
+    gqa = zoo.build("gqa", preset="tiny", n_layers=4)
+    assert zoo.cache_bytes(cla, seq_len=10) * 2 == zoo.cache_bytes(gqa, seq_len=10)
+    assert zoo.cache_read_bytes(cla, seq_len=10) == zoo.cache_read_bytes(gqa, seq_len=10) == zoo.cache_bytes(gqa, seq_len=10)
+    engine = Engine(cla, max_batch=1, max_seq_len=32)
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0))
+    # MBU's byte count: three decode steps after a 3-token prompt attend over 4, 5 and 6 keys in all 4 layers
+    assert engine.decode_stats.kv_bytes == [zoo.cache_read_bytes(cla, seq_len=n) for n in (4, 5, 6)]

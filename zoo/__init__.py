@@ -1,5 +1,5 @@
 """archzoo's front door: build any registered decoder architecture, size its cache, load HF weights."""
-from zoo.cache import cache_bytes, decode_weight_bytes, parameter_bytes
+from zoo.cache import cache_bytes, cache_read_bytes, decode_weight_bytes, parameter_bytes
 from zoo.config import MixerSpec, ModelConfig
 from zoo.hf import from_hf
 from zoo.model import DecoderLM
@@ -9,5 +9,5 @@ from zoo.tokenizer import ByteTokenizer
 
 __all__ = [
     "ByteTokenizer", "DecoderLM", "MixerSpec", "ModelConfig", "PRESETS",
-    "architectures", "build", "cache_bytes", "decode_weight_bytes", "describe", "from_hf", "make_config", "parameter_bytes",
+    "architectures", "build", "cache_bytes", "cache_read_bytes", "decode_weight_bytes", "describe", "from_hf", "make_config", "parameter_bytes",
 ]
