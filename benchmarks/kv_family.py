@@ -6,8 +6,11 @@ The `base` size (12 layers, d_model 768, 12 query heads), one cache budget (defa
 - predicted max batch = budget // analytic cache bytes of one request (zoo.cache_bytes at context + new tokens);
 - measured max batch, contiguous = the rows the Engine allocates under the budget; paged = how many such requests
   the scheduler admits at once from a pool sized by the same budget;
-- decode tok/s at the contiguous max batch, and the memory-bound prediction batch / ((weights + cache read) / copy
-  bandwidth), with the bandwidth measured in the same run and a shared (CLA) cache counted once per layer that reads it.
+- decode tok/s at the contiguous max batch, against the roofline prediction batch / max(bytes / bandwidth,
+  FLOPs / matmul rate): bytes = weights + cache read (a shared CLA cache counted once per layer that reads it),
+  FLOPs = 2 x parameters x batch + attention (q.k and p.v over the keys each layer sees), with the copy bandwidth
+  and a large matmul's rate measured in the same run. On a CPU the large batches are compute-bound, and MLA's
+  absorbed decode does H x (rank + rope + rank) multiply-adds per key: its cache is small, its attention is not.
 
 Decode starts from a full-length cache without running the prefill (batch x 4096 tokens of prefill would take
 hours on a CPU); a decode step's cost does not depend on the cached values, only on how many there are.
@@ -42,6 +45,25 @@ def admitted_at_once(model, budget: int, context: int, new_tokens: int, kv_cache
     return engine
 
 
+def attention_flops(model, keys: int) -> int:
+    """FLOPs of one sequence's decode-step attention: q.k over each key's key width, p.v over its value width."""
+    specs = model.cache_specs()
+    total = 0
+    for block, spec in zip(model.blocks, specs):
+        read = specs[spec.source] if spec.kind == "shared" else spec
+        total += 2 * block.mixer.n_heads * (read.head_dim + read.value_dim) * read.tokens_held(keys)
+    return total
+
+
+def measure_matmul_flops(dtype, size: int = 2048) -> float:
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    a @ b  # warm-up
+    start = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    return 5 * 2 * size**3 / (time.perf_counter() - start)
+
+
 def decode_tok_s(engine: Engine, steps: int) -> float:
     running = list(engine.scheduler.running)
     engine.runner.decode(running)  # warm-up
@@ -64,10 +86,12 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     budget, new_tokens = int(args.budget_gib * 2**30), args.steps + 2
     bandwidth = measure_copy_bandwidth("cpu", nbytes=1 << 28)
-    print(f"budget {args.budget_gib} GiB, context {args.context}, {args.preset}, {args.dtype}, "
-          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, torch threads {torch.get_num_threads()}")
-    print("| arch | cache/request MiB | predicted max batch | contiguous | paged | decode tok/s | predicted tok/s | measured/predicted |")
-    print("|---|---|---|---|---|---|---|---|")
+    flops = measure_matmul_flops(DTYPES[args.dtype])
+    print(f"budget {args.budget_gib} GiB, context {args.context}, {args.preset}, {args.dtype}, copy bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s, torch threads {torch.get_num_threads()}")
+    print("| arch | cache/request MiB | predicted max batch | contiguous | paged | decode tok/s | "
+          "memory-bound tok/s | compute-bound tok/s | measured/predicted |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for arch in args.archs.split(","):
         torch.manual_seed(0)
         model = zoo.build(arch, preset=args.preset).to(DTYPES[args.dtype]).eval()
@@ -79,9 +103,10 @@ def main(argv=None) -> None:
         batch = len(engine.scheduler.running)
         rate = decode_tok_s(engine, args.steps)
         step_bytes = zoo.decode_weight_bytes(model) + zoo.cache_read_bytes(model, seq_len=args.context, batch=batch)
-        roofline = batch / (step_bytes / bandwidth)
-        print(f"| {arch} | {per_request / 2**20:.1f} | {predicted} | {batch} | {paged} | {rate:.1f} | {roofline:.1f} | "
-              f"{rate / roofline:.2f} |", flush=True)
+        step_flops = batch * (2 * sum(p.numel() for p in model.parameters()) + attention_flops(model, args.context))
+        memory_bound, compute_bound = batch / (step_bytes / bandwidth), batch / (step_flops / flops)
+        print(f"| {arch} | {per_request / 2**20:.1f} | {predicted} | {batch} | {paged} | {rate:.1f} | {memory_bound:.0f} | "
+              f"{compute_bound:.0f} | {rate / min(memory_bound, compute_bound):.2f} |", flush=True)
         del engine, model
 
 
