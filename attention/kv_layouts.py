@@ -34,11 +34,18 @@ def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     if value_dim != q.shape[-1]:
         # SDPA's fused CPU kernel needs equal head dims (MLA's differ), else a ~6x slower path; zeros change nothing
         q, k, v = (F.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
-    if window is None or window >= q.shape[2]:
+    t = q.shape[2]
+    if window is None or window >= t:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        mask = visible_keys(positions, positions, window).unsqueeze(1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        # queries in chunks of `window`, each against the keys its window can reach: O(T·W) work, not O(T²)
+        chunks = []
+        for start in range(0, t, window):
+            end, first_key = min(start + window, t), max(0, start - window + 1)
+            mask = visible_keys(positions[:, first_key:end], positions[:, start:end], window).unsqueeze(1)
+            chunks.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, first_key:end], v[:, :, first_key:end],
+                                                         attn_mask=mask, scale=scale, enable_gqa=gqa))
+        out = torch.cat(chunks, dim=2)
     return out[..., :value_dim]
 
 
