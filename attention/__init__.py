@@ -3,5 +3,6 @@ from attention.attention import Attention
 from attention.cache_spec import CacheBatch, CacheSpec
 from attention.kv_layouts import CallKV, ContiguousKV, PagedKV
 from attention.mla import MLAttention
+from attention.state_slots import StateSlots
 
-__all__ = ["Attention", "CacheBatch", "CacheSpec", "CallKV", "ContiguousKV", "MLAttention", "PagedKV"]
+__all__ = ["Attention", "CacheBatch", "CacheSpec", "CallKV", "ContiguousKV", "MLAttention", "PagedKV", "StateSlots"]

@@ -1,9 +1,10 @@
 """The cache contract between mixers and the engine: what a layer stores, and one step's batch layout."""
+import math
 from dataclasses import dataclass
 
 import torch
 
-CACHE_KINDS = ("kv", "latent", "shared")
+CACHE_KINDS = ("kv", "latent", "shared", "state")
 
 
 @dataclass(frozen=True)
@@ -13,6 +14,8 @@ class CacheSpec:
     kind "kv": keys [kv_heads, head_dim] and values [kv_heads, value_dim] per token.
     kind "latent": one row of head_dim per token whose first value_dim columns double as the value (MLA).
     kind "shared": no memory of its own; the layer reads layer `source`'s cache (cross-layer attention).
+    kind "state": a fixed-size recurrent state per sequence, one tensor per (name, shape) in state_shapes
+    (Mamba's conv and SSM states, linear attention's S and z), whatever the sequence's length.
     window: keep only the newest `window` tokens (sliding-window attention).
     """
 
@@ -22,6 +25,7 @@ class CacheSpec:
     value_dim: int = 0
     window: int | None = None
     source: int | None = None
+    state_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def __post_init__(self):
         if self.kind not in CACHE_KINDS:
@@ -30,6 +34,8 @@ class CacheSpec:
             raise ValueError(f"window must be >= 1, got {self.window}")
         if (self.kind == "shared") != (self.source is not None):
             raise ValueError("a 'shared' cache names its source layer, and only it does")
+        if (self.kind == "state") != bool(self.state_shapes):
+            raise ValueError("a 'state' cache lists its state tensors' shapes, and only it does")
 
     @property
     def owns_memory(self) -> bool:
@@ -38,19 +44,24 @@ class CacheSpec:
     @property
     def elements_per_token(self) -> int:
         """Elements one cached token costs: keys plus values ("latent": the one row; "shared": nothing)."""
-        if self.kind == "shared":
+        if self.kind in ("shared", "state"):
             return 0
         if self.kind == "latent":
             return self.kv_heads * self.head_dim
         return self.kv_heads * (self.head_dim + self.value_dim)
+
+    @property
+    def state_elements(self) -> int:
+        """Elements of the fixed per-sequence state (0 for per-token caches)."""
+        return sum(math.prod(shape) for _, shape in self.state_shapes)
 
     def tokens_held(self, seq_len: int) -> int:
         """Tokens of a `seq_len`-token sequence the cache keeps: all of them, or the last `window`."""
         return seq_len if self.window is None else min(seq_len, self.window)
 
     def elements(self, seq_len: int) -> int:
-        """Cache elements one sequence of `seq_len` tokens holds in this layer."""
-        return self.elements_per_token * self.tokens_held(seq_len)
+        """Cache elements one sequence of `seq_len` tokens holds in this layer (a state is there from the first token)."""
+        return self.elements_per_token * self.tokens_held(seq_len) + (self.state_elements if seq_len > 0 else 0)
 
 
 @dataclass

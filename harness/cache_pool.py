@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention import CacheSpec, ContiguousKV, PagedKV
+from attention import CacheSpec, ContiguousKV, PagedKV, StateSlots
 
 LAYOUTS = ("contiguous", "paged")
 
@@ -20,10 +20,10 @@ class CacheGroup:
 
 
 def cache_groups(specs: list[CacheSpec]) -> list[CacheGroup]:
-    """Memory-owning layers grouped by window, in order of first appearance."""
+    """Layers with a per-token cache, grouped by window, in order of first appearance (state layers have no blocks)."""
     groups: dict[int | None, CacheGroup] = {}
     for i, spec in enumerate(specs):
-        if spec.owns_memory:
+        if spec.elements_per_token > 0:
             group = groups.setdefault(spec.window, CacheGroup(spec.window, [], 0))
             group.layers.append(i)
             group.token_elements += spec.elements_per_token
@@ -43,13 +43,16 @@ class CachePool:
                 self.layers[i] = (ContiguousKV(specs[i], max_batch, max_seq_len, dtype, device) if layout == "contiguous"
                                   else PagedKV(specs[i], num_blocks[g], block_size, g, dtype, device))
         for i, spec in enumerate(specs):
-            if not spec.owns_memory:
+            if spec.kind == "state":  # one row per batch slot, in either layout
+                self.layers[i] = StateSlots(spec, max_batch, dtype, device)
+            elif not spec.owns_memory:
                 self.layers[i] = self.layers[spec.source]  # cross-layer sharing: the producer's cache object
+        self.state_slot_bytes = self.element_size * sum(spec.state_elements for spec in specs)
 
     @property
     def nbytes(self) -> int:
         """Bytes actually allocated for the caches (the measured figure); a shared cache counts once."""
-        return sum(self.layers[i].nbytes for group in self.groups for i in group.layers)
+        return sum({id(layer): layer.nbytes for layer in self.layers}.values())
 
     def read_bytes(self, tokens: int) -> int:
         """Analytic cache bytes a decode step reads for one sequence of `tokens` tokens; a shared cache is read by

@@ -50,6 +50,17 @@ def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, bl
         return max_batch, [max_batch * need for need in needs]
     block_bytes = [element_size * block_size * g.token_elements for g in groups]
     per_request = sum(need * b for need, b in zip(needs, block_bytes))
+    state_bytes = element_size * sum(spec.state_elements for spec in specs)
+    if state_bytes:
+        # every batch slot holds a state row: as many slots as fit beside one request's blocks
+        slots = (budget - per_request) // state_bytes
+        if slots < 1:
+            raise ValueError(f"cache budget {budget} B is too small for one request: its state needs {state_bytes} B "
+                             f"and its {block_size}-token blocks {per_request} B")
+        max_batch = min(max_batch, slots)
+        budget -= max_batch * state_bytes
+    if not groups:
+        return max_batch, []
     blocks = [budget * need // per_request for need in needs]
     if any(n < need for n, need in zip(blocks, needs)):
         raise ValueError(f"cache budget {budget} B is too small for one request: one of max_seq_len={max_seq_len} "
@@ -193,8 +204,10 @@ class Engine:
         return self.pool.nbytes
 
     def cache_bytes_in_use(self) -> int:
-        """Bytes the running requests occupy: whole rows (contiguous) or their blocks (paged)."""
-        if not self.block_managers:
-            return self.pool.nbytes * len(self.scheduler.running) // self.max_batch
-        return sum(self.pool.block_bytes(g) * sum(manager.held(s) for s in self.scheduler.running)
-                   for g, manager in enumerate(self.block_managers))
+        """Bytes the running requests occupy: whole rows (contiguous) or their blocks (paged), plus state slots."""
+        running = self.scheduler.running
+        if self.kv_cache == "contiguous":
+            return self.pool.nbytes * len(running) // self.max_batch
+        blocks = sum(self.pool.block_bytes(g) * sum(manager.held(s) for s in running)
+                     for g, manager in enumerate(self.block_managers))
+        return blocks + self.pool.state_slot_bytes * len(running)

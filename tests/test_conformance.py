@@ -87,6 +87,13 @@ def test_contiguous_cache_bytes_equal_analytic(model):
     assert capped.cache_bytes_allocated == zoo.cache_bytes(model, seq_len=48, batch=2)
 
 
+def test_measured_cache_grows_with_context_exactly_as_analytic(model):
+    """A KV cache grows per token (up to a window); a recurrent state does not grow at all."""
+    sizes = {n: engine_for(model, "contiguous", max_batch=2, max_seq_len=n).cache_bytes_allocated for n in (24, 48, 96)}
+    for a, b in ((24, 48), (48, 96)):
+        assert sizes[b] - sizes[a] == zoo.cache_bytes(model, seq_len=b, batch=2) - zoo.cache_bytes(model, seq_len=a, batch=2)
+
+
 def test_contiguous_cache_bytes_in_use_count_whole_rows(model, helpers):
     engine = engine_for(model, "contiguous", max_batch=4, max_seq_len=48)
     for prompt in helpers.make_prompts([5, 12], model.config.vocab_size, seed=4):
@@ -102,12 +109,13 @@ def test_paged_cache_bytes_track_analytic(model, arch_name, helpers):
     engine = engine_for(model, "paged", max_batch=max_batch, max_seq_len=max_seq_len)
     managers, pool = engine.block_managers, engine.pool
     block_bytes = [pool.block_bytes(g) for g in range(len(managers))]
-    # one block of every group together is the analytic cost of BLOCK_SIZE tokens (every window here is wider)
-    assert sum(block_bytes) == zoo.cache_bytes(model, seq_len=BLOCK_SIZE) > 0
+    # one block of every group and one state slot: the analytic cost of BLOCK_SIZE tokens (every window is wider)
+    assert sum(block_bytes) + pool.state_slot_bytes == zoo.cache_bytes(model, seq_len=BLOCK_SIZE) > 0
     # each group's pool holds max_batch requests at their peak, and the tensors are exactly that many blocks
     for manager in managers:
         assert manager.num_blocks == max_batch * manager.peak_blocks(max_seq_len)
-    assert engine.cache_bytes_allocated == sum(m.num_blocks * b for m, b in zip(managers, block_bytes))
+    assert engine.cache_bytes_allocated == (sum(m.num_blocks * b for m, b in zip(managers, block_bytes))
+                                            + max_batch * pool.state_slot_bytes)
     if all(m.window is None for m in managers):
         assert engine.cache_bytes_allocated == zoo.cache_bytes(model, seq_len=max_seq_len, batch=max_batch)
     # a windowed sequence's blocks may be part-filled at both ends of its window, a full one's at its end only
@@ -126,10 +134,10 @@ def test_paged_cache_bytes_track_analytic(model, arch_name, helpers):
         assert all(s.cached > 0 for s in running)
         assert in_use >= analytic, f"{arch_name}: {in_use} B in use < {analytic} B the cached tokens need"
         if running:
-            assert in_use < analytic + len(running) * waste, (
+            assert in_use - analytic < len(running) * waste or in_use == analytic, (
                 f"{arch_name}: {in_use} B in use wastes more than part-filled edge blocks (analytic {analytic} B)"
             )
-        assert in_use == sum(m.used * b for m, b in zip(managers, block_bytes))
+        assert in_use == sum(m.used * b for m, b in zip(managers, block_bytes)) + len(running) * pool.state_slot_bytes
         checked += bool(running)
     assert checked > 5
     assert engine.cache_bytes_in_use() == 0 and all(m.used == 0 and m.promised == 0 for m in managers)

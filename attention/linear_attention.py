@@ -1,0 +1,170 @@
+"""Linear attention (Katharopoulos et al. 2020, "Transformers are RNNs"): softmax replaced by a feature map phi,
+so causal attention becomes a fixed-size recurrent state per head.
+
+    out_t = phi(q_t) . S_t / (phi(q_t) . z_t + eps),   S_t = sum_{s<=t} phi(k_s) (x) v_s,   z_t = sum_{s<=t} phi(k_s)
+
+No RoPE, no softmax, no query scaling. The state per sequence is S [n_heads, dk, dv] plus z [n_heads, dk], with dk the
+width after the feature map.
+
+Feature maps:
+- "elu": phi(x) = elu(x) + 1 (Katharopoulos); dk = feature_dim (default head_dim).
+- "taylor": Based's 2nd-order Taylor map of exp(q.k / sqrt(f)) (Arora et al. 2024; Zoology's TaylorExp):
+  phi(x) = [1, x / f^(1/4), vec(x x^T) / (sqrt(2) sqrt(f))], so phi(q).phi(k) = 1 + u + u^2/2 with u = q.k / sqrt(f);
+  dk = 1 + f + f^2. q and k are projected to a small feature_dim f (default 16) first, keeping the state small.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attention.cache_spec import CacheBatch, CacheSpec
+
+FEATURE_MAPS = ("elu", "taylor")
+
+
+def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
+    return F.elu(x) + 1
+
+
+def taylor_feature_map(x: torch.Tensor) -> torch.Tensor:
+    """[..., f] -> [..., 1 + f + f^2]; phi(q).phi(k) = 1 + u + u^2/2, u = q.k/sqrt(f): always >= 1/2, so z stays positive."""
+    f = x.shape[-1]
+    second = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / math.sqrt(2 * f)
+    return torch.cat([x.new_ones(*x.shape[:-1], 1), x / f**0.25, second], dim=-1)
+
+
+def feature_width(feature_map: str, feature_dim: int) -> int:
+    return feature_dim if feature_map == "elu" else 1 + feature_dim + feature_dim**2
+
+
+# The three forms over feature-mapped q, k [B, H, T, dk] and v [B, H, T, dv]. They compute in float32 (a bf16 running
+# sum loses the small updates of a long sequence) and return outputs in v's dtype.
+# TODO: switch to kernels.linear_attention_{parallel_ref,chunked,step} once they land in kernels/__init__.py.
+
+
+def linear_attention_parallel(q, k, v, eps: float = 1e-6) -> torch.Tensor:
+    """Masked quadratic form: scores[t, s] = phi(q_t).phi(k_s) for s <= t. O(T^2); for checks."""
+    qf, kf, vf = q.float(), k.float(), v.float()
+    t = q.shape[-2]
+    scores = (qf @ kf.transpose(-1, -2)).masked_fill(~torch.ones(t, t, dtype=torch.bool, device=q.device).tril(), 0.0)
+    return ((scores @ vf) / (scores.sum(-1, keepdim=True) + eps)).to(v.dtype)
+
+
+def linear_attention_chunked(q, k, v, state=None, normalizer=None, chunk_size: int = 64, eps: float = 1e-6):
+    """Chunked form: quadratic inside each chunk, the running state across chunks. Any T (last chunk may be short).
+
+    state [B, H, dk, dv] and normalizer [B, H, dk] are the sums over earlier tokens (zeros when None); returns
+    (out [B, H, T, dv], state, normalizer) with the sums extended by these T tokens (new tensors, in float32 when
+    none were given, else in the given dtype).
+    """
+    b, h, t, dk = q.shape
+    dv = v.shape[-1]
+    s = q.new_zeros(b, h, dk, dv, dtype=torch.float32) if state is None else state.float()
+    z = q.new_zeros(b, h, dk, dtype=torch.float32) if normalizer is None else normalizer.float()
+    outs = []
+    for start in range(0, t, chunk_size):
+        qc, kc, vc = (x[:, :, start : start + chunk_size].float() for x in (q, k, v))
+        c = qc.shape[-2]
+        scores = (qc @ kc.transpose(-1, -2)).masked_fill(~torch.ones(c, c, dtype=torch.bool, device=q.device).tril(), 0.0)
+        num = qc @ s + scores @ vc
+        den = qc @ z.unsqueeze(-1) + scores.sum(-1, keepdim=True)
+        outs.append(num / (den + eps))
+        s = s + kc.transpose(-1, -2) @ vc
+        z = z + kc.sum(-2)
+    out = torch.cat(outs, dim=-2) if outs else v.new_zeros(b, h, 0, dv, dtype=torch.float32)
+    if state is not None:
+        s = s.to(state.dtype)
+    if normalizer is not None:
+        z = z.to(normalizer.dtype)
+    return out.to(v.dtype), s, z
+
+
+def linear_attention_step(q, k, v, state, normalizer, eps: float = 1e-6) -> torch.Tensor:
+    """Recurrent form for one token: q, k [B, H, dk], v [B, H, dv]; updates state and normalizer in place."""
+    s = state.float() + k.float().unsqueeze(-1) * v.float().unsqueeze(-2)
+    z = normalizer.float() + k.float()
+    qf = q.float()
+    out = (qf.unsqueeze(-2) @ s).squeeze(-2) / ((qf * z).sum(-1, keepdim=True) + eps)
+    state.copy_(s)
+    normalizer.copy_(z)
+    return out.to(v.dtype)
+
+
+class LinearAttention(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        layer_idx: int,
+        n_heads: int,
+        head_dim: int | None = None,
+        feature_map: str = "elu",
+        feature_dim: int | None = None,
+        chunk_size: int = 64,
+        eps: float = 1e-6,
+    ):
+        """head_dim: width of each head's values (default d_model // n_heads).
+        feature_dim: width of each head's q and k before the feature map (default head_dim for "elu", 16 for "taylor").
+        chunk_size: tokens per chunk of the chunked (prefill) form."""
+        super().__init__()
+        if feature_map not in FEATURE_MAPS:
+            raise ValueError(f"unknown feature_map {feature_map!r}; allowed: {', '.join(FEATURE_MAPS)}")
+        if n_heads < 1:
+            raise ValueError(f"n_heads must be >= 1, got {n_heads}")
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim explicitly")
+            head_dim = d_model // n_heads
+        if feature_dim is None:
+            feature_dim = head_dim if feature_map == "elu" else 16
+        for name, value in (("head_dim", head_dim), ("feature_dim", feature_dim), ("chunk_size", chunk_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0 (it keeps the normalizer away from zero), got {eps}")
+        self.layer_idx, self.n_heads, self.head_dim = layer_idx, n_heads, head_dim
+        self.feature_map, self.feature_dim, self.chunk_size, self.eps = feature_map, feature_dim, chunk_size, eps
+        self.state_dim = feature_width(feature_map, feature_dim)  # dk: what S and z are indexed by
+        self.phi = elu_feature_map if feature_map == "elu" else taylor_feature_map
+        self.q_proj = nn.Linear(d_model, n_heads * feature_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, n_heads * feature_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(kind="state", state_shapes=(("kv", (self.n_heads, self.state_dim, self.head_dim)),
+                                                     ("normalizer", (self.n_heads, self.state_dim))))
+
+    def project(self, x: torch.Tensor):
+        """x [B, T, d_model] -> feature-mapped q, k [B, H, T, dk] and v [B, H, T, dv]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.feature_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_heads, self.feature_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        return self.phi(q), self.phi(k), v
+
+    def merge(self, out: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def forward_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """The masked quadratic form over x: O(T^2), for checks."""
+        q, k, v = self.project(x)
+        return self.merge(linear_attention_parallel(q, k, v, self.eps))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, batch: CacheBatch | None = None):
+        """x: [B, T, d_model]. Without a cache: the chunked form from a zero state. With one (StateSlots): continue
+        this batch's states (zeros on prefill), one recurrent step for a single decode token, then write them back.
+        positions are unused (no RoPE): the state carries the order."""
+        q, k, v = self.project(x)
+        if cache is None:
+            out, _, _ = linear_attention_chunked(q, k, v, chunk_size=self.chunk_size, eps=self.eps)
+            return self.merge(out)
+        states = cache.read(batch)
+        s, z = states["kv"], states["normalizer"]
+        if x.shape[1] == 1 and not batch.is_prefill:
+            out = linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], s, z, self.eps).unsqueeze(2)
+        else:
+            out, s, z = linear_attention_chunked(q, k, v, s, z, chunk_size=self.chunk_size, eps=self.eps)
+        cache.write({"kv": s, "normalizer": z}, batch)
+        return self.merge(out)
