@@ -2,7 +2,8 @@
 from attention.attention import Attention
 from attention.cache_spec import CacheBatch, CacheSpec
 from attention.kv_layouts import CallKV, ContiguousKV, PagedKV
+from attention.linear_attention import LinearAttention
 from attention.mla import MLAttention
 from attention.state_slots import StateSlots
 
-__all__ = ["Attention", "CacheBatch", "CacheSpec", "CallKV", "ContiguousKV", "MLAttention", "PagedKV", "StateSlots"]
+__all__ = ["Attention", "CacheBatch", "CacheSpec", "CallKV", "ContiguousKV", "LinearAttention", "MLAttention", "PagedKV", "StateSlots"]

@@ -3,10 +3,13 @@ import inspect
 
 from torch import nn
 
-from attention import Attention, MLAttention
+from attention import Attention, LinearAttention, MLAttention
+from ssm import Mamba, Mamba2
 from zoo.config import MixerSpec, ModelConfig
 
-MIXERS: dict[str, type[nn.Module]] = {"attention": Attention, "mla": MLAttention}
+MIXERS: dict[str, type[nn.Module]] = {
+    "attention": Attention, "mla": MLAttention, "linear": LinearAttention, "mamba": Mamba, "mamba2": Mamba2,
+}
 
 # Model-wide settings a mixer receives when its constructor asks for them by name.
 SHARED_SETTINGS = ("rope_base",)

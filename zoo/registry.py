@@ -86,6 +86,25 @@ def cross_layer_layers(s: dict) -> list[MixerSpec]:
             for i in range(n_layers)]
 
 
+def optional(s: dict, names: tuple[str, ...]) -> dict:
+    """The settings among `names` a user gave; the mixer's own defaults fill the rest."""
+    return {name: s[name] for name in names if s.get(name) is not None}
+
+
+def linear_attention_layers(s: dict) -> list[MixerSpec]:
+    params = {"n_heads": s["n_heads"], **optional(s, ("head_dim", "feature_map", "feature_dim"))}
+    return [MixerSpec("linear", dict(params)) for _ in range(s["n_layers"])]
+
+
+def mamba_layers(s: dict) -> list[MixerSpec]:
+    return [MixerSpec("mamba", optional(s, ("d_state", "d_conv", "expand"))) for _ in range(s["n_layers"])]
+
+
+def mamba2_layers(s: dict) -> list[MixerSpec]:
+    params = optional(s, ("d_state", "d_conv", "expand", "head_dim", "n_groups"))
+    return [MixerSpec("mamba2", dict(params)) for _ in range(s["n_layers"])]
+
+
 def pattern_layers(default: str) -> Callable[[dict], list[MixerSpec]]:
     """A hybrid: registry names per layer, repeated to fill n_layers so the model ends on the pattern's last layer."""
 
@@ -102,7 +121,8 @@ def pattern_layers(default: str) -> Callable[[dict], list[MixerSpec]]:
     return layers
 
 
-HYBRID_SETTINGS = ("layers", "window", *MLA_SETTINGS)
+SSM_SETTINGS = ("d_state", "d_conv", "expand")
+HYBRID_SETTINGS = ("layers", "window", *MLA_SETTINGS, "feature_map", "feature_dim", *SSM_SETTINGS, "n_groups")
 
 ARCHITECTURES: dict[str, Architecture] = {
     "mha": Architecture(
@@ -128,6 +148,18 @@ ARCHITECTURES: dict[str, Architecture] = {
     "swa": Architecture(
         "sliding-window GQA: each query sees the newest `window` keys; the cache stops growing at the window",
         sliding_window_layers, ("window",),
+    ),
+    "linear": Architecture(
+        "linear attention (Katharopoulos et al.): feature map elu+1 (or Based's taylor), a constant n_heads*(dk*dv + dk) state",
+        linear_attention_layers, ("feature_map", "feature_dim"),
+    ),
+    "mamba": Architecture(
+        "Mamba (selective state space): depthwise conv + selective scan, a constant conv + SSM state per layer",
+        mamba_layers, SSM_SETTINGS,
+    ),
+    "mamba2": Architecture(
+        "Mamba-2 (SSD): multi-head scalar-decay state space model, chunked scan; a constant state per layer",
+        mamba2_layers, (*SSM_SETTINGS, "n_groups"),
     ),
     "hybrid": Architecture(
         "any per-layer mix of registered mixers, layers='swa,swa,swa,gqa' (default 'swa,gqa'), repeated to n_layers",
