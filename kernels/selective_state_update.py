@@ -33,29 +33,29 @@ _TILE_ELEMENTS = 2048
 
 
 def _as_multihead(state, x, dt, A, B, C, D, z, dt_bias):
-    """Validate shapes and view the Mamba-1 layout as Mamba-2's with one head and one group (views only,
-    so the in-place state update still lands in the caller's tensor)."""
+    """Validate shapes (in the caller's layout, so errors name the tensors as passed) and view the Mamba-1
+    layout as Mamba-2's with one head and one group: views only, so the in-place update reaches the caller."""
     if state.dim() not in (3, 4):
         raise ValueError(f"expected state [B, dim, N] (Mamba-1) or [B, H, P, N] (Mamba-2), got {tuple(state.shape)}")
-    if state.dim() == 3:
-        if A.dim() != 2 or B.dim() != 2 or C.dim() != 2:
-            raise ValueError(f"Mamba-1 layout (state {tuple(state.shape)}) expects A [dim, N], B and C [B, N], "
-                             f"got A {tuple(A.shape)}, B {tuple(B.shape)}, C {tuple(C.shape)}")
+    mamba1 = state.dim() == 3
+    rows, dstate = tuple(state.shape[:-1]), state.shape[-1]  # (B, dim) or (B, H, P)
+    per_row = rows[1:]  # (dim,) or (H, P)
+    for name, tensor, shape in [("x", x, rows), ("dt", dt, rows), ("z", z, rows), ("A", A, (*per_row, dstate)),
+                                ("D", D, per_row), ("dt_bias", dt_bias, per_row)]:
+        if tensor is not None and tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape} for state {tuple(state.shape)}")
+    expected_bc = "[B, N]" if mamba1 else "[B, G, N]"
+    if B.dim() != 3 - mamba1 or B.shape != C.shape or B.shape[0] != rows[0] or B.shape[-1] != dstate:
+        raise ValueError(f"expected B and C {expected_bc} with B = {rows[0]}, N = {dstate} for state "
+                         f"{tuple(state.shape)}, got {tuple(B.shape)} and {tuple(C.shape)}")
+    if mamba1:
         state, A, B, C = state.unsqueeze(1), A.unsqueeze(0), B.unsqueeze(1), C.unsqueeze(1)
         x, dt = x.unsqueeze(1), dt.unsqueeze(1)
         z = None if z is None else z.unsqueeze(1)
         D = None if D is None else D.unsqueeze(0)
         dt_bias = None if dt_bias is None else dt_bias.unsqueeze(0)
-    batch, num_heads, head_dim, dstate = state.shape
-    for name, tensor, shape in [("x", x, (batch, num_heads, head_dim)), ("dt", dt, (batch, num_heads, head_dim)),
-                                ("z", z, (batch, num_heads, head_dim)), ("A", A, (num_heads, head_dim, dstate)),
-                                ("D", D, (num_heads, head_dim)), ("dt_bias", dt_bias, (num_heads, head_dim))]:
-        if tensor is not None and tuple(tensor.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape} for state {tuple(state.shape)}")
-    if B.dim() != 3 or B.shape != C.shape or B.shape[0] != batch or B.shape[2] != dstate:
-        raise ValueError(f"expected B and C [B, G, N] = [{batch}, G, {dstate}], got {tuple(B.shape)} and {tuple(C.shape)}")
-    if B.shape[1] == 0 or num_heads % B.shape[1]:
-        raise ValueError(f"{num_heads} heads do not split into {B.shape[1]} groups")
+    if B.shape[1] == 0 or state.shape[1] % B.shape[1]:
+        raise ValueError(f"{state.shape[1]} heads do not split into {B.shape[1]} groups")
     return state, x, dt, A, B, C, D, z, dt_bias
 
 
