@@ -1,0 +1,210 @@
+"""Mamba (v1) selective-state-space mixer, with mamba-ssm's (and HF MambaMixer's) weight names.
+
+    x, z = in_proj(u)                                     [B, T, d_inner] each
+    x = silu(causal depthwise conv1d(x))                  kernel d_conv, left-padded (or fed by the conv state)
+    dt, B, C = split(x_proj(x))                           [dt_rank], [d_state], [d_state]
+    dt = softplus(dt_proj(dt))                            [d_inner], bias = inverse softplus of the initial step
+    h_t = exp(dt_t * A) * h_{t-1} + dt_t * B_t * x_t      A = -exp(A_log), h [d_inner, d_state]
+    y_t = h_t . C_t + D * x_t,   out = out_proj(y * silu(z))
+
+The cache is a fixed-size state per sequence: the last d_conv conv inputs and h.
+"""
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attention.cache_spec import CacheBatch, CacheSpec
+
+from kernels import selective_state_update
+
+# Time steps per chunk of the scan's precomputed exp(dt*A) and dt*B*x: bounds their memory to about this many
+# elements ([chunk, B, d_inner, d_state] each) whatever the sequence length.
+SCAN_CHUNK_ELEMENTS = 1 << 22
+
+
+def selective_scan(x, dt, A, B, C, D, z, state, last=None):
+    """The recurrence over T steps, from `state`; the state is never materialised per step outside a chunk.
+
+    x, dt, z: [b, T, d]; A: [d, n]; B, C: [b, T, n]; D: [d]; state: [b, d, n] (any dtype; arithmetic in at
+    least fp32). dt is after bias and softplus. last: [b] index of each row's last real token (a right-padded
+    batch keeps the state after that token), None = T - 1 for every row.
+    Returns y [b, T, d] (x's dtype) and the state after each row's last token [b, d, n] (fp32 or wider).
+    """
+    b, t, d = x.shape
+    n = A.shape[1]
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    x, dt, A, B, C = (v.to(dtype) for v in (x, dt, A, B, C))
+    h = state.to(dtype)
+    final = h if last is None else h.clone()
+    rows = torch.arange(b, device=x.device)
+    chunk = max(1, min(t, SCAN_CHUNK_ELEMENTS // max(1, b * d * n)))
+    ys = []
+    for start in range(0, t, chunk):
+        end = min(t, start + chunk)
+        dt_c = dt[:, start:end].transpose(0, 1)  # [L, b, d]: each step's slice contiguous
+        decay = torch.exp(dt_c[..., None] * A)  # [L, b, d, n]
+        hs = (dt_c * x[:, start:end].transpose(0, 1))[..., None] * B[:, start:end].transpose(0, 1)[:, :, None, :]
+        hs[0].addcmul_(decay[0], h)
+        for i in range(1, end - start):
+            hs[i].addcmul_(decay[i], hs[i - 1])  # h_t = decay_t * h_{t-1} + dt_t B_t x_t, in place
+        h = hs[-1]
+        ys.append((hs @ C[:, start:end].transpose(0, 1)[..., None])[..., 0].transpose(0, 1))  # [b, L, d]
+        if last is not None:
+            inside = (last >= start) & (last < end)
+            picked = hs[(last - start).clamp(0, end - start - 1), rows]
+            final = torch.where(inside[:, None, None], picked, final)
+    y = torch.cat(ys, dim=1) + x * D.to(dtype)
+    y = y * F.silu(z.to(dtype))
+    return y, (h if last is None else final)
+
+
+@functools.cache
+def cuda_kernels():
+    """mamba-ssm's fused scan and the causal-conv1d kernel, when both are installed (CUDA only); else None.
+    Imported lazily: a CPU run never imports mamba_ssm."""
+    try:
+        from causal_conv1d import causal_conv1d_fn
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+    except (ImportError, OSError):
+        return None
+    return selective_scan_fn, causal_conv1d_fn
+
+
+class Mamba(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        layer_idx: int,
+        d_state: int = 16,
+        d_conv: int = 4,
+        expand: int = 2,
+        dt_rank: int | None = None,
+        conv_bias: bool = True,
+        bias: bool = False,
+        dt_min: float = 0.001,
+        dt_max: float = 0.1,
+        dt_init_floor: float = 1e-4,
+    ):
+        """dt_rank: width of the low-rank time-step projection (None: ceil(d_model / 16), mamba-ssm's "auto").
+        bias: biases on in_proj and out_proj; conv_bias: on the depthwise conv. dt_min/dt_max/dt_init_floor:
+        the initial time steps are log-uniform in [dt_min, dt_max], at least dt_init_floor (init only)."""
+        super().__init__()
+        for name, value in (("d_state", d_state), ("d_conv", d_conv), ("expand", expand)):
+            if value <= 0:
+                raise ValueError(f"Mamba {name} must be > 0, got {name}={value}")
+        dt_rank = math.ceil(d_model / 16) if dt_rank is None else dt_rank
+        if dt_rank <= 0:
+            raise ValueError(f"Mamba dt_rank must be > 0 (or None for ceil(d_model/16)), got dt_rank={dt_rank}")
+        if not 0 < dt_min <= dt_max:
+            raise ValueError(f"Mamba needs 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
+        self.layer_idx = layer_idx
+        self.d_state, self.d_conv, self.dt_rank = d_state, d_conv, dt_rank
+        self.d_inner = int(expand * d_model)
+        self.dt_min, self.dt_max, self.dt_init_floor = dt_min, dt_max, dt_init_floor
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=bias)
+        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, d_conv, groups=self.d_inner, padding=d_conv - 1,
+                                bias=conv_bias)
+        self.x_proj = nn.Linear(self.d_inner, dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = nn.Linear(dt_rank, self.d_inner, bias=True)
+        # S4D-real init: A = -(1..d_state) for every channel, stored as its log
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(self.d_inner, 1))
+        self.D = nn.Parameter(torch.ones(self.d_inner))
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias)
+        self.reset_dt()
+
+    @torch.no_grad()
+    def reset_dt(self) -> None:
+        """mamba-ssm's time-step init. The dt projection's weight and bias are marked `_no_reinit` (mamba-ssm's
+        mark) so a model-wide init that honours it leaves them alone; else call this after it."""
+        std = self.dt_rank**-0.5
+        nn.init.uniform_(self.dt_proj.weight, -std, std)
+        dt = torch.exp(torch.rand(self.d_inner) * (math.log(self.dt_max) - math.log(self.dt_min)) + math.log(self.dt_min))
+        dt = dt.clamp(min=self.dt_init_floor)
+        self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus: softplus(bias) = dt
+        self.dt_proj.weight._no_reinit = True
+        self.dt_proj.bias._no_reinit = True
+
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(kind="state", state_shapes=(("conv", (self.d_inner, self.d_conv)),
+                                                     ("ssm", (self.d_inner, self.d_state))))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, batch: CacheBatch | None = None):
+        """x: [B, T, d_model] -> [B, T, d_model]. Without a cache: from a zero state. With one (StateSlots): from the
+        sequences' states, which are written back; a decode step (T == 1) advances them by one token."""
+        if cache is None:
+            if x.is_cuda and cuda_kernels() is not None:
+                return self.forward_cuda(x)[0]
+            return self.forward_scan(x, self.zero_states(x))[0]
+        states = cache.read(batch)
+        if x.shape[1] == 1 and not batch.is_prefill:
+            out, new_states = self.step(x, states)
+        elif batch.is_prefill and x.shape[0] == 1 and x.is_cuda and cuda_kernels() is not None:
+            out, new_states = self.forward_cuda(x)
+        else:
+            # tokens of each row that are real: a right-padded batch keeps each row's state after its last one
+            new_tokens = batch.lengths.to(torch.long) - batch.positions[:, 0].to(torch.long)
+            out, new_states = self.forward_scan(x, states, last=new_tokens - 1)
+        cache.write(new_states, batch)
+        return out
+
+    def zero_states(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        b = x.shape[0]
+        return {"conv": x.new_zeros(b, self.d_inner, self.d_conv), "ssm": x.new_zeros(b, self.d_inner, self.d_state)}
+
+    def time_step(self, x: torch.Tensor):
+        """x (after the conv) -> dt before bias and softplus, B, C."""
+        dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        return F.linear(dt, self.dt_proj.weight), B, C
+
+    def forward_scan(self, u: torch.Tensor, states: dict, last: torch.Tensor | None = None):
+        """The whole chunk of T tokens from `states`; returns the output and the states after each row's last token."""
+        b, t, _ = u.shape
+        x, z = self.in_proj(u).chunk(2, dim=-1)
+        # conv input: the previous d_conv - 1 inputs (zeros at the start) then the new ones
+        window = torch.cat([states["conv"].to(x.dtype), x.transpose(1, 2)], dim=2)  # [b, d_inner, d_conv + T]
+        weight, bias = self.conv1d.weight, self.conv1d.bias
+        xc = F.silu(F.conv1d(window[:, :, 1:], weight, bias, groups=self.d_inner)).transpose(1, 2)  # [b, T, d_inner]
+        dt, B, C = self.time_step(xc)
+        dtype = torch.promote_types(u.dtype, torch.float32)  # the scan runs in fp32 at least (mamba-ssm does)
+        dt = F.softplus(dt.to(dtype) + self.dt_proj.bias.to(dtype))
+        A = -torch.exp(self.A_log.to(dtype))
+        y, ssm = selective_scan(xc, dt, A, B, C, self.D, z, states["ssm"], last)
+        if last is None:
+            conv = window[:, :, -self.d_conv:]
+        else:  # the d_conv inputs ending at each row's last real token
+            idx = (last + 1)[:, None] + torch.arange(self.d_conv, device=u.device)
+            conv = window.gather(2, idx[:, None, :].expand(b, self.d_inner, self.d_conv))
+        return self.out_proj(y.to(u.dtype)), {"conv": conv, "ssm": ssm}
+
+    def step(self, u: torch.Tensor, states: dict):
+        """One token per row: shift it into the conv state, then advance the SSM state by one step."""
+        x, z = self.in_proj(u[:, 0]).chunk(2, dim=-1)  # [B, d_inner]
+        conv = torch.cat([states["conv"][:, :, 1:], x[:, :, None].to(states["conv"].dtype)], dim=2)
+        xc = (conv * self.conv1d.weight[:, 0]).sum(-1)
+        if self.conv1d.bias is not None:
+            xc = xc + self.conv1d.bias
+        xc = F.silu(xc.to(u.dtype))
+        dt, B, C = self.time_step(xc)
+        ssm = states["ssm"]
+        y = selective_state_update(ssm, xc, dt, -torch.exp(self.A_log.float()), B, C, D=self.D, z=z,
+                                   dt_bias=self.dt_proj.bias, dt_softplus=True)
+        return self.out_proj(y.to(u.dtype))[:, None], {"conv": conv, "ssm": ssm}
+
+    def forward_cuda(self, u: torch.Tensor):
+        """Prefill from a zero state through mamba-ssm's fused scan and the causal-conv1d kernel."""
+        selective_scan_fn, causal_conv1d_fn = cuda_kernels()
+        t = u.shape[1]
+        xz = self.in_proj(u).transpose(1, 2)  # [b, 2 d_inner, T]
+        x, z = xz.chunk(2, dim=1)
+        conv = F.pad(x, (self.d_conv - t, 0))  # last d_conv inputs, zero-padded (cropped when T > d_conv)
+        x = causal_conv1d_fn(x.contiguous(), self.conv1d.weight[:, 0], self.conv1d.bias, activation="silu")
+        dt, B, C = self.time_step(x.transpose(1, 2))
+        y, ssm = selective_scan_fn(
+            x, dt.transpose(1, 2).contiguous(), -torch.exp(self.A_log.float()), B.transpose(1, 2).contiguous(),
+            C.transpose(1, 2).contiguous(), self.D.float(), z=z.contiguous(), delta_bias=self.dt_proj.bias.float(),
+            delta_softplus=True, return_last_state=True,
+        )
+        return self.out_proj(y.transpose(1, 2)), {"conv": conv, "ssm": ssm}

@@ -1,0 +1,65 @@
+"""HF MambaForCausalLM <-> zoo: the config and the weight names (registered in zoo.hf's CONVERTERS as "mamba").
+
+HF Mamba is embedding -> (RMSNorm, MambaMixer) residual blocks -> RMSNorm -> head: a DecoderLM with mlp="none".
+Its mixer's weight names are mamba-ssm's, which ssm.Mamba keeps. residual_in_fp32 only changes the residual
+stream's dtype below fp32, and rescale_prenorm_residual only the init: neither matters for fp32 weights in.
+"""
+from zoo.config import MixerSpec, ModelConfig
+
+# HF Mamba has no position limit; a zoo config needs one (it bounds token checks, not memory: the state is constant).
+MAX_SEQ_LEN = 1 << 16
+
+
+def mamba_config(c) -> ModelConfig:
+    if c.hidden_act != "silu":
+        raise ValueError(f"only Mamba with hidden_act='silu' (the conv activation) is supported, got {c.hidden_act!r}")
+    if c.intermediate_size != int(c.expand * c.hidden_size):
+        raise ValueError(f"Mamba intermediate_size={c.intermediate_size} must be expand * hidden_size = "
+                         f"{c.expand} * {c.hidden_size}")
+    mamba = {
+        "d_state": c.state_size,
+        "d_conv": c.conv_kernel,
+        "expand": c.expand,
+        "dt_rank": int(c.time_step_rank),
+        "conv_bias": bool(c.use_conv_bias),
+        "bias": bool(c.use_bias),
+        "dt_min": c.time_step_min,
+        "dt_max": c.time_step_max,
+        "dt_init_floor": c.time_step_floor,
+    }
+    return ModelConfig(
+        vocab_size=c.vocab_size,
+        d_model=c.hidden_size,
+        layers=[MixerSpec("mamba", dict(mamba)) for _ in range(c.num_hidden_layers)],
+        mlp="none",
+        norm="rmsnorm",
+        norm_eps=c.layer_norm_epsilon,
+        tie_embeddings=bool(c.tie_word_embeddings),
+        max_seq_len=MAX_SEQ_LEN,
+        name="mamba",
+    )
+
+
+def mamba_names(config: ModelConfig):
+    """(HF name, zoo name) for every weight of a zoo model whose layers are all "mamba"."""
+    yield "backbone.embeddings.weight", "embed.weight"
+    yield "backbone.norm_f.weight", "norm.weight"
+    if not config.tie_embeddings:
+        yield "lm_head.weight", "head.weight"
+    for i, spec in enumerate(config.layers):
+        if spec.kind != "mamba":
+            raise ValueError(f"HF Mamba has only Mamba layers; layer {i} is {spec.kind!r}")
+        hf, ours = f"backbone.layers.{i}.", f"blocks.{i}."
+        yield hf + "norm.weight", ours + "mixer_norm.weight"
+        for name in mamba_weight_names(spec):
+            yield hf + f"mixer.{name}", ours + f"mixer.{name}"
+
+
+def mamba_weight_names(spec: MixerSpec) -> list[str]:
+    names = ["in_proj.weight", "conv1d.weight", "x_proj.weight", "dt_proj.weight", "dt_proj.bias", "A_log", "D",
+             "out_proj.weight"]
+    if spec.params.get("bias", False):
+        names += ["in_proj.bias", "out_proj.bias"]
+    if spec.params.get("conv_bias", True):
+        names.append("conv1d.bias")
+    return names
