@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.cache_spec import CacheBatch, CacheSpec
+from kernels import linear_attention_chunked, linear_attention_parallel_ref, linear_attention_step
 
 FEATURE_MAPS = ("elu", "taylor")
 
@@ -36,59 +37,6 @@ def taylor_feature_map(x: torch.Tensor) -> torch.Tensor:
 
 def feature_width(feature_map: str, feature_dim: int) -> int:
     return feature_dim if feature_map == "elu" else 1 + feature_dim + feature_dim**2
-
-
-# The three forms over feature-mapped q, k [B, H, T, dk] and v [B, H, T, dv]. They compute in float32 (a bf16 running
-# sum loses the small updates of a long sequence) and return outputs in v's dtype.
-# TODO: switch to kernels.linear_attention_{parallel_ref,chunked,step} once they land in kernels/__init__.py.
-
-
-def linear_attention_parallel(q, k, v, eps: float = 1e-6) -> torch.Tensor:
-    """Masked quadratic form: scores[t, s] = phi(q_t).phi(k_s) for s <= t. O(T^2); for checks."""
-    qf, kf, vf = q.float(), k.float(), v.float()
-    t = q.shape[-2]
-    scores = (qf @ kf.transpose(-1, -2)).masked_fill(~torch.ones(t, t, dtype=torch.bool, device=q.device).tril(), 0.0)
-    return ((scores @ vf) / (scores.sum(-1, keepdim=True) + eps)).to(v.dtype)
-
-
-def linear_attention_chunked(q, k, v, state=None, normalizer=None, chunk_size: int = 64, eps: float = 1e-6):
-    """Chunked form: quadratic inside each chunk, the running state across chunks. Any T (last chunk may be short).
-
-    state [B, H, dk, dv] and normalizer [B, H, dk] are the sums over earlier tokens (zeros when None); returns
-    (out [B, H, T, dv], state, normalizer) with the sums extended by these T tokens (new tensors, in float32 when
-    none were given, else in the given dtype).
-    """
-    b, h, t, dk = q.shape
-    dv = v.shape[-1]
-    s = q.new_zeros(b, h, dk, dv, dtype=torch.float32) if state is None else state.float()
-    z = q.new_zeros(b, h, dk, dtype=torch.float32) if normalizer is None else normalizer.float()
-    outs = []
-    for start in range(0, t, chunk_size):
-        qc, kc, vc = (x[:, :, start : start + chunk_size].float() for x in (q, k, v))
-        c = qc.shape[-2]
-        scores = (qc @ kc.transpose(-1, -2)).masked_fill(~torch.ones(c, c, dtype=torch.bool, device=q.device).tril(), 0.0)
-        num = qc @ s + scores @ vc
-        den = qc @ z.unsqueeze(-1) + scores.sum(-1, keepdim=True)
-        outs.append(num / (den + eps))
-        s = s + kc.transpose(-1, -2) @ vc
-        z = z + kc.sum(-2)
-    out = torch.cat(outs, dim=-2) if outs else v.new_zeros(b, h, 0, dv, dtype=torch.float32)
-    if state is not None:
-        s = s.to(state.dtype)
-    if normalizer is not None:
-        z = z.to(normalizer.dtype)
-    return out.to(v.dtype), s, z
-
-
-def linear_attention_step(q, k, v, state, normalizer, eps: float = 1e-6) -> torch.Tensor:
-    """Recurrent form for one token: q, k [B, H, dk], v [B, H, dv]; updates state and normalizer in place."""
-    s = state.float() + k.float().unsqueeze(-1) * v.float().unsqueeze(-2)
-    z = normalizer.float() + k.float()
-    qf = q.float()
-    out = (qf.unsqueeze(-2) @ s).squeeze(-2) / ((qf * z).sum(-1, keepdim=True) + eps)
-    state.copy_(s)
-    normalizer.copy_(z)
-    return out.to(v.dtype)
 
 
 class LinearAttention(nn.Module):
@@ -150,7 +98,7 @@ class LinearAttention(nn.Module):
     def forward_parallel(self, x: torch.Tensor) -> torch.Tensor:
         """The masked quadratic form over x: O(T^2), for checks."""
         q, k, v = self.project(x)
-        return self.merge(linear_attention_parallel(q, k, v, self.eps))
+        return self.merge(linear_attention_parallel_ref(q, k, v, self.eps))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, batch: CacheBatch | None = None):
         """x: [B, T, d_model]. Without a cache: the chunked form from a zero state. With one (StateSlots): continue

@@ -6,14 +6,10 @@ import pytest
 import torch
 
 from attention.cache_spec import CacheBatch
-from attention.linear_attention import (
-    LinearAttention,
-    linear_attention_chunked,
-    linear_attention_parallel,
-    linear_attention_step,
-    taylor_feature_map,
-)
+from attention.linear_attention import LinearAttention, taylor_feature_map
 from attention.state_slots import StateSlots
+from kernels import linear_attention_chunked, linear_attention_step
+from kernels import linear_attention_parallel_ref as linear_attention_parallel
 
 FEATURE_MAPS = ["elu", "taylor"]
 
