@@ -18,11 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.cache_spec import CacheBatch, CacheSpec
-
-try:  # the shared kernel (mamba-ssm's multi-head signature); a local reference until it lands
-    from kernels import selective_state_update
-except ImportError:
-    selective_state_update = None
+from kernels import selective_state_update
 
 
 class GatedRMSNorm(nn.Module):
@@ -143,9 +139,9 @@ class Mamba2(nn.Module):
         p, n = self.head_dim, self.d_state
         # mamba-ssm's Mamba2.step: per-head dt, A, D and dt_bias broadcast over head_dim (and d_state) as views
         A = (-torch.exp(self.A_log.float()))[:, None, None].expand(-1, p, n)
-        update = selective_state_update or selective_state_update_ref
-        y = update(ssm_state, x, dt[..., None].expand(-1, -1, p), A, B, C, D=self.D[:, None].expand(-1, p),
-                   dt_bias=self.dt_bias[:, None].expand(-1, p), dt_softplus=True)
+        y = selective_state_update(ssm_state, x, dt[..., None].expand(-1, -1, p), A, B, C,
+                                   D=self.D[:, None].expand(-1, p), dt_bias=self.dt_bias[:, None].expand(-1, p),
+                                   dt_softplus=True)
         y = self.norm(y.flatten(-2), z)
         return y, conv_state, ssm_state
 
@@ -169,28 +165,6 @@ def check_settings(d_model, d_state, d_conv, expand, head_dim, n_groups, chunk_s
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if not 0 < dt_min <= dt_max:
         raise ValueError(f"need 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
-
-
-def selective_state_update_ref(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
-    """mamba-ssm's multi-head selective_state_update in PyTorch: state [b, h, p, n] is updated in place.
-
-    x, dt, z: [b, h, p]; A: [h, p, n]; B, C: [b, g, n]; D, dt_bias: [h, p]. Returns y [b, h, p]."""
-    heads, groups = x.shape[1], B.shape[1]
-    dt = dt.float()
-    if dt_bias is not None:
-        dt = dt + dt_bias.float()
-    if dt_softplus:
-        dt = F.softplus(dt)
-    B = B.float().repeat_interleave(heads // groups, dim=1)[:, :, None]  # [b, h, 1, n]
-    C = C.float().repeat_interleave(heads // groups, dim=1)[:, :, None]
-    new = state.float() * torch.exp(dt[..., None] * A.float()) + (dt * x.float())[..., None] * B
-    state.copy_(new)
-    y = (new * C).sum(-1)
-    if D is not None:
-        y = y + x.float() * D.float()
-    if z is not None:
-        y = y * F.silu(z.float())
-    return y.to(x.dtype)
 
 
 def ssd_scan(x, dt, A, B, C, chunk_size: int, D=None, initial_state=None):

@@ -13,7 +13,8 @@ import zoo.mixers
 from attention.cache_spec import CacheBatch
 from attention.state_slots import StateSlots
 from harness import Engine, SamplingParams
-from ssm.mamba2 import Mamba2, selective_state_update_ref, ssd_scan_ref
+from kernels import FORCE_TRITON_ENV, selective_state_update
+from ssm.mamba2 import Mamba2, ssd_scan_ref
 from zoo.hf_mamba2 import mamba2_config, mamba2_names
 from zoo.model import DecoderLM
 
@@ -65,7 +66,8 @@ def test_chunked_scan_equals_recurrence(t, chunk_size, initial):
     torch.testing.assert_close(final, want_final, rtol=1e-10, atol=1e-10)
 
 
-def test_state_update_ref_equals_one_scan_step():
+def test_state_update_equals_one_scan_step():
+    """The decode step (kernels.selective_state_update with per-head inputs as stride-0 views) = one scan step."""
     g = torch.Generator().manual_seed(5)
     b, h, p, groups, n = 3, 4, 2, 2, 6
     x, z = torch.randn(b, h, p, generator=g), torch.randn(b, h, p, generator=g)
@@ -76,7 +78,7 @@ def test_state_update_ref_equals_one_scan_step():
     want, want_state = ssd_scan_ref(x[:, None], F.softplus(dt_raw + dt_bias)[:, None], A, B[:, None], C[:, None], 4,
                                     D=D, initial_state=state)
     got_state = state.clone()
-    got = selective_state_update_ref(got_state, x, dt_raw[..., None].expand(-1, -1, p), A[:, None, None].expand(-1, p, n),
+    got = selective_state_update(got_state, x, dt_raw[..., None].expand(-1, -1, p), A[:, None, None].expand(-1, p, n),
                                      B, C, D=D[:, None].expand(-1, p), z=z, dt_bias=dt_bias[:, None].expand(-1, p),
                                      dt_softplus=True)
     torch.testing.assert_close(got, want[:, 0] * F.silu(z), rtol=1e-5, atol=1e-5)
@@ -120,6 +122,21 @@ def test_cached_equals_uncached(helpers, steps):
     torch.testing.assert_close(torch.cat(outs, 1), want[1:2], rtol=1e-5, atol=1e-5)
     for name in ("conv", "ssm"):
         torch.testing.assert_close(alone.tensors[name][3], cache.tensors[name][0], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_decode_through_triton_kernel(helpers, monkeypatch):
+    """The step as it runs on CUDA: selective_state_update's Triton kernel (interpreter on CPU) with stride-0 views."""
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    mixer = make_mixer(helpers).eval()
+    x = torch.randn(2, 11, 32)
+    want = mixer(x)
+    cache = StateSlots(mixer.cache_spec(), max_batch=2, dtype=torch.float32, device="cpu")
+    outs = []
+    for start, n in ((0, 9), (9, 1), (10, 1)):
+        positions = torch.arange(start, start + n).expand(2, n)
+        outs.append(mixer(x[:, start:start + n], positions, cache, state_batch(positions, start == 0, [1, 0])))
+    torch.testing.assert_close(torch.cat(outs, 1), want, rtol=1e-5, atol=1e-5)
 
 
 def test_chunk_size_does_not_change_output(helpers):
