@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from transformers import Mamba2Config, Mamba2ForCausalLM
 
-import zoo.mixers
 from attention.cache_spec import CacheBatch
 from attention.state_slots import StateSlots
 from harness import Engine, SamplingParams
@@ -21,15 +20,6 @@ from zoo.model import DecoderLM
 VOCAB = 256
 PROMPT_LEN = 150  # not a multiple of the chunk size (32)
 NEW_TOKENS = 64
-
-
-@pytest.fixture(scope="module", autouse=True)
-def mamba2_registered():
-    """DecoderLM builds layers through zoo.mixers.MIXERS; register the mixer while the lead's entry is pending."""
-    with pytest.MonkeyPatch.context() as patch:
-        if "mamba2" not in zoo.mixers.MIXERS:
-            patch.setitem(zoo.mixers.MIXERS, "mamba2", Mamba2)
-        yield
 
 
 def naive_recurrence(x, dt, A, B, C, D, state):
