@@ -1,12 +1,13 @@
-"""Time the Triton paged-KV kernels against their PyTorch references on a CUDA GPU.
+"""Time the Triton kernels against their PyTorch references on a CUDA GPU.
 
 Run from the repository root on a machine with CUDA and triton:
 
     python -m benchmarks.kernels_gpu                 # defaults: 32 query / 8 KV heads, head_dim 128
     python -m benchmarks.kernels_gpu --context 8192 --batches 1 8 32 --window 4096
 
-Prints four Markdown tables (decode attention, the same under a sliding window, MLA decode over a
-paged latent cache, KV write) with median times from
+Prints Markdown tables (decode attention, the same under a sliding window, MLA decode over a
+paged latent cache, KV write, the Mamba-1 and Mamba-2 decode state update, linear-attention decode
+step and chunked prefill) with median times from
 triton.testing.do_bench (L2 flushed between runs, launch overhead included), the
 PyTorch / Triton ratio, the bytes each kernel must move divided by its time, and that figure as a
 share of the GPU's measured copy bandwidth (printed first). Each row is checked against the
@@ -19,10 +20,16 @@ import sys
 import torch
 
 from kernels import (
+    linear_attention_chunked_ref,
+    linear_attention_chunked_triton,
+    linear_attention_step_ref,
+    linear_attention_step_triton,
     mla_decode_attention_ref,
     mla_decode_attention_triton,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
+    selective_state_update_ref,
+    selective_state_update_triton,
     write_paged_kv_ref,
     write_paged_kv_triton,
 )
@@ -44,7 +51,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-lora-rank", type=int, default=512, help="MLA latent width, also the value width")
     parser.add_argument("--rope-dim", type=int, default=64, help="MLA rope key width, stored after the latent")
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=["fp16", "bf16"])
-    parser.add_argument("--prefill-tokens", type=int, default=4096, help="tokens in the prefill-sized write row")
+    parser.add_argument("--prefill-tokens", type=int, default=4096,
+                        help="tokens in the prefill-sized write row and the linear-attention prefill table")
+    parser.add_argument("--mamba-inner", type=int, default=5120, help="Mamba d_inner (2.8B / 2.7B models: 5120)")
+    parser.add_argument("--mamba1-state", type=int, default=16, help="Mamba-1 d_state")
+    parser.add_argument("--mamba2-head-dim", type=int, default=64, help="Mamba-2 head dim (d_inner / heads)")
+    parser.add_argument("--mamba2-state", type=int, default=128, help="Mamba-2 d_state")
+    parser.add_argument("--linear-heads", type=int, default=16, help="heads of the linear-attention tables")
+    parser.add_argument("--linear-dim", type=int, default=128, help="feature (dk) and value (dv) width per head")
     return parser.parse_args()
 
 
@@ -170,6 +184,120 @@ def bench_write(args, peak_gbs) -> None:
             print(row([str(num_tokens), dtype_name, *cells]), flush=True)
 
 
+def max_abs_diff(pairs) -> float:
+    return max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+
+
+def max_scaled_diff(pairs) -> float:
+    """max |a - b| / (1 + |b|): absolute for O(1) values, relative above, so one ulp of a large bf16 value passes."""
+    return max(((a.float() - b.float()).abs() / (1 + b.float().abs())).max().item() for a, b in pairs)
+
+
+def bench_selective_state_update(args, peak_gbs) -> None:
+    mamba2_heads = args.mamba_inner // args.mamba2_head_dim
+    print_header(f"Mamba decode state update (selective_state_update), d_inner {args.mamba_inner}: Mamba-1 "
+                 f"d_state {args.mamba1_state}; Mamba-2 {mamba2_heads} heads x {args.mamba2_head_dim}, "
+                 f"d_state {args.mamba2_state}, 1 group, per-head dt/A/D as stride-0 views. State fp32, "
+                 f"activations in the row's dtype; the diff column is max |Δ| / (1 + |reference|)", "layout, batch")
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        for layout in ["mamba1", "mamba2"]:
+            for batch in args.batches:
+                if layout == "mamba1":
+                    rows, per_row, dstate = (batch, args.mamba_inner), (args.mamba_inner,), args.mamba1_state
+                    B = torch.randn(batch, dstate, dtype=dtype, device="cuda")
+                    dt = torch.randn(*rows, dtype=dtype, device="cuda")
+                    A = -torch.rand(*per_row, dstate, device="cuda")
+                    D, dt_bias = torch.randn(*per_row, device="cuda"), torch.randn(*per_row, device="cuda")
+                else:
+                    heads, head_dim, dstate = mamba2_heads, args.mamba2_head_dim, args.mamba2_state
+                    rows, per_row = (batch, heads, head_dim), (heads, head_dim)
+                    B = torch.randn(batch, 1, dstate, dtype=dtype, device="cuda")
+                    dt = torch.randn(batch, heads, 1, dtype=dtype, device="cuda").expand(*rows)
+                    A = -torch.rand(heads, 1, 1, device="cuda").expand(heads, head_dim, dstate)
+                    D = torch.randn(heads, 1, device="cuda").expand(*per_row)
+                    dt_bias = torch.randn(heads, 1, device="cuda").expand(*per_row)
+                x, z = torch.randn(*rows, dtype=dtype, device="cuda"), torch.randn(*rows, dtype=dtype, device="cuda")
+                state = torch.randn(*rows, dstate, device="cuda")
+                ref_state = state.clone()
+                C = torch.randn_like(B) * dstate**-0.5  # keeps y O(1) whatever d_state
+                inputs = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
+                triton_y = selective_state_update_triton(state, **inputs)
+                ref_y = selective_state_update_ref(ref_state, **inputs)
+                max_err = max_scaled_diff([(triton_y, ref_y), (state, ref_state)])
+                if max_err > TOLERANCE[dtype]:
+                    sys.exit(f"Triton selective_state_update differs from the reference by {max_err:.2e} "
+                             f"({layout}, batch {batch}, {dtype_name})")
+                # the kernel's unavoidable traffic: the state read and written once, x, dt, z, B, C in, y out
+                nbytes = 2 * state.nbytes + 4 * x.nbytes + 2 * B.nbytes + A.nbytes
+                # the state keeps changing between timed runs: fine, its values do not change the work
+                triton_ms = median_ms(lambda: selective_state_update_triton(state, **inputs))
+                torch_ms = median_ms(lambda: selective_state_update_ref(ref_state, **inputs))
+                cells = timing_cells(triton_ms, torch_ms, nbytes, peak_gbs, max_err)
+                print(row([f"{layout}, {batch}", dtype_name, *cells]), flush=True)
+
+
+def linear_attention_inputs(batch, length, args, dtype):
+    """elu + 1 features (what the mixer passes), a fresh-ish fp32 state and normalizer."""
+    shape = (batch, args.linear_heads, length, args.linear_dim)
+    q = torch.nn.functional.elu(torch.randn(shape, dtype=dtype, device="cuda")) + 1
+    k = torch.nn.functional.elu(torch.randn(shape, dtype=dtype, device="cuda")) + 1
+    v = torch.randn(shape, dtype=dtype, device="cuda")
+    state = torch.randn(batch, args.linear_heads, args.linear_dim, args.linear_dim, device="cuda")
+    normalizer = 100 + torch.rand(batch, args.linear_heads, args.linear_dim, device="cuda")
+    return q, k, v, state, normalizer
+
+
+def bench_linear_attention_step(args, peak_gbs) -> None:
+    print_header(f"Linear attention decode step: {args.linear_heads} heads, dk = dv = {args.linear_dim}, "
+                 f"fp32 state and normalizer updated in place", "batch")
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        for batch in args.batches:
+            q, k, v, state, normalizer = linear_attention_inputs(batch, 1, args, dtype)
+            q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+            ref_state, ref_normalizer = state.clone(), normalizer.clone()
+            triton_out = linear_attention_step_triton(q, k, v, state, normalizer)
+            ref_out = linear_attention_step_ref(q, k, v, ref_state, ref_normalizer)
+            max_err = max_abs_diff([(triton_out, ref_out), (state, ref_state), (normalizer, ref_normalizer)])
+            if max_err > TOLERANCE[dtype]:
+                sys.exit(f"Triton linear-attention step differs from the reference by {max_err:.2e} "
+                         f"(batch {batch}, {dtype_name})")
+            # the kernel's unavoidable traffic: state and normalizer read and written once, q, k, v in, out out
+            nbytes = 2 * (state.nbytes + normalizer.nbytes) + 4 * q.nbytes
+            triton_ms = median_ms(lambda: linear_attention_step_triton(q, k, v, state, normalizer))
+            torch_ms = median_ms(lambda: linear_attention_step_ref(q, k, v, ref_state, ref_normalizer))
+            cells = timing_cells(triton_ms, torch_ms, nbytes, peak_gbs, max_err)
+            print(row([str(batch), dtype_name, *cells]), flush=True)
+
+
+def bench_linear_attention_prefill(args, peak_gbs) -> None:
+    length = args.prefill_tokens
+    print_header(f"Linear attention chunked prefill: {length} tokens, {args.linear_heads} heads, "
+                 f"dk = dv = {args.linear_dim}, chunk 64, from an fp32 initial state (the GB/s column counts "
+                 f"q, k, v, out and the states once: this kernel is not memory-bound)", "batch")
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        for batch in args.batches:
+            q, k, v, state, normalizer = linear_attention_inputs(batch, length, args, dtype)
+            triton_result = linear_attention_chunked_triton(q, k, v, state, normalizer)
+            ref_result = linear_attention_chunked_ref(q, k, v, state, normalizer)
+            # outputs are O(1); the states are sums over the prefill: compare them relative to their size
+            out_err = max_abs_diff([(triton_result[0], ref_result[0])])
+            state_err = max((a - b).abs().max().item() / b.abs().max().item()
+                            for a, b in zip(triton_result[1:], ref_result[1:]))
+            if out_err > TOLERANCE[dtype] or state_err > 1e-4:
+                sys.exit(f"Triton linear-attention prefill differs from the reference by {out_err:.2e} (out), "
+                         f"{state_err:.2e} (relative, states) (batch {batch}, {dtype_name})")
+            nbytes = 4 * q.nbytes + 2 * (state.nbytes + normalizer.nbytes)
+            triton_ms = median_ms(lambda: linear_attention_chunked_triton(q, k, v, state, normalizer))
+            torch_ms = median_ms(lambda: linear_attention_chunked_ref(q, k, v, state, normalizer))
+            cells = timing_cells(triton_ms, torch_ms, nbytes, peak_gbs, out_err)
+            print(row([str(batch), dtype_name, *cells]), flush=True)
+            del q, k, v, triton_result, ref_result
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
@@ -180,13 +308,16 @@ def main() -> None:
     except ImportError:
         sys.exit("benchmarks/kernels_gpu.py needs triton (pip install triton). Nothing was measured.")
     peak_gbs = copy_bandwidth_gbs()
-    print(f"## Paged-KV kernels on {torch.cuda.get_device_name()} "
+    print(f"## archzoo kernels on {torch.cuda.get_device_name()} "
           f"(torch {torch.__version__}, triton {triton.__version__})")
     print(f"\nMeasured copy bandwidth (1 GiB device copy, read + write): {peak_gbs:.0f} GB/s")
     bench_attention(args, peak_gbs)
     bench_attention(args, peak_gbs, window=args.window)
     bench_mla(args, peak_gbs)
     bench_write(args, peak_gbs)
+    bench_selective_state_update(args, peak_gbs)
+    bench_linear_attention_step(args, peak_gbs)
+    bench_linear_attention_prefill(args, peak_gbs)
 
 
 if __name__ == "__main__":
