@@ -112,7 +112,7 @@ class Mamba2(nn.Module):
 
     def scan(self, z, xbc, dt, states):
         """Whole-sequence path (uncached forward, prefill, or several new tokens of a running sequence)."""
-        b, t, _ = xbc.shape
+        b = xbc.shape[0]
         xbc = xbc.transpose(1, 2)  # [B, conv_dim, T]
         if states is None:
             history = xbc.new_zeros(b, self.conv_dim, self.d_conv - 1)
