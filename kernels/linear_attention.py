@@ -105,7 +105,9 @@ def linear_attention_chunked_ref(q, k, v, state=None, normalizer=None, chunk_siz
         out[:, :, chunk] = numerator / denominator[..., None]
         carried_state = carried_state + k_c.transpose(-1, -2) @ v_c
         carried_normalizer = carried_normalizer + k_c.sum(2)
-    return out.to(q.dtype), carried_state.to(state_dtype), carried_normalizer.to(normalizer_dtype)
+    # copy=True: with T = 0 the carried tensors may still be the caller's own
+    return (out.to(q.dtype), carried_state.to(state_dtype, copy=True),
+            carried_normalizer.to(normalizer_dtype, copy=True))
 
 
 def _step_kernel(

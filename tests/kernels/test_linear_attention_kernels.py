@@ -204,6 +204,19 @@ def test_prefill_then_decode_continues_the_sequence(monkeypatch, device):
         assert_close64(torch.cat([out, tail], 2), naive_recurrence(q, k, v)[0], torch.float32)
 
 
+@pytest.mark.parametrize("forward", [linear_attention_chunked_ref, linear_attention_chunked_triton],
+                         ids=["ref", "triton"])
+def test_empty_sequence_returns_copies_of_the_initial_state(monkeypatch, device, forward):
+    if forward is linear_attention_chunked_triton:
+        pytest.importorskip("triton")
+    q, k, v = make_sequence(2, 2, 0, 12, 20, torch.float32, device)
+    initial = make_initial(2, 2, 12, 20, torch.float32, device)
+    out, state, normalizer = forward(q, k, v, *initial)
+    assert out.shape == (2, 2, 0, 20)
+    assert torch.equal(state, initial[0]) and torch.equal(normalizer, initial[1])
+    assert state.data_ptr() != initial[0].data_ptr() and normalizer.data_ptr() != initial[1].data_ptr()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 is broken in the Triton interpreter")
 def test_triton_bf16_on_gpu():
     q, k, v = make_sequence(4, 8, 1000, 128, 128, torch.bfloat16, "cuda")
