@@ -85,6 +85,27 @@ def test_scan_matches_naive_loop(settings):
     assert (got32.double() - want).abs().max().item() < 1e-4
 
 
+def test_training_path_equals_inference_path_and_has_gradients():
+    """Under autograd the scan runs out of place (autograd keeps each state); without, in place: same output."""
+    m = random_mamba(d_model=16, d_state=4).double()
+    u = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        inference = m(u)
+    training = m(u)
+    assert (training - inference).abs().max().item() < 1e-12
+    training.square().sum().backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+    dt = F.softplus(torch.randn(1, 4, 3, dtype=torch.float64))
+    inputs = [torch.randn(1, 4, 3, dtype=torch.float64), dt, -torch.rand(3, 2, dtype=torch.float64),
+              torch.randn(1, 4, 2, dtype=torch.float64), torch.randn(1, 4, 2, dtype=torch.float64),
+              torch.randn(3, dtype=torch.float64), torch.randn(1, 4, 3, dtype=torch.float64),
+              torch.randn(1, 3, 2, dtype=torch.float64)]
+    for t in inputs:
+        t.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda *a: ssm.mamba.selective_scan(*a)[0], inputs)
+
+
 def slots_batch(slots, lengths, new, prefill):
     """CacheBatch for rows in `slots` whose sequences reach `lengths` after `new` tokens each (as the engine builds it)."""
     positions = torch.stack([torch.arange(n - k, n - k + max(new)) for n, k in zip(lengths, new)])
@@ -300,3 +321,19 @@ def test_variants_and_reverse_mapping(overrides, helpers):
 def test_hf_unsupported_activation(helpers):
     with pytest.raises(ValueError, match="hidden_act"):
         mamba_config(hf_mamba_config(hidden_act="gelu"))
+
+
+def test_zoo_built_mamba_to_hf():
+    """A registry-built model (dt_rank left to its default) copies into HF's Mamba; one with MLPs is refused."""
+    model = zoo.build("mamba", preset="tiny", mlp="none").eval()
+    c, mixer = model.config, model.blocks[0].mixer
+    hf = MambaForCausalLM(hf_mamba_config(
+        vocab_size=c.vocab_size, hidden_size=c.d_model, num_hidden_layers=c.n_layers, state_size=mixer.d_state,
+        conv_kernel=mixer.d_conv, expand=mixer.d_inner // c.d_model, tie_word_embeddings=c.tie_embeddings,
+    )).float().eval()
+    zoo.hf.copy_weights_to_hf(model, hf)
+    tokens = torch.randint(0, c.vocab_size, (2, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert (hf(tokens).logits - model(tokens)).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="no MLP"):
+        zoo.hf.copy_weights_to_hf(zoo.build("mamba", preset="tiny", mlp="swiglu"), hf)

@@ -4,6 +4,8 @@ HF Mamba is embedding -> (RMSNorm, MambaMixer) residual blocks -> RMSNorm -> hea
 Its mixer's weight names are mamba-ssm's, which ssm.Mamba keeps. residual_in_fp32 only changes the residual
 stream's dtype below fp32, and rescale_prenorm_residual only the init: neither matters for fp32 weights in.
 """
+import math
+
 from zoo.config import MixerSpec, ModelConfig
 
 # HF Mamba has no position limit; a zoo config needs one (it bounds token checks, not memory: the state is constant).
@@ -20,13 +22,14 @@ def mamba_config(c) -> ModelConfig:
         "d_state": c.state_size,
         "d_conv": c.conv_kernel,
         "expand": c.expand,
-        "dt_rank": int(c.time_step_rank),
         "conv_bias": bool(c.use_conv_bias),
         "bias": bool(c.use_bias),
         "dt_min": c.time_step_min,
         "dt_max": c.time_step_max,
         "dt_init_floor": c.time_step_floor,
     }
+    if int(c.time_step_rank) != math.ceil(c.hidden_size / 16):  # else left to Mamba's default, as zoo.build leaves it
+        mamba["dt_rank"] = int(c.time_step_rank)
     return ModelConfig(
         vocab_size=c.vocab_size,
         d_model=c.hidden_size,
@@ -41,7 +44,9 @@ def mamba_config(c) -> ModelConfig:
 
 
 def mamba_names(config: ModelConfig):
-    """(HF name, zoo name) for every weight of a zoo model whose layers are all "mamba"."""
+    """(HF name, zoo name) for every weight of a zoo model whose layers are all "mamba" and whose blocks have no MLP."""
+    if config.mlp != "none":
+        raise ValueError(f"HF Mamba blocks have no MLP; this model has mlp={config.mlp!r} (build it with mlp='none')")
     yield "backbone.embeddings.weight", "embed.weight"
     yield "backbone.norm_f.weight", "norm.weight"
     if not config.tie_embeddings:
