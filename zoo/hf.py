@@ -1,6 +1,7 @@
 """Weights interop with HF transformers: an HF model in, a zoo model with the same weights (and logits) out.
 
-Supported: LlamaForCausalLM, MistralForCausalLM (sliding window), DeepseekV3ForCausalLM (MLA, dense MLPs only).
+Supported: LlamaForCausalLM, MistralForCausalLM (sliding window), DeepseekV3ForCausalLM (MLA, dense MLPs only),
+MambaForCausalLM and Mamba2ForCausalLM.
 """
 import inspect
 from typing import Callable, NamedTuple
@@ -8,6 +9,8 @@ from typing import Callable, NamedTuple
 import torch
 
 from zoo.config import MixerSpec, ModelConfig
+from zoo.hf_mamba import mamba_config, mamba_names
+from zoo.hf_mamba2 import mamba2_config, mamba2_names
 from zoo.mixers import MIXERS
 from zoo.model import DecoderLM
 
@@ -182,6 +185,8 @@ CONVERTERS = {
     "llama": Converter(llama_config, decoder_names),
     "mistral": Converter(mistral_config, decoder_names),
     "deepseek_v3": Converter(deepseek_v3_config, decoder_names, interleaved_rope_rows),
+    "mamba": Converter(mamba_config, mamba_names),
+    "mamba2": Converter(mamba2_config, mamba2_names),
 }
 
 
