@@ -7,6 +7,10 @@ import torch
 CACHE_KINDS = ("kv", "latent", "shared", "state")
 
 
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """What one layer keeps per sequence; the engine allocates from this and `cache_bytes` sums it.
@@ -26,6 +30,7 @@ class CacheSpec:
     window: int | None = None
     source: int | None = None
     state_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    state_dtype: torch.dtype | None = None  # None: the model's dtype; float32 for states that accumulate sums
 
     def __post_init__(self):
         if self.kind not in CACHE_KINDS:
@@ -54,6 +59,15 @@ class CacheSpec:
     def state_elements(self) -> int:
         """Elements of the fixed per-sequence state (0 for per-token caches)."""
         return sum(math.prod(shape) for _, shape in self.state_shapes)
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the fixed per-sequence state for a model in `dtype`."""
+        return self.state_elements * element_size(self.state_dtype or dtype)
+
+    def bytes(self, seq_len: int, dtype: torch.dtype) -> int:
+        """Cache bytes one sequence of `seq_len` tokens holds in this layer, for a model in `dtype`."""
+        tokens = self.elements_per_token * self.tokens_held(seq_len) * element_size(dtype)
+        return tokens + (self.state_bytes(dtype) if seq_len > 0 else 0)
 
     def tokens_held(self, seq_len: int) -> int:
         """Tokens of a `seq_len`-token sequence the cache keeps: all of them, or the last `window`."""

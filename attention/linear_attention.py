@@ -80,8 +80,10 @@ class LinearAttention(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
 
     def cache_spec(self) -> CacheSpec:
+        # fp32 whatever the model's dtype: S and z are running sums, which 16-bit floats stop resolving
         return CacheSpec(kind="state", state_shapes=(("kv", (self.n_heads, self.state_dim, self.head_dim)),
-                                                     ("normalizer", (self.n_heads, self.state_dim))))
+                                                     ("normalizer", (self.n_heads, self.state_dim))),
+                         state_dtype=torch.float32)
 
     def project(self, x: torch.Tensor):
         """x [B, T, d_model] -> feature-mapped q, k [B, H, T, dk] and v [B, H, T, dv]."""

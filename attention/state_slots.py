@@ -12,6 +12,7 @@ class StateSlots:
     """
 
     def __init__(self, spec: CacheSpec, max_batch: int, dtype, device):
+        dtype = spec.state_dtype or dtype
         self.tensors = {name: torch.zeros(max_batch, *shape, dtype=dtype, device=device) for name, shape in spec.state_shapes}
 
     @property

@@ -35,6 +35,7 @@ class CachePool:
                  block_size: int, num_blocks: list[int], dtype: torch.dtype, device):
         """num_blocks: pool size of each cache group (paged layout)."""
         self.specs, self.layout, self.block_size = specs, layout, block_size
+        self.dtype = dtype
         self.element_size = torch.empty((), dtype=dtype).element_size()
         self.groups = cache_groups(specs)
         self.layers = [None] * len(specs)
@@ -47,7 +48,7 @@ class CachePool:
                 self.layers[i] = StateSlots(spec, max_batch, dtype, device)
             elif not spec.owns_memory:
                 self.layers[i] = self.layers[spec.source]  # cross-layer sharing: the producer's cache object
-        self.state_slot_bytes = self.element_size * sum(spec.state_elements for spec in specs)
+        self.state_slot_bytes = sum(spec.state_bytes(dtype) for spec in specs)
 
     @property
     def nbytes(self) -> int:
@@ -58,7 +59,7 @@ class CachePool:
         """Analytic cache bytes a decode step reads for one sequence of `tokens` tokens; a shared cache is read by
         every layer that shares it."""
         read = [self.specs[s.source] if s.kind == "shared" else s for s in self.specs]
-        return self.element_size * sum(spec.elements(tokens) for spec in read)
+        return sum(spec.bytes(tokens, self.dtype) for spec in read)
 
     def block_bytes(self, group: int) -> int:
         return self.element_size * self.block_size * self.groups[group].token_elements

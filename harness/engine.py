@@ -33,7 +33,7 @@ def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, bl
     is an error. A paged budget is split between groups in proportion to what one request needs of each."""
     element_size = torch.empty((), dtype=dtype).element_size()
     if kv_cache == "contiguous":
-        per_row = element_size * sum(spec.elements(max_seq_len) for spec in specs)
+        per_row = sum(spec.bytes(max_seq_len, dtype) for spec in specs)
         if budget is not None:
             if budget < per_row:
                 raise ValueError(f"cache budget {budget} B is too small for one request: one contiguous row of "
@@ -50,7 +50,7 @@ def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, bl
         return max_batch, [max_batch * need for need in needs]
     block_bytes = [element_size * block_size * g.token_elements for g in groups]
     per_request = sum(need * b for need, b in zip(needs, block_bytes))
-    state_bytes = element_size * sum(spec.state_elements for spec in specs)
+    state_bytes = sum(spec.state_bytes(dtype) for spec in specs)
     if state_bytes:
         # every batch slot holds a state row: as many slots as fit beside one request's blocks
         slots = (budget - per_request) // state_bytes

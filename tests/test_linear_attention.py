@@ -162,7 +162,8 @@ def test_state_bytes_are_n_heads_times_dk_dv_plus_dk(feature_map, feature_dim, d
     assert spec.state_elements == elements and spec.elements_per_token == 0
     assert spec.elements(1) == spec.elements(10_000) == elements and spec.elements(0) == 0
     cache = StateSlots(spec, max_batch=3, dtype=dtype, device="cpu")
-    assert cache.nbytes == 3 * elements * torch.finfo(dtype).bits // 8
+    assert cache.nbytes == 3 * elements * 4  # the state is fp32 whatever the model's dtype
+    assert spec.bytes(7, dtype) == spec.state_bytes(dtype) == elements * 4
 
 
 def test_bad_settings_raise():

@@ -101,3 +101,18 @@ def test_cpu_import_and_run_never_import_mamba_ssm():
             "m(torch.tensor([[1, 2, 3]])); "
             "assert not any(n.split('.')[0] in ('mamba_ssm', 'causal_conv1d') for n in sys.modules), 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_linear_attention_state_stays_fp32_in_a_bf16_model(helpers):
+    """S and z are running sums: in bf16 they stop resolving new terms, so the state is declared fp32."""
+    model = helpers.random_model("linear").to(torch.bfloat16)
+    spec = model.cache_specs()[0]
+    assert spec.state_dtype == torch.float32
+    assert zoo.cache_bytes(model, seq_len=5) == 4 * sum(s.state_elements for s in model.cache_specs())
+    engine = Engine(model, max_batch=1, max_seq_len=256)
+    assert engine.cache_bytes_allocated == zoo.cache_bytes(model, seq_len=256)
+    prompt = helpers.make_prompts([150], 512, seed=4)[0]
+    out = engine.generate([prompt], helpers.greedy(60))[0]
+    with torch.no_grad():
+        full = model(torch.tensor([prompt + out.token_ids[:-1]]))[0, len(prompt) - 1 :].float()
+    assert full.argmax(-1).tolist() == out.token_ids  # cached decode picks what the full forward picks

@@ -7,18 +7,16 @@ def cache_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | None =
     if seq_len < 0 or batch < 0:
         raise ValueError(f"seq_len and batch must be >= 0, got seq_len={seq_len}, batch={batch}")
     dtype = dtype or next(model.parameters()).dtype
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return batch * element_size * sum(spec.elements(seq_len) for spec in model.cache_specs())
+    return batch * sum(spec.bytes(seq_len, dtype) for spec in model.cache_specs())
 
 
 def cache_read_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | None = None) -> int:
     """Cache bytes one decode step's attention reads: like cache_bytes, but a layer that shares another's cache
     (cross-layer attention) reads it again, so it counts what it reads, not what it owns."""
     dtype = dtype or next(model.parameters()).dtype
-    element_size = torch.empty((), dtype=dtype).element_size()
     specs = model.cache_specs()
     read = [specs[s.source] if s.kind == "shared" else s for s in specs]
-    return batch * element_size * sum(spec.elements(seq_len) for spec in read)
+    return batch * sum(spec.bytes(seq_len, dtype) for spec in read)
 
 
 def parameter_bytes(model) -> int:
