@@ -89,7 +89,10 @@ def check_tokens(tokens: torch.Tensor, config: ModelConfig) -> None:
 
 
 def init_weights(module: nn.Module) -> None:
+    """Normal(0.02) weights and zero biases, except parameters a mixer initialised itself and marked
+    `_no_reinit` (mamba-ssm's marker: Mamba's dt projection)."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, std=0.02)
-        if getattr(module, "bias", None) is not None:
+        if not getattr(module.weight, "_no_reinit", False):
+            nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None and not getattr(module.bias, "_no_reinit", False):
             nn.init.zeros_(module.bias)
