@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import harness
 import zoo
+from hf_agreement import agreement
 from zoo.hf import copy_weights_to_hf
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -52,31 +53,6 @@ def decode_rate(timer, prompts, new_tokens, rates: list) -> None:
     t_full = timer(prompts, new_tokens)
     t_prefill = timer(prompts, 1)
     rates.append(prompts.shape[0] * (new_tokens - 1) / (t_full - t_prefill))
-
-
-def agreement(hf, engine, prompts: torch.Tensor, new_tokens: int) -> str:
-    """vLLM's rule for model tests: greedy tokens identical, or at the first step where a row diverges each
-    side's token is in the other's top 5 (rows are not compared past that step: their inputs differ)."""
-    with torch.inference_mode():
-        hf_out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_scores=True,
-                             return_dict_in_generate=True)
-    ours = engine.generate(prompts.tolist(), harness.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, return_logits=True))
-    hf_tokens = hf_out.sequences[:, prompts.shape[1]:]
-    diverged = []
-    for row, out in enumerate(ours):
-        mismatch = [i for i, (a, b) in enumerate(zip(hf_tokens[row].tolist(), out.token_ids)) if a != b]
-        if not mismatch:
-            continue
-        step = mismatch[0]
-        ours_top5 = out.logits[step].topk(5).indices.tolist()
-        hf_top5 = hf_out.scores[step][row].topk(5).indices.tolist()
-        if int(hf_tokens[row, step]) not in ours_top5 or out.token_ids[step] not in hf_top5:
-            return f"FAIL: row {row} step {step} outside top-5"
-        diverged.append(step)
-    if not diverged:
-        return f"identical ({new_tokens}/{new_tokens})"
-    return f"{len(ours) - len(diverged)}/{len(ours)} rows identical; others diverge at step >= {min(diverged)} within top-5"
 
 
 def main() -> None:
