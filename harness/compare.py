@@ -1,4 +1,5 @@
 """`zoo compare`: every architecture x context x batch cell through the same engine, measured and written as it goes."""
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -89,6 +90,7 @@ def measure_cell(model, cell: dict, peak_bandwidth: float, seed: int) -> dict:
         "ttft_ms": summary["Mean TTFT (ms)"],
         "tpot_ms": summary["Mean TPOT (ms)"],
         "itl_p99_ms": summary["P99 ITL (ms)"],
+        "decode_step_ms_p50": 1000 * statistics.median(stats.seconds),  # robust to a noisy machine's outliers
         "decode_tok_s": stats.tokens_per_second,
         "output_tok_s": summary["Output token throughput (tok/s)"],
         "mbu": mbu(weight_bytes, kv_per_step, step_seconds, peak_bandwidth),

@@ -23,6 +23,7 @@ def test_rows_have_measured_and_analytic_bytes(tmp_path):
         assert row["measured_cache_bytes"] == row["analytic_cache_bytes"]
         assert row["analytic_cache_bytes"] == zoo.cache_bytes(model, seq_len=row["context"] + 3, batch=row["batch"])
         assert row["ttft_ms"] > 0 and row["tpot_ms"] > 0 and row["decode_tok_s"] > 0 and row["mbu"] > 0
+        assert row["decode_step_ms_p50"] > 0
     mha = next(r for r in rows if r["arch"] == "mha")
     mqa = next(r for r in rows if r["arch"] == "mqa" and r["context"] == mha["context"] and r["batch"] == mha["batch"])
     assert mha["analytic_cache_bytes"] == 4 * mqa["analytic_cache_bytes"]  # tiny: 4 heads vs 1 KV head
