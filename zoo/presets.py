@@ -17,8 +17,8 @@ class Preset:
 
 PRESETS = {
     "tiny": Preset(vocab_size=512, d_model=64, n_layers=2, n_heads=4, gqa_kv_heads=2, mlp_hidden=192, max_seq_len=512, tie_embeddings=True, window=16),
-    "small": Preset(vocab_size=512, d_model=512, n_layers=8, n_heads=8, gqa_kv_heads=2, mlp_hidden=1408, max_seq_len=16384, tie_embeddings=True, window=512),
-    "base": Preset(vocab_size=32000, d_model=768, n_layers=12, n_heads=12, gqa_kv_heads=4, mlp_hidden=2048, max_seq_len=16384, tie_embeddings=False, window=1024),
+    "small": Preset(vocab_size=512, d_model=512, n_layers=8, n_heads=8, gqa_kv_heads=2, mlp_hidden=1408, max_seq_len=32768, tie_embeddings=True, window=512),
+    "base": Preset(vocab_size=32000, d_model=768, n_layers=12, n_heads=12, gqa_kv_heads=4, mlp_hidden=2048, max_seq_len=32768, tie_embeddings=False, window=1024),
 }
 
 
