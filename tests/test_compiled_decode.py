@@ -16,8 +16,11 @@ def test_compiled_decode_equals_eager(helpers, kv_cache):
         helpers.assert_same_output(got, want, context=f"compiled {kv_cache}")
 
 
-@pytest.mark.parametrize("arch,settings", [("hybrid", {"layers": "mla,swa", "window": 12}), ("cla", {})])
-def test_compiled_decode_equals_eager_for_latent_rolling_and_shared_caches(helpers, arch, settings):
+@pytest.mark.parametrize("arch,settings", [
+    ("hybrid", {"layers": "mla,swa", "window": 12}), ("cla", {}),
+    ("hybrid", {"layers": "mamba,mamba2,linear", "n_layers": 3}),
+])
+def test_compiled_decode_equals_eager_for_latent_rolling_shared_and_state_caches(helpers, arch, settings):
     model = helpers.random_model(arch, **settings)
     prompts = helpers.make_prompts([5, 19], model.config.vocab_size)
     params = helpers.greedy(8)
