@@ -1,0 +1,195 @@
+"""Train a zoo architecture on MQAR (reference.md §4, Zoology's recipe) and measure its recall.
+
+Recipe: 2 layers, no MLP, tied embeddings, pre-norm; AdamW (weight decay 0.1), cosine schedule over
+max_steps, no warmup; cross-entropy over the full vocabulary at the labelled (query) positions only;
+evaluation every eval_every steps, early stop once every test set is above target_accuracy.
+
+For CPU speed the vocabulary head (8192 wide) runs only at labelled positions: the hidden states
+come from the model's own embed / blocks / norm (`hidden_states`), then `model.head` on the gathered rows.
+"""
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import zoo
+
+IGNORE = -100
+
+
+@dataclass
+class TrainConfig:
+    arch: str
+    d_model: int = 64
+    n_layers: int = 2
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    batch_size: int = 64
+    max_steps: int = 2000
+    eval_every: int = 100
+    target_accuracy: float = 0.99
+    seed: int = 0
+    device: str = "cpu"
+    vocab_size: int | None = None  # default: the data's largest id rounded up to a power of two (8192 for MQAR)
+    n_heads: int | None = None  # default max(1, d_model // 32): head dim 32
+    eval_batch_size: int = 256
+    overrides: dict | None = None  # extra zoo.build settings (replace the per-architecture defaults)
+
+
+def architecture_settings(arch: str, d_model: int, n_heads: int, seq_len: int) -> dict:
+    """Settings beyond the common ones a registered architecture needs to be meaningful on MQAR at this size."""
+    name = zoo.make_config(arch, preset="tiny", d_model=d_model, n_heads=n_heads, mlp="none").name  # validates arch
+    settings: dict = {}
+    if name == "gqa":
+        settings["n_kv_heads"] = max(1, n_heads // 2)  # the tiny preset's ratio (4 query heads : 2 KV heads)
+    if name in ("swa", "hybrid", "hybrid-1in6", "hybrid-3to1"):
+        settings["window"] = max(1, seq_len // 4)  # smaller than L, so the window matters
+    if name == "mamba2":
+        d_inner = 2 * d_model  # expand 2 (the default)
+        if d_inner % 64:  # the mixer's default head_dim is 64; else the largest divisor of d_inner up to 64
+            settings["head_dim"] = max(h for h in range(1, 65) if d_inner % h == 0)
+    return settings
+
+
+def build_recall_model(config: TrainConfig, vocab_size: int, seq_len: int) -> torch.nn.Module:
+    n_heads = config.n_heads or max(1, config.d_model // 32)
+    settings = architecture_settings(config.arch, config.d_model, n_heads, seq_len)
+    settings.update(config.overrides or {})
+    return zoo.build(
+        config.arch, preset="tiny", d_model=config.d_model, n_layers=config.n_layers, n_heads=n_heads, mlp="none",
+        vocab_size=vocab_size, tie_embeddings=True, max_seq_len=seq_len, **settings,
+    )
+
+
+def hidden_states(model, tokens: torch.Tensor) -> torch.Tensor:
+    """DecoderLM.forward without the head: the final-norm hidden states [B, T, d_model]."""
+    x = model.embed(tokens)
+    caches = model.handoff_caches()
+    for block, cache in zip(model.blocks, caches):
+        x = block(x, None, cache, None)
+    return model.norm(x)
+
+
+def labelled_logits(model, inputs: torch.Tensor, labels: torch.Tensor):
+    """Logits [M, vocab] at the M labelled positions, with their targets [M] and mask [B, T]."""
+    mask = labels != IGNORE
+    h = hidden_states(model, inputs)
+    return model.head(h[mask]), labels[mask], mask
+
+
+@torch.no_grad()
+def evaluate(model, inputs: torch.Tensor, labels: torch.Tensor, batch_size: int = 256, device: str = "cpu") -> dict:
+    """Argmax at labelled positions: per-example accuracy (mean over an example's queries, then over examples)
+    and per-token accuracy (over all queries)."""
+    was_training = model.training
+    model.eval()
+    example_acc, correct, total = [], 0, 0
+    for start in range(0, len(inputs), batch_size):
+        x = inputs[start:start + batch_size].to(device)
+        y = labels[start:start + batch_size].to(device)
+        logits, targets, mask = labelled_logits(model, x, y)
+        hits = torch.zeros(mask.shape, dtype=torch.float32, device=device)
+        hits[mask] = (logits.argmax(-1) == targets).float()
+        per_example = hits.sum(1) / mask.sum(1).clamp(min=1)
+        example_acc.append(per_example[mask.any(1)].cpu())
+        correct += int(hits.sum())
+        total += int(mask.sum())
+    model.train(was_training)
+    per_example = torch.cat(example_acc) if example_acc else torch.zeros(0)
+    return {
+        "accuracy": float(per_example.mean()) if len(per_example) else 0.0,
+        "token_accuracy": correct / total if total else 0.0,
+    }
+
+
+def test_set_items(test_sets) -> list[tuple[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """test_sets: {name: (inputs, labels)} or a sequence of (inputs, labels) (named by (L, N))."""
+    if isinstance(test_sets, dict):
+        return [(str(k), v) for k, v in test_sets.items()]
+    items = []
+    for inputs, labels in test_sets:
+        n = int((labels[0] != IGNORE).sum())
+        items.append((f"L={inputs.shape[1]},N={n}", (inputs, labels)))
+    return items
+
+
+def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[[dict], None] | None = None) -> dict:
+    """Train config.arch on train_data = (inputs [n, L], labels [n, L]); evaluate on test_sets.
+
+    progress, if given, is called after every step with {"step", "max_steps", "loss"} and after every
+    evaluation with "eval" added ({name: accuracy}).
+    Returns accuracy (mean per-example accuracy over the test sets), token_accuracy, per_setting
+    ({name: {"accuracy", "token_accuracy"}}), steps, solved, wall_s, state_bytes, parameters, history.
+    """
+    start_time = time.perf_counter()
+    device = config.device
+    train_inputs, train_labels = train_data
+    tests = test_set_items(test_sets)
+    vocab_size = max([int(train_inputs.max())] + [int(x.max()) for _, (x, _) in tests]) + 1
+    vocab_size = max(vocab_size, int(train_labels.max()) + 1)
+    vocab_size = config.vocab_size or _round_vocab(vocab_size)
+    seq_len = max([train_inputs.shape[1]] + [x.shape[1] for _, (x, _) in tests])
+
+    torch.manual_seed(config.seed)
+    model = build_recall_model(config, vocab_size, seq_len).to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, config.max_steps) / config.max_steps)))
+    generator = torch.Generator().manual_seed(config.seed)
+
+    n = len(train_inputs)
+    order, cursor = torch.randperm(n, generator=generator), 0
+    history, results, step, solved = [], {}, 0, False
+
+    def run_eval():
+        res = {name: evaluate(model, x, y, config.eval_batch_size, device) for name, (x, y) in tests}
+        history.append({"step": step, **{name: r["accuracy"] for name, r in res.items()}})
+        return res
+
+    while step < config.max_steps:
+        if cursor + config.batch_size > n:  # a new shuffled epoch (drop the ragged tail)
+            order, cursor = torch.randperm(n, generator=generator), 0
+        idx = order[cursor:cursor + min(config.batch_size, n)]
+        cursor += len(idx)
+        x, y = train_inputs[idx].to(device), train_labels[idx].to(device)
+        logits, targets, _ = labelled_logits(model, x, y)
+        loss = F.cross_entropy(logits, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        event = {"step": step, "max_steps": config.max_steps, "loss": float(loss.detach())}
+        if step % config.eval_every == 0 or step == config.max_steps:
+            results = run_eval()
+            event["eval"] = {name: r["accuracy"] for name, r in results.items()}
+            solved = all(r["accuracy"] > config.target_accuracy for r in results.values())
+        if progress is not None:
+            progress(event)
+        if solved:
+            break
+    if not results:  # max_steps == 0
+        results = run_eval()
+
+    return {
+        "arch": config.arch,
+        "config": asdict(config),
+        "accuracy": sum(r["accuracy"] for r in results.values()) / len(results),
+        "token_accuracy": sum(r["token_accuracy"] for r in results.values()) / len(results),
+        "per_setting": results,
+        "steps": step,
+        "solved": solved,
+        "wall_s": time.perf_counter() - start_time,
+        "state_bytes": zoo.cache_bytes(model, seq_len=seq_len, dtype=torch.float32),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "history": history,
+    }
+
+
+def _round_vocab(v: int) -> int:
+    """The vocabulary the data implies, rounded up to a power of two (MQAR uses 8192: ids up to 8191)."""
+    return 1 << max(0, (v - 1).bit_length())

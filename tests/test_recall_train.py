@@ -1,0 +1,66 @@
+"""The MQAR trainer (harness/recall/train.py): attention learns recall, runs are deterministic, every
+registered architecture trains and reports its state size."""
+import pytest
+import torch
+
+import zoo
+from harness.recall import MQARSetting, make_mqar
+from harness.recall.train import TrainConfig, build_recall_model, evaluate, train_recall
+
+SETTING = MQARSetting(seq_len=64, num_kv_pairs=4)  # vocab 8192
+
+
+@pytest.fixture(scope="module")
+def small_data():
+    return make_mqar(SETTING, 256, seed=1), make_mqar(SETTING, 64, seed=2)
+
+
+@pytest.mark.parametrize("arch", zoo.architectures())
+def test_every_architecture_trains(arch, small_data):
+    train, test = small_data
+    config = TrainConfig(arch, max_steps=3, eval_every=3, batch_size=16, vocab_size=8192)
+    result = train_recall(config, train, [test])
+    assert result["steps"] == 3
+    assert result["state_bytes"] > 0
+    assert 0.0 <= result["accuracy"] <= 1.0
+    assert set(result["per_setting"]) == {"L=64,N=4"}
+    assert result["history"] and result["history"][-1]["step"] == 3
+
+
+def test_state_bytes_is_the_models_cache_at_the_longest_test_length(small_data):
+    train, test = small_data
+    long_test = make_mqar(MQARSetting(seq_len=128, num_kv_pairs=8), 16, seed=3)
+    config = TrainConfig("gqa", max_steps=1, eval_every=1, batch_size=16, vocab_size=8192)
+    result = train_recall(config, train, {"short": test, "long": long_test})
+    model = build_recall_model(config, 8192, 128)
+    assert result["state_bytes"] == zoo.cache_bytes(model, seq_len=128, dtype=torch.float32)
+    assert set(result["per_setting"]) == {"short", "long"}
+
+
+def test_recall_models_follow_the_recipe():
+    model = build_recall_model(TrainConfig("swa"), vocab_size=8192, seq_len=64)
+    assert all(block.mlp is None for block in model.blocks)
+    assert model.head.weight is model.embed.weight
+    assert model.config.n_layers == 2 and model.config.d_model == 64
+    assert model.config.layers[0].params["window"] == 16  # L/4: the window matters at L=64
+    assert model.config.layers[0].params["n_heads"] == 2  # head dim 32
+
+
+def test_same_seed_same_run(small_data):
+    train, test = small_data
+    config = TrainConfig("gqa", max_steps=4, eval_every=2, batch_size=16, lr=3e-3, vocab_size=8192)
+    a, b = train_recall(config, train, [test]), train_recall(config, train, [test])
+    assert a["history"] == b["history"]
+    assert a["per_setting"] == b["per_setting"]
+    events = []
+    c = train_recall(TrainConfig(**{**config.__dict__, "seed": 1}), train, [test], progress=events.append)
+    assert [e["step"] for e in events] == [1, 2, 3, 4] and "eval" in events[1]
+    assert [e["loss"] for e in events] != pytest.approx([0.0] * 4)
+    assert c["steps"] == 4
+
+
+def test_evaluate_reports_accuracies_in_range():
+    model = build_recall_model(TrainConfig("gqa"), vocab_size=8192, seq_len=64)
+    inputs, labels = make_mqar(SETTING, 2, seed=5)
+    result = evaluate(model, inputs, labels)
+    assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["token_accuracy"] <= 1.0
