@@ -1,4 +1,4 @@
-"""The `zoo` command: list architectures, compare them, generate text."""
+"""The `zoo` command: list architectures, compare them, generate text, train them on associative recall."""
 import argparse
 import sys
 from pathlib import Path
@@ -9,6 +9,7 @@ import zoo
 from harness.charts import write_charts
 from harness.compare import DTYPES, CompareSettings, run_compare, settings_dict
 from harness.engine import Engine
+from harness.recall import cli as recall_cli
 from harness.results import write_atomic
 from harness.sampling import SamplingParams
 from harness.table import markdown_table
@@ -114,6 +115,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default: float32)")
     g.add_argument("--weights", default=None, help="a .safetensors (or tensors-only .pt) state dict for this architecture")
     g.set_defaults(func=cmd_generate)
+
+    recall_cli.add_parser(sub, int_list, name_list)
     return p
 
 

@@ -1,0 +1,60 @@
+"""The recall sweep as a table (best over learning rates) and two charts: accuracy vs state bytes, accuracy vs width."""
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on CI or servers
+import matplotlib.pyplot as plt  # noqa: E402
+
+from harness.charts import DASHES, MARKERS  # noqa: E402
+
+
+def per_n(row: dict) -> dict[int, float]:
+    """Accuracy per number of kv pairs (json keys come back as strings)."""
+    return {int(n): acc for n, acc in row["accuracy_per_kv_pairs"].items()}
+
+
+def markdown_table(best: list[dict]) -> str:
+    ns = sorted({n for row in best for n in per_n(row)})
+    header = ["arch", "d_model", "state (KiB, fp32)", "best lr"] + [f"acc N={n}" for n in ns] + ["acc (all)", "steps", "wall (s)"]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    for row in best:
+        accs = per_n(row)
+        cells = [row["arch"], str(row["d_model"]), f"{row['state_bytes'] / 1024:.1f}", f"{row['lr']:g}"]
+        cells += [f"{accs[n]:.3f}" if n in accs else "" for n in ns]
+        cells += [f"{row['accuracy']:.3f}", str(row["steps"]), f"{row['wall_s']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def panels(best: list[dict], x_of, xlabel: str, title: str, path: Path, logx: bool) -> Path:
+    """One panel per number of kv pairs; in each, accuracy against x, one line per architecture."""
+    ns = sorted({n for row in best for n in per_n(row)})
+    archs = sorted({row["arch"] for row in best}, key=[r["arch"] for r in best].index)
+    fig, axes = plt.subplots(1, len(ns), figsize=(4.2 * len(ns), 4.2), dpi=110, sharey=True, squeeze=False)
+    for ax, n in zip(axes[0], ns):
+        for i, arch in enumerate(archs):
+            rows = sorted((r for r in best if r["arch"] == arch and n in per_n(r)), key=x_of)
+            ax.plot([x_of(r) for r in rows], [per_n(r)[n] for r in rows], marker=MARKERS[i % len(MARKERS)],
+                    linestyle=DASHES[i % len(DASHES)], label=arch)
+        if logx:
+            ax.set_xscale("log")
+        ax.set(title=f"L={best[0]['seq_len']}, N={n}", xlabel=xlabel, ylim=(-0.02, 1.02))
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("MQAR test accuracy")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_report(best: list[dict], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    return [
+        panels(best, lambda r: r["state_bytes"], "state / KV-cache bytes at the test length (fp32, log)",
+               "Recall vs state size (best over learning rates)", out / "accuracy_vs_state_bytes.png", logx=True),
+        panels(best, lambda r: r["d_model"], "d_model", "Recall vs model width (best over learning rates)",
+               out / "accuracy_vs_d_model.png", logx=False),
+    ]
