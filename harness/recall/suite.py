@@ -77,7 +77,7 @@ def run_recall(settings: RecallSettings, show_progress: bool = True) -> list[dic
                 **run,
                 "accuracy": result["accuracy"],
                 "token_accuracy": result["token_accuracy"],
-                "accuracy_per_kv_pairs": {n: result["per_setting"][names[n]]["accuracy"] for n in settings.kv_pairs},
+                "accuracy_per_kv_pairs": {str(n): result["per_setting"][names[n]]["accuracy"] for n in settings.kv_pairs},  # json keys
                 "state_bytes": result["state_bytes"],
                 "parameters": result["parameters"],
                 "steps": result["steps"],

@@ -1,0 +1,91 @@
+"""`zoo recall`: the sweep writes a row per run as it goes, resumes without redoing finished runs, reports the
+best learning rate per width, draws both charts, and rejects bad settings before any training."""
+import json
+
+import matplotlib.image
+import pytest
+
+from harness import cli
+from harness.recall import suite
+from harness.recall.suite import RecallSettings, best_over_lr, run_recall
+
+
+def tiny(tmp_path, **kw) -> RecallSettings:
+    kw = {"archs": ["gqa", "mamba"], "seq_len": 16, "kv_pairs": [2, 4], "vocab_size": 64, "d_models": [16],
+          "lrs": [1e-3, 3e-3], "train_examples": 64, "test_examples": 16, "max_steps": 2, "batch_size": 8,
+          "out": tmp_path, **kw}
+    return RecallSettings(**kw)
+
+
+def test_rows_are_written_per_run_and_a_rerun_skips_them(tmp_path, monkeypatch):
+    settings = tiny(tmp_path)
+    rows = run_recall(settings, show_progress=False)
+    assert len(rows) == 4  # 2 architectures x 1 width x 2 learning rates
+    on_disk = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["arch"], r["lr"]) for r in on_disk] == [("gqa", 1e-3), ("gqa", 3e-3), ("mamba", 1e-3), ("mamba", 3e-3)]
+    for row in on_disk:
+        assert set(row["accuracy_per_kv_pairs"]) == {"2", "4"} and row["state_bytes"] > 0 and row["steps"] == 2
+        assert 0.0 <= row["accuracy"] <= 1.0
+
+    trained = []
+    real = suite.train_recall
+    monkeypatch.setattr(suite, "train_recall", lambda config, *a, **k: trained.append(config.arch) or real(config, *a, **k))
+    again = run_recall(settings, show_progress=False)
+    assert trained == [] and again == rows  # nothing re-trained
+    wider = tiny(tmp_path, d_models=[16, 24])
+    run_recall(wider, show_progress=False)
+    assert trained == ["gqa", "gqa", "mamba", "mamba"]  # only the new width's runs
+
+
+def test_interrupted_sweep_keeps_finished_runs(tmp_path, monkeypatch):
+    settings = tiny(tmp_path)
+    real, calls = suite.train_recall, []
+
+    def dies_on_third(config, *a, **k):
+        calls.append(config.arch)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(config, *a, **k)
+
+    monkeypatch.setattr(suite, "train_recall", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        run_recall(settings, show_progress=False)
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 2
+    calls.clear()
+    monkeypatch.setattr(suite, "train_recall", lambda config, *a, **k: calls.append(config.arch) or real(config, *a, **k))
+    assert len(run_recall(settings, show_progress=False)) == 4
+    assert calls == ["mamba", "mamba"]  # the two finished gqa runs were not redone
+
+
+def test_best_over_learning_rates():
+    rows = [{"arch": "gqa", "d_model": 64, "lr": lr, "accuracy": acc} for lr, acc in ((1e-3, 0.4), (3e-3, 0.9), (1e-2, 0.2))]
+    rows.append({"arch": "gqa", "d_model": 128, "lr": 1e-3, "accuracy": 0.5})
+    best = best_over_lr(rows)
+    assert [(r["d_model"], r["lr"]) for r in best] == [(64, 3e-3), (128, 1e-3)]
+
+
+def test_cli_writes_table_and_charts(tmp_path, capsys):
+    argv = ["recall", "--archs", "gqa,mqa", "--seq-len", "16", "--kv-pairs", "2,4", "--vocab-size", "64",
+            "--d-model", "16,24", "--lrs", "3e-3", "--train-examples", "64", "--test-examples", "16",
+            "--max-steps", "2", "--batch-size", "8", "--out", str(tmp_path), "--quiet"]
+    assert cli.main(argv) == 0
+    table = (tmp_path / "table.md").read_text()
+    assert "acc N=2" in table and "acc N=4" in table and table.count("| gqa |") == 2
+    for name in ("accuracy_vs_state_bytes.png", "accuracy_vs_d_model.png"):
+        image = matplotlib.image.imread(tmp_path / name)
+        assert image.shape[0] > 200 and image.shape[1] > 600  # one panel per N, side by side
+    assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--kv-pairs", "4,5", "too large"),  # 4 * 5 > 16
+    ("--seq-len", "15", "odd|even"),
+    ("--vocab-size", "16", "vocab"),
+    ("--archs", "gqa,nope", "unknown architecture 'nope'"),
+])
+def test_bad_settings_fail_before_training(tmp_path, capsys, option, value, message):
+    argv = ["recall", "--archs", "gqa", "--seq-len", "16", "--kv-pairs", "2", "--vocab-size", "64",
+            "--max-steps", "1", "--out", str(tmp_path), "--quiet", option, value]
+    assert cli.main(argv) == 2
+    assert pytest.importorskip("re").search(message, capsys.readouterr().err)
+    assert not (tmp_path / "results.jsonl").exists()
