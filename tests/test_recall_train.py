@@ -68,18 +68,8 @@ def test_evaluate_reports_accuracies_in_range():
 
 def test_attention_learns_recall():
     """gqa, 2 layers, d_model 64 on MQAR (L=64, N=4, vocab 8192): 800 steps (~30 s on one core) lift
-    accuracy from chance (1/4096) to ~0.1; reaching 0.99 takes ~2000+ steps (see the slow test)."""
+    accuracy from chance (1/4096) to ~0.1. Measured outside the suite: 2500 steps, 64000 examples reach 0.949."""
     train, test = make_mqar(SETTING, 30000, seed=100), make_mqar(SETTING, 500, seed=999)
     config = TrainConfig("gqa", lr=3e-3, max_steps=800, eval_every=800, vocab_size=8192)
     result = train_recall(config, train, [test])
     assert result["accuracy"] >= 0.05, result["history"]
-
-
-@pytest.mark.skipif(not __import__("os").environ.get("ARCHZOO_SLOW"), reason="minutes on CPU; set ARCHZOO_SLOW=1")
-def test_attention_solves_recall():
-    """Measured: 2500 steps, lr 3e-3, 64000 examples -> 0.949 (take-off ~step 700, 0.9 by ~1250, then a
-    slow climb). 0.99 needs more steps/examples or a better lr than measured so far."""
-    train, test = make_mqar(SETTING, 64000, seed=100), make_mqar(SETTING, 500, seed=999)
-    config = TrainConfig("gqa", lr=3e-3, max_steps=2500, eval_every=100, vocab_size=8192)
-    result = train_recall(config, train, [test])
-    assert result["accuracy"] >= 0.9, result["history"]
