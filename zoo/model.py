@@ -53,15 +53,19 @@ class DecoderLM(nn.Module):
 
         Without caches this is the full causal forward; the engine passes one cache per layer and a CacheBatch.
         """
+        x = self.hidden_states(tokens, positions, caches, batch)
+        return self.head(x[:, -1:] if last_only else x)
+
+    def hidden_states(self, tokens: torch.Tensor, positions=None, caches=None, batch=None) -> torch.Tensor:
+        """The final-norm hidden states [B, T, d_model]: the forward without the head (a trainer that needs
+        logits at a few positions applies the head only there)."""
         if caches is None:
             check_tokens(tokens, self.config)
             caches = self.handoff_caches()
         x = self.embed(tokens)
         for i, block in enumerate(self.blocks):
             x = block(x, positions, caches[i], batch)
-        if last_only:
-            x = x[:, -1:]
-        return self.head(self.norm(x))
+        return self.norm(x)
 
 
 def check_shared_caches(specs) -> None:

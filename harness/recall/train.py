@@ -5,7 +5,7 @@ max_steps, no warmup; cross-entropy over the full vocabulary at the labelled (qu
 evaluation every eval_every steps, early stop once every test set is above target_accuracy.
 
 For CPU speed the vocabulary head (8192 wide) runs only at labelled positions: the hidden states
-come from the model's own embed / blocks / norm (`hidden_states`), then `model.head` on the gathered rows.
+come from `model.hidden_states` (the forward without the head), then `model.head` on the gathered rows.
 """
 import math
 import time
@@ -64,19 +64,10 @@ def build_recall_model(config: TrainConfig, vocab_size: int, seq_len: int) -> to
     )
 
 
-def hidden_states(model, tokens: torch.Tensor) -> torch.Tensor:
-    """DecoderLM.forward without the head: the final-norm hidden states [B, T, d_model]."""
-    x = model.embed(tokens)
-    caches = model.handoff_caches()
-    for block, cache in zip(model.blocks, caches):
-        x = block(x, None, cache, None)
-    return model.norm(x)
-
-
 def labelled_logits(model, inputs: torch.Tensor, labels: torch.Tensor):
     """Logits [M, vocab] at the M labelled positions, with their targets [M] and mask [B, T]."""
     mask = labels != IGNORE
-    h = hidden_states(model, inputs)
+    h = model.hidden_states(inputs)
     return model.head(h[mask]), labels[mask], mask
 
 
