@@ -43,7 +43,7 @@ def test_recall_models_follow_the_recipe():
     assert model.head.weight is model.embed.weight
     assert model.config.n_layers == 2 and model.config.d_model == 64
     assert model.config.layers[0].params["window"] == 16  # L/4: the window matters at L=64
-    assert model.config.layers[0].params["n_heads"] == 2  # head dim 32
+    assert model.config.layers[0].params["n_heads"] == 1  # one head of 64, as Zoology's recipe
 
 
 def test_same_seed_same_run(small_data):
@@ -66,10 +66,10 @@ def test_evaluate_reports_accuracies_in_range():
     assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["token_accuracy"] <= 1.0
 
 
-def test_attention_learns_recall():
-    """gqa, 2 layers, d_model 64 on MQAR (L=64, N=4, vocab 8192): 800 steps (~30 s on one core) lift
-    accuracy from chance (1/4096) to ~0.1. Measured outside the suite: 2500 steps, 64000 examples reach 0.949."""
-    train, test = make_mqar(SETTING, 30000, seed=100), make_mqar(SETTING, 500, seed=999)
-    config = TrainConfig("gqa", lr=3e-3, max_steps=800, eval_every=800, vocab_size=8192)
+def test_attention_solves_recall():
+    """The issue's bar: gqa, 2 layers, d_model 64 on MQAR (L=64, N=4, vocab 8192) reaches >= 0.99 on CPU.
+    Measured with this recipe: 0.993 at step 900 (~50-80 s on one core); early stop ends the run there."""
+    train, test = make_mqar(SETTING, 64000, seed=100), make_mqar(SETTING, 500, seed=999)
+    config = TrainConfig("gqa", lr=3e-3, max_steps=2000, eval_every=100, vocab_size=8192)
     result = train_recall(config, train, [test])
-    assert result["accuracy"] >= 0.05, result["history"]
+    assert result["accuracy"] >= 0.99, result["history"]

@@ -34,7 +34,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     vocab_size: int | None = None  # default: the data's largest id rounded up to a power of two (8192 for MQAR)
-    n_heads: int | None = None  # default max(1, d_model // 32): head dim 32
+    n_heads: int | None = None  # default max(1, d_model // 64): head dim 64, Zoology's one head at d_model 64
     eval_batch_size: int = 256
     overrides: dict | None = None  # extra zoo.build settings (replace the per-architecture defaults)
 
@@ -43,7 +43,7 @@ def architecture_settings(arch: str, d_model: int, n_heads: int, seq_len: int) -
     """Settings beyond the common ones a registered architecture needs to be meaningful on MQAR at this size."""
     name = zoo.make_config(arch, preset="tiny", d_model=d_model, n_heads=n_heads, mlp="none").name  # validates arch
     settings: dict = {}
-    if name == "gqa":
+    if name in ("gqa", "cla", "swa", "hybrid", "hybrid-1in6", "hybrid-3to1"):
         settings["n_kv_heads"] = max(1, n_heads // 2)  # the tiny preset's ratio (4 query heads : 2 KV heads)
     if name in ("swa", "hybrid", "hybrid-1in6", "hybrid-3to1"):
         settings["window"] = max(1, seq_len // 4)  # smaller than L, so the window matters
@@ -55,7 +55,9 @@ def architecture_settings(arch: str, d_model: int, n_heads: int, seq_len: int) -
 
 
 def build_recall_model(config: TrainConfig, vocab_size: int, seq_len: int) -> torch.nn.Module:
-    n_heads = config.n_heads or max(1, config.d_model // 32)
+    # one 64-wide head at d_model 64 (as Zoology): reaches 0.99 on (64, 4) in ~900 steps; two 32-wide heads
+    # plateaued at 0.95 after 2500
+    n_heads = config.n_heads or max(1, config.d_model // 64)
     settings = architecture_settings(config.arch, config.d_model, n_heads, seq_len)
     settings.update(config.overrides or {})
     return zoo.build(
