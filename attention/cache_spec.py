@@ -78,6 +78,11 @@ class CacheSpec:
         return self.elements_per_token * self.tokens_held(seq_len) + (self.state_elements if seq_len > 0 else 0)
 
 
+def specs_read(specs: list[CacheSpec]) -> list[CacheSpec]:
+    """The cache each layer reads: its own, or for a "shared" layer its source's (read again by every sharer)."""
+    return [specs[spec.source] if spec.kind == "shared" else spec for spec in specs]
+
+
 @dataclass
 class CacheBatch:
     """Where this step's tokens live in the caches; built by the engine once per step, shared by all layers.

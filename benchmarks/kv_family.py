@@ -25,6 +25,7 @@ import time
 import torch
 
 import zoo
+from attention import specs_read
 from harness import Engine, SamplingParams
 from harness.metrics import measure_copy_bandwidth
 
@@ -47,12 +48,8 @@ def admitted_at_once(model, budget: int, context: int, new_tokens: int, kv_cache
 
 def attention_flops(model, keys: int) -> int:
     """FLOPs of one sequence's decode-step attention: q.k over each key's key width, p.v over its value width."""
-    specs = model.cache_specs()
-    total = 0
-    for block, spec in zip(model.blocks, specs):
-        read = specs[spec.source] if spec.kind == "shared" else spec
-        total += 2 * block.mixer.n_heads * (read.head_dim + read.value_dim) * read.tokens_held(keys)
-    return total
+    return sum(2 * block.mixer.n_heads * (read.head_dim + read.value_dim) * read.tokens_held(keys)
+               for block, read in zip(model.blocks, specs_read(model.cache_specs())))
 
 
 def measure_matmul_flops(dtype, size: int = 2048) -> float:

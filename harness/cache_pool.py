@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention import CacheSpec, ContiguousKV, PagedKV, StateSlots
+from attention import CacheSpec, ContiguousKV, PagedKV, StateSlots, specs_read
 
 LAYOUTS = ("contiguous", "paged")
 
@@ -58,8 +58,7 @@ class CachePool:
     def read_bytes(self, tokens: int) -> int:
         """Analytic cache bytes a decode step reads for one sequence of `tokens` tokens; a shared cache is read by
         every layer that shares it."""
-        read = [self.specs[s.source] if s.kind == "shared" else s for s in self.specs]
-        return sum(spec.bytes(tokens, self.dtype) for spec in read)
+        return sum(spec.bytes(tokens, self.dtype) for spec in specs_read(self.specs))
 
     def block_bytes(self, group: int) -> int:
         return self.element_size * self.block_size * self.groups[group].token_elements

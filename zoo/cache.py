@@ -1,6 +1,8 @@
 """Analytic cache size of a model, from its layers' cache declarations (reference.md §2)."""
 import torch
 
+from attention import specs_read
+
 
 def cache_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | None = None) -> int:
     """Bytes of KV cache/state `batch` sequences of `seq_len` tokens hold; dtype defaults to the model's."""
@@ -14,9 +16,7 @@ def cache_read_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | N
     """Cache bytes one decode step's attention reads: like cache_bytes, but a layer that shares another's cache
     (cross-layer attention) reads it again, so it counts what it reads, not what it owns."""
     dtype = dtype or next(model.parameters()).dtype
-    specs = model.cache_specs()
-    read = [specs[s.source] if s.kind == "shared" else s for s in specs]
-    return batch * sum(spec.bytes(seq_len, dtype) for spec in read)
+    return batch * sum(spec.bytes(seq_len, dtype) for spec in specs_read(model.cache_specs()))
 
 
 def parameter_bytes(model) -> int:

@@ -47,16 +47,21 @@ def mamba_names(config: ModelConfig):
     """(HF name, zoo name) for every weight of a zoo model whose layers are all "mamba" and whose blocks have no MLP."""
     if config.mlp != "none":
         raise ValueError(f"HF Mamba blocks have no MLP; this model has mlp={config.mlp!r} (build it with mlp='none')")
+    yield from backbone_names(config, "mamba", mamba_weight_names)
+
+
+def backbone_names(config: ModelConfig, kind: str, weight_names):
+    """HF's Mamba/Mamba-2 layout: backbone.{embeddings, layers.i.{norm, mixer.*}, norm_f} and lm_head."""
     yield "backbone.embeddings.weight", "embed.weight"
     yield "backbone.norm_f.weight", "norm.weight"
     if not config.tie_embeddings:
         yield "lm_head.weight", "head.weight"
     for i, spec in enumerate(config.layers):
-        if spec.kind != "mamba":
-            raise ValueError(f"HF Mamba has only Mamba layers; layer {i} is {spec.kind!r}")
+        if spec.kind != kind:
+            raise ValueError(f"layer {i} is a {spec.kind!r} mixer; the HF model has only {kind!r} layers")
         hf, ours = f"backbone.layers.{i}.", f"blocks.{i}."
         yield hf + "norm.weight", ours + "mixer_norm.weight"
-        for name in mamba_weight_names(spec):
+        for name in weight_names(spec):
             yield hf + f"mixer.{name}", ours + f"mixer.{name}"
 
 

@@ -6,6 +6,7 @@ with no MLP. The mixer's weight names are HF's (and mamba-ssm's), so they map on
 import math
 
 from zoo.config import MixerSpec, ModelConfig
+from zoo.hf_mamba import backbone_names
 
 # A Mamba has no positional limit; this is only the bound check_tokens and the engine apply.
 MAX_SEQ_LEN = 1 << 20
@@ -54,17 +55,7 @@ def mamba2_config(c) -> ModelConfig:
 
 def mamba2_names(config: ModelConfig):
     """(HF name, zoo name) for every weight of a Mamba2ForCausalLM-shaped zoo model."""
-    yield "backbone.embeddings.weight", "embed.weight"
-    yield "backbone.norm_f.weight", "norm.weight"
-    if not config.tie_embeddings:
-        yield "lm_head.weight", "head.weight"
-    for i, spec in enumerate(config.layers):
-        if spec.kind != "mamba2":
-            raise ValueError(f"layer {i} is a {spec.kind!r} mixer; Mamba2ForCausalLM has only 'mamba2' layers")
-        hf, ours = f"backbone.layers.{i}.", f"blocks.{i}."
-        yield hf + "norm.weight", ours + "mixer_norm.weight"
-        for name in mamba2_weight_names(spec):
-            yield hf + f"mixer.{name}", ours + f"mixer.{name}"
+    yield from backbone_names(config, "mamba2", mamba2_weight_names)
 
 
 def mamba2_weight_names(spec: MixerSpec) -> list[str]:
