@@ -18,10 +18,11 @@ from torch import nn
 
 from attention.cache_spec import CacheBatch, CacheSpec
 from kernels import selective_state_update
+from ssm.scan import SelectiveScan, scan_forward
 
 def selective_scan(x, dt, A, B, C, D, z, state, last=None):
-    """The recurrence over T steps from `state`, one step at a time on [b, d, n] tensors: a handful of small ops
-    per token that stay in cache (2-3x faster on CPU than precomputing exp(dt*A) for all steps, and O(1) memory).
+    """The recurrence over T steps from `state`, one step at a time on [b, d, n] tensors that stay in cache
+    (ssm/scan.py; 2-3x faster on CPU than precomputing exp(dt*A) for all steps).
 
     x, dt, z: [b, T, d]; A: [d, n]; B, C: [b, T, n]; D: [d]; state: [b, d, n] (any dtype; arithmetic in at
     least fp32). dt is after bias and softplus. last: [b] index of each row's last real token (a right-padded
@@ -35,25 +36,9 @@ def selective_scan(x, dt, A, B, C, D, z, state, last=None):
         dt = dt * (torch.arange(t, device=x.device) <= last[:, None]).unsqueeze(-1)
     dtx = dt * x
     if torch.is_grad_enabled() and any(v.requires_grad for v in (x, dt, A, B, C, state)):
-        # training: out-of-place steps, so autograd keeps every state it needs
-        h, ys = state.to(dtype), []
-        for i in range(t):
-            h = torch.exp(dt[:, i, :, None] * A) * h + dtx[:, i, :, None] * B[:, i, None, :]
-            ys.append(h @ C[:, i, :, None])
-        ys = torch.cat(ys, dim=-1).transpose(1, 2)
+        ys, h = SelectiveScan.apply(dt, A, dtx, B, C, state.to(dtype))
     else:
-        # time-major views, so each step indexes once: dt_i, dtx_i [b, d, 1], B_i [b, 1, n], C_i [b, n, 1]
-        dts, dtxs = dt.transpose(0, 1).unsqueeze(-1), dtx.transpose(0, 1).unsqueeze(-1)
-        Bs, Cs = B.transpose(0, 1).unsqueeze(2), C.transpose(0, 1).unsqueeze(-1)
-        h = state.to(dtype, copy=True)
-        ys = x.new_empty(t, b, d, 1)
-        decay = torch.empty_like(h)
-        for i in range(t):
-            torch.mul(dts[i], A, out=decay)
-            h.mul_(decay.exp_())
-            h.addcmul_(dtxs[i], Bs[i])  # h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t
-            torch.matmul(h, Cs[i], out=ys[i])
-        ys = ys[..., 0].transpose(0, 1)
+        ys, h, _ = scan_forward(dt, A, dtx, B, C, state.to(dtype), keep_states=False)
     y = (ys + x * D.to(dtype)) * F.silu(z.to(dtype))
     return y, h
 
