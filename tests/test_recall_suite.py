@@ -13,7 +13,7 @@ from harness.recall.suite import RecallSettings, best_over_lr, run_recall
 def tiny(tmp_path, **kw) -> RecallSettings:
     kw = {"archs": ["gqa", "mamba"], "seq_len": 16, "kv_pairs": [2, 4], "vocab_size": 64, "d_models": [16],
           "lrs": [1e-3, 3e-3], "train_examples": 64, "test_examples": 16, "max_steps": 2, "batch_size": 8,
-          "out": tmp_path, **kw}
+          "workers": 1, "out": tmp_path, **kw}
     return RecallSettings(**kw)
 
 
@@ -55,6 +55,17 @@ def test_interrupted_sweep_keeps_finished_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(suite, "train_recall", lambda config, *a, **k: calls.append(config.arch) or real(config, *a, **k))
     assert len(run_recall(settings, show_progress=False)) == 4
     assert calls == ["mamba", "mamba"]  # the two finished gqa runs were not redone
+
+
+def test_workers_write_the_same_rows_as_one_process(tmp_path):
+    """Two worker processes train the runs (longest first) and the parent alone writes results.jsonl."""
+    serial = run_recall(tiny(tmp_path / "serial"), show_progress=False)
+    parallel = run_recall(tiny(tmp_path / "parallel", workers=2), show_progress=False)
+    assert len((tmp_path / "parallel" / "results.jsonl").read_text().splitlines()) == 4
+    key = lambda r: (r["arch"], r["lr"])  # noqa: E731
+    for a, b in zip(sorted(serial, key=key), sorted(parallel, key=key)):
+        assert key(a) == key(b) and a["steps"] == b["steps"] and a["state_bytes"] == b["state_bytes"]
+        assert abs(a["accuracy"] - b["accuracy"]) < 1e-6  # same seeds, one thread each
 
 
 def test_best_over_learning_rates():

@@ -47,6 +47,8 @@ def add_parser(sub, int_list, name_list) -> None:
     r.add_argument("--max-steps", type=int, help=f"optimizer steps per run; stops early at accuracy > 0.99 (default: {d.max_steps})")
     r.add_argument("--batch-size", type=int, help=f"examples per step (default: {d.batch_size})")
     r.add_argument("--device", help=f"torch device, e.g. cpu or cuda (default: {d.device})")
+    r.add_argument("--workers", type=int, help="runs trained at once, each in its own process (default: one per CPU "
+                                               "core up to 2 on CPU; 1 on CUDA)")
     r.add_argument("--seed", type=int, help=f"seed for data, weights and shuffling (default: {d.seed})")
     r.add_argument("--out", help=f"output folder (default: {d.out})")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -54,7 +56,7 @@ def add_parser(sub, int_list, name_list) -> None:
 
 
 OPTION_FIELDS = ("archs", "seq_len", "kv_pairs", "d_models", "lrs", "vocab_size", "train_examples", "test_examples",
-                 "max_steps", "batch_size", "device", "seed")
+                 "max_steps", "batch_size", "device", "workers", "seed")
 
 
 def cmd_recall(args) -> None:

@@ -1,7 +1,12 @@
 """`zoo recall`: every architecture x width x learning rate trained on MQAR, written as it goes, resumable."""
+import multiprocessing
+import os
+import queue as queue_module
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 import zoo
@@ -27,7 +32,12 @@ class RecallSettings:
     batch_size: int = 64
     seed: int = 0
     device: str = "cpu"
+    workers: int | None = None  # runs trained at once; None = one per CPU core up to 2 on CPU, 1 on CUDA
     out: Path = Path("results/recall")
+
+    def __post_init__(self):
+        if self.workers is None:
+            self.workers = 1 if self.device != "cpu" else max(1, min(2, os.cpu_count() or 1))
 
     def validate(self) -> None:
         """Every bad setting is reported before any model trains."""
@@ -39,8 +49,8 @@ class RecallSettings:
             raise ValueError(f"d_model values must be >= 1, got {self.d_models}")
         if not self.lrs or min(self.lrs) <= 0:
             raise ValueError(f"learning rates must be > 0, got {self.lrs}")
-        if min(self.train_examples, self.test_examples, self.max_steps, self.batch_size) < 1:
-            raise ValueError("train_examples, test_examples, max_steps and batch_size must be >= 1")
+        if min(self.train_examples, self.test_examples, self.max_steps, self.batch_size, self.workers) < 1:
+            raise ValueError("train_examples, test_examples, max_steps, batch_size and workers must be >= 1")
 
     def runs(self) -> list[dict]:
         common = {"seq_len": self.seq_len, "kv_pairs": ",".join(map(str, self.kv_pairs)), "vocab_size": self.vocab_size,
@@ -49,7 +59,8 @@ class RecallSettings:
 
 
 def run_recall(settings: RecallSettings, show_progress: bool = True) -> list[dict]:
-    """Train every run not already in results.jsonl; returns all rows of this settings' runs."""
+    """Train every run not already in results.jsonl, appending each row as its run finishes (an interrupted
+    sweep loses only the runs in flight); returns all rows of this settings' runs."""
     settings.validate()
     store = ResultStore(settings.out / "results.jsonl", RUN_KEY)
     todo = [r for r in settings.runs() if not store.done(r)]
@@ -57,36 +68,98 @@ def run_recall(settings: RecallSettings, show_progress: bool = True) -> list[dic
         mqar = [MQARSetting(settings.seq_len, n, settings.vocab_size) for n in settings.kv_pairs]
         (train_inputs, train_labels, _), tests = make_splits([(s, settings.train_examples) for s in mqar],
                                                              [(s, settings.test_examples) for s in mqar], settings.seed)
-        names = {n: f"L={settings.seq_len},N={n}" for n in settings.kv_pairs}
-        test_sets = {names[n]: test for n, test in zip(settings.kv_pairs, tests)}
-        bar = tqdm(todo, desc="zoo recall", unit="run", disable=not show_progress)
-        for run in bar:
-            label = f"{run['arch']} d={run['d_model']} lr={run['lr']:g}"
-            bar.set_postfix_str(label)
-
-            def progress(event: dict, label=label) -> None:
-                if "eval" in event:
-                    worst = min(event["eval"].values())
-                    bar.set_postfix_str(f"{label} step {event['step']}/{event['max_steps']} acc(min N) {worst:.3f}")
-
-            config = TrainConfig(arch=run["arch"], d_model=run["d_model"], lr=run["lr"], batch_size=settings.batch_size,
-                                 max_steps=settings.max_steps, seed=settings.seed, device=settings.device,
-                                 vocab_size=settings.vocab_size)
-            result = train_recall(config, (train_inputs, train_labels), test_sets, progress=progress)
-            store.append({
-                **run,
-                "accuracy": result["accuracy"],
-                "token_accuracy": result["token_accuracy"],
-                "accuracy_per_kv_pairs": {str(n): result["per_setting"][names[n]]["accuracy"] for n in settings.kv_pairs},  # json keys
-                "state_bytes": result["state_bytes"],
-                "parameters": result["parameters"],
-                "steps": result["steps"],
-                "solved": result["solved"],
-                "wall_s": result["wall_s"],
-                "history": result["history"],
-            })
+        data = ((train_inputs, train_labels), dict(zip(setting_names(settings), tests)))
+        bar = tqdm(total=len(todo), desc="zoo recall", unit="run", disable=not show_progress)
+        if settings.workers == 1:
+            for run in todo:
+                store.append(train_run(run, settings, data, lambda text: bar.set_postfix_str(text)))
+                bar.update()
+        else:
+            train_in_workers(sorted(todo, key=expected_cost, reverse=True), settings, data, store, bar)
+        bar.close()
     wanted = {store.key(r) for r in settings.runs()}
     return [r for r in store.rows if store.key(r) in wanted]
+
+
+def setting_names(settings: RecallSettings) -> list[str]:
+    return [f"L={settings.seq_len},N={n}" for n in settings.kv_pairs]
+
+
+def train_run(run: dict, settings: RecallSettings, data, report) -> dict:
+    """One run's row; report(text) is told the step and the worst test accuracy after every evaluation."""
+    label = run_label(run)
+    report(label)
+
+    def progress(event: dict) -> None:
+        if "eval" in event:
+            report(f"{label} step {event['step']}/{event['max_steps']} acc(min N) {min(event['eval'].values()):.3f}")
+
+    config = TrainConfig(arch=run["arch"], d_model=run["d_model"], lr=run["lr"], batch_size=settings.batch_size,
+                         max_steps=settings.max_steps, seed=settings.seed, device=settings.device,
+                         vocab_size=settings.vocab_size)
+    result = train_recall(config, *data, progress=progress)
+    names = setting_names(settings)
+    return {
+        **run,
+        "accuracy": result["accuracy"],
+        "token_accuracy": result["token_accuracy"],
+        "accuracy_per_kv_pairs": {str(n): result["per_setting"][name]["accuracy"]  # json keys are strings
+                                  for n, name in zip(settings.kv_pairs, names)},
+        "state_bytes": result["state_bytes"],
+        "parameters": result["parameters"],
+        "steps": result["steps"],
+        "solved": result["solved"],
+        "wall_s": result["wall_s"],
+        "history": result["history"],
+    }
+
+
+def run_label(run: dict) -> str:
+    return f"{run['arch']} d={run['d_model']} lr={run['lr']:g}"
+
+
+def expected_cost(run: dict) -> tuple:
+    """Longest first keeps the last worker from finishing alone: wider runs cost more, and recurrent-state
+    architectures train through a sequential scan on CPU (several times an attention step)."""
+    specs = zoo.build(run["arch"], preset="tiny").cache_specs()
+    return run["d_model"], any(spec.kind == "state" for spec in specs)
+
+
+def _worker_init(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _worker_run(run, settings, data, events) -> dict:
+    return train_run(run, settings, data, lambda text: events.put((run_label(run), text)))
+
+
+def train_in_workers(todo: list[dict], settings: RecallSettings, data, store: ResultStore, bar) -> None:
+    """Runs in `settings.workers` processes (one thread each per core); this process alone writes results.jsonl."""
+    context = multiprocessing.get_context("spawn")  # fork after torch has started threads can deadlock
+    threads = max(1, (os.cpu_count() or 1) // settings.workers)
+    with context.Manager() as manager, ProcessPoolExecutor(settings.workers, mp_context=context, initializer=_worker_init,
+                                                           initargs=(threads,)) as pool:
+        events = manager.Queue()
+        pending = {pool.submit(_worker_run, run, settings, data, events): run for run in todo}
+        status: dict = {}
+        try:
+            while pending:
+                done, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+                while True:
+                    try:
+                        key, text = events.get_nowait()
+                    except queue_module.Empty:
+                        break
+                    status[key] = text
+                for future in done:
+                    run = pending.pop(future)
+                    store.append(future.result())
+                    status.pop(run_label(run), None)
+                    bar.update()
+                bar.set_postfix_str(" | ".join(status.values()))
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)  # finished rows are on disk; drop the queued runs
+            raise
 
 
 def best_over_lr(rows: list[dict]) -> list[dict]:
