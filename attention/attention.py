@@ -30,9 +30,11 @@ class Attention(nn.Module):
         bias: bool = False,
         window: int | None = None,
         kv_source: int | None = None,
+        causal: bool = True,
     ):
         """window: each query sees the newest `window` keys, itself included (HF Mistral's sliding_window).
-        kv_source: index of an earlier layer whose keys and values this layer reads instead of computing its own."""
+        kv_source: index of an earlier layer whose keys and values this layer reads instead of computing its own.
+        causal: False lets every query see the whole sequence (a masked diffusion LM); no window, no kv_source."""
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         check_heads(n_heads, n_kv_heads)
@@ -44,7 +46,10 @@ class Attention(nn.Module):
             raise ValueError(f"window must be >= 1 (keys each query sees, itself included), got {window}")
         if kv_source is not None and not 0 <= kv_source < layer_idx:
             raise ValueError(f"layer {layer_idx} can share keys and values only with an earlier layer, got kv_source={kv_source}")
-        self.layer_idx, self.window, self.kv_source = layer_idx, window, kv_source
+        if not causal and (window is not None or kv_source is not None):
+            raise ValueError(f"non-causal attention needs window=None and kv_source=None, "
+                             f"got window={window}, kv_source={kv_source}")
+        self.layer_idx, self.window, self.kv_source, self.causal = layer_idx, window, kv_source, causal
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
@@ -65,6 +70,7 @@ class Attention(nn.Module):
 
         A layer that shares another's keys only reads: its cache is the producer's (the engine's, or the
         uncached forward's hand-off), which the producer has already written this step.
+        Non-causal: a query sees every key before its row's batch.lengths (all keys when batch is None).
         """
         b, t, _ = x.shape
         if positions is None:
@@ -81,7 +87,8 @@ class Attention(nn.Module):
             if cache is not None:
                 cache.write(k, v, batch)
             if batch is None or batch.is_prefill:
-                out = fresh_attention(q, k, v, positions, self.window, self.scale)
+                padding = None if self.causal or batch is None else batch.lengths
+                out = fresh_attention(q, k, v, positions, self.window, self.scale, self.causal, padding)
             else:
-                out = cache.attend(q, batch, self.scale)
+                out = cache.attend(q, batch, self.scale, causal=self.causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))

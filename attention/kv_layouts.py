@@ -7,9 +7,15 @@ from attention.cache_spec import CacheBatch, CacheSpec
 from kernels import mla_decode_attention, paged_decode_attention, write_paged_kv
 
 
-def visible_keys(key_positions: torch.Tensor, query_positions: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[B, T, L] mask: a query sees keys at or before it, within the window (W keys including itself); -1 = empty."""
+def visible_keys(key_positions: torch.Tensor, query_positions: torch.Tensor, window: int | None,
+                 lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T, L] mask: a query sees keys at or before it, within the window (W keys including itself); -1 = empty.
+
+    lengths [B] (a non-causal layer, which has no window): every query sees all keys before its row's length.
+    """
     keys, queries = key_positions.unsqueeze(-2), query_positions.unsqueeze(-1)
+    if lengths is not None:
+        queries = (lengths.long() - 1)[:, None, None].expand_as(queries)  # as if each query were its row's newest
     visible = (keys <= queries) & (keys >= 0)
     if window is not None:
         visible &= keys > queries - window
@@ -27,15 +33,21 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
 
 
 def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int | None,
-                    scale: float) -> torch.Tensor:
-    """Causal (optionally windowed) attention over the keys of this call alone: no cache, or a prefill from 0."""
+                    scale: float, causal: bool = True, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over the keys of this call alone (no cache, or a prefill from 0): causal, optionally windowed;
+    or non-causal, where lengths [B] (optional) hides each row's right padding, the keys at or past its length."""
     gqa = k.shape[1] != q.shape[1]
     value_dim, width = v.shape[-1], max(v.shape[-1], q.shape[-1])
     if value_dim != q.shape[-1]:
         # SDPA's fused CPU kernel needs equal head dims (MLA's differ), else a ~6x slower path; zeros change nothing
         q, k, v = (F.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
     t = q.shape[2]
-    if window is None or window >= t:
+    if not causal:
+        padding = None
+        if lengths is not None:
+            padding = (torch.arange(k.shape[2], device=k.device) < lengths[:, None])[:, None, None]  # [B, 1, 1, L]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=padding, scale=scale, enable_gqa=gqa)
+    elif window is None or window >= t:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         # queries in chunks of `window`, each against the keys its window can reach: O(T·W) work, not O(T²)
@@ -89,7 +101,9 @@ class ContiguousKV(KVTensors):
         if self.v is not None:
             self.v[index] = v[:, :, -self.rows:].transpose(1, 2)
 
-    def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None = None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None = None,
+               causal: bool = True) -> torch.Tensor:
+        """causal=False: each query sees every cached key of its row before batch.lengths, not only earlier ones."""
         rows = batch.slots if batch.slot_range is None else batch.slot_range
         if self.rolling:
             if q.shape[2] != 1:
@@ -102,7 +116,7 @@ class ContiguousKV(KVTensors):
             k = self.k[rows, :, : batch.max_length]
             v = None if self.v is None else self.v[rows, :, : batch.max_length]
             key_positions = torch.arange(batch.max_length, device=q.device).unsqueeze(0)
-        visible = visible_keys(key_positions, batch.positions, self.window)
+        visible = visible_keys(key_positions, batch.positions, self.window, None if causal else batch.lengths)
         return self.attend_over(q, k, v, visible, scale, value_dim)
 
 
@@ -120,7 +134,10 @@ class PagedKV(KVTensors):
         flat_v = None if v is None else v.transpose(1, 2).reshape(b * t, kvh, -1)
         write_paged_kv(flat_k, flat_v, self.k, self.v, batch.slot_mappings[self.group])
 
-    def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None = None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None = None,
+               causal: bool = True) -> torch.Tensor:
+        """causal=False: each query sees every cached key of its row before batch.lengths, not only earlier ones
+        (the one-query kernels already read every key before lengths: the same keys in both modes)."""
         table = batch.block_tables[self.group]
         if q.shape[2] == 1 and self.v is None:
             return mla_decode_attention(q[:, :, 0], self.k[:, :, 0], table, batch.lengths, scale, value_dim).unsqueeze(2)
@@ -130,7 +147,7 @@ class PagedKV(KVTensors):
         # Several new tokens on top of cached ones: gather the blocks, then mask.
         k, v = self.gather(table, batch.max_length)
         key_positions = torch.arange(batch.max_length, device=q.device).unsqueeze(0)
-        visible = visible_keys(key_positions, batch.positions, self.window)
+        visible = visible_keys(key_positions, batch.positions, self.window, None if causal else batch.lengths)
         return self.attend_over(q, k, v, visible, scale, value_dim)
 
     def gather(self, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -22,7 +22,9 @@ class MLAttention(nn.Module):
         q_lora_rank: int | None = None,
         rope_base: float = 10000.0,
         norm_eps: float = 1e-6,
+        causal: bool = True,
     ):
+        """causal: False lets every query see the whole sequence (a masked diffusion LM)."""
         super().__init__()
         sizes = dict(n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
                      qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim)
@@ -31,7 +33,7 @@ class MLAttention(nn.Module):
             bad["q_lora_rank"] = q_lora_rank
         if bad:
             raise ValueError(f"MLA sizes must be >= 1 (q_lora_rank may be None for a plain q_proj), got {bad}")
-        self.layer_idx = layer_idx
+        self.layer_idx, self.causal = layer_idx, causal
         self.n_heads, self.kv_lora_rank, self.v_head_dim = n_heads, kv_lora_rank, v_head_dim
         self.nope_dim, self.rope_dim = qk_nope_head_dim, qk_rope_head_dim
         self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
@@ -67,7 +69,8 @@ class MLAttention(nn.Module):
         if cache is not None:
             cache.write(rows, None, batch)
         if batch is None or batch.is_prefill:
-            out = self.expanded(q_nope, q_rope, latent, k_rope, positions)
+            padding = None if self.causal or batch is None else batch.lengths
+            out = self.expanded(q_nope, q_rope, latent, k_rope, positions, padding)
         else:
             out = self.absorbed(q_nope, q_rope, cache, batch)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.v_head_dim))
@@ -77,17 +80,18 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
-    def expanded(self, q_nope, q_rope, latent, k_rope, positions) -> torch.Tensor:
+    def expanded(self, q_nope, q_rope, latent, k_rope, positions, lengths=None) -> torch.Tensor:
+        """lengths [B]: a non-causal layer's right padding (keys at or past a row's length are hidden)."""
         b, _, t, _ = latent.shape
         kv = self.kv_b_proj(latent[:, 0]).view(b, t, self.n_heads, -1).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, self.n_heads, -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
-        return fresh_attention(q, k, v, positions, None, self.scale)
+        return fresh_attention(q, k, v, positions, None, self.scale, self.causal, lengths)
 
     def absorbed(self, q_nope, q_rope, cache, batch: CacheBatch) -> torch.Tensor:
         w_uk, w_uv = self.up_projections()
         # q·k_nope = (q W_UK)·latent: fold W_UK into the query, so keys stay in the latent space
         q = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk), q_rope], dim=-1)
-        out_latent = cache.attend(q, batch, self.scale, value_dim=self.kv_lora_rank)  # [B, H, T, rank]
+        out_latent = cache.attend(q, batch, self.scale, value_dim=self.kv_lora_rank, causal=self.causal)  # [B, H, T, rank]
         return torch.einsum("bhtr,hvr->bhtv", out_latent, w_uv)  # W_UV applied after attention

@@ -80,6 +80,9 @@ class Engine:
         compile: torch.compile the decode step (fixed shapes; each new batch size compiles once).
         """
         config = model.config
+        if not config.causal:  # each position sees later ones: a new token would change every cached key
+            raise ValueError(f"{config.name!r} is a masked diffusion LM (non-causal); the engine decodes causal models "
+                             f"one token at a time; use harness.DiffusionSampler")
         max_seq_len = config.max_seq_len if max_seq_len is None else max_seq_len
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")

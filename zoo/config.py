@@ -26,6 +26,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     max_seq_len: int = 2048
     name: str = "custom"
+    causal: bool = True  # False: every position sees the whole sequence (a masked diffusion LM)
+    mask_token_id: int | None = None  # the id a masked diffusion LM reads as "to be predicted"
 
     def __post_init__(self):
         if self.vocab_size < 1 or self.d_model < 1 or self.max_seq_len < 1:
@@ -38,6 +40,8 @@ class ModelConfig:
             raise ValueError(f"unknown mlp {self.mlp!r}; allowed: {', '.join(MLP_KINDS)}")
         if self.norm not in NORM_KINDS:
             raise ValueError(f"unknown norm {self.norm!r}; allowed: {', '.join(NORM_KINDS)}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id must lie in [0, {self.vocab_size}) (the vocabulary), got {self.mask_token_id}")
         if self.mlp_hidden is None:
             self.mlp_hidden = -(-8 * self.d_model // 3 // 64) * 64
 

@@ -14,6 +14,10 @@ MIXERS: dict[str, type[nn.Module]] = {
 # Model-wide settings a mixer receives when its constructor asks for them by name.
 SHARED_SETTINGS = ("rope_base",)
 
+# Mixers that can attend in both directions, with the parameters that tie a layer to causal order: a sliding
+# window is defined by "the newest keys", a borrowed cache (kv_source) by decode order. Recurrent mixers are causal.
+NON_CAUSAL_MIXERS = {"attention": ("window", "kv_source"), "mla": ()}
+
 
 def make_mixer(spec: MixerSpec, config: ModelConfig, layer_idx: int) -> nn.Module:
     if spec.kind not in MIXERS:
@@ -24,4 +28,18 @@ def make_mixer(spec: MixerSpec, config: ModelConfig, layer_idx: int) -> nn.Modul
     unknown = sorted(set(spec.params) - set(accepted))
     if unknown:
         raise ValueError(f"mixer {spec.kind!r} (layer {layer_idx}) got unknown parameters {unknown}; allowed: {sorted(accepted)}")
+    if "causal" in spec.params:  # one direction per model: the engine and the sampler read it from the config
+        raise ValueError(f"layer {layer_idx} sets 'causal' in its mixer params; set ModelConfig.causal instead")
+    if not config.causal:
+        check_non_causal(spec, layer_idx)
+        shared["causal"] = False
     return cls(d_model=config.d_model, layer_idx=layer_idx, **shared, **spec.params)
+
+
+def check_non_causal(spec: MixerSpec, layer_idx: int) -> None:
+    causal_only = [p for p in NON_CAUSAL_MIXERS.get(spec.kind, ()) if spec.params.get(p) is not None]
+    if spec.kind not in NON_CAUSAL_MIXERS or causal_only:
+        what = f"{spec.kind!r}" + (f" with {', '.join(f'{p}={spec.params[p]}' for p in causal_only)}" if causal_only else "")
+        allowed = [kind + (f" (without {', '.join(ps)})" if ps else "") for kind, ps in NON_CAUSAL_MIXERS.items()]
+        raise ValueError(f"mixer {what} (layer {layer_idx}) runs only causally, so it cannot be part of a non-causal "
+                         f"model; allowed: {', '.join(allowed)}")

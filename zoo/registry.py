@@ -19,6 +19,7 @@ class Architecture:
     layers: Callable[[dict], list[MixerSpec]]  # size settings -> one MixerSpec per layer
     settings: tuple[str, ...] = ()  # settings beyond the common ones that this architecture reads
     in_patterns: bool = True  # may be a layer of a hybrid pattern (a per-layer mixer, not a cross-layer scheme)
+    causal: bool = True  # False: a masked diffusion LM (bidirectional, one extra vocabulary id for its mask token)
 
 
 def attention_params(s: dict, kv_heads: int) -> dict:
@@ -121,6 +122,18 @@ def pattern_layers(default: str) -> Callable[[dict], list[MixerSpec]]:
     return layers
 
 
+# Architectures whose layers can attend both ways: what a masked diffusion LM may be built from.
+NON_CAUSAL_BACKBONES = ("mha", "gqa", "mqa", "mla")
+
+
+def diffusion_layers(s: dict) -> list[MixerSpec]:
+    """The layers of the `mixer` architecture (default gqa); the model is made non-causal by make_config."""
+    mixer = s["mixer"]
+    if mixer not in NON_CAUSAL_BACKBONES:
+        raise ValueError(f"diffusion mixer {mixer!r} is not an architecture that can attend both ways; allowed: {', '.join(NON_CAUSAL_BACKBONES)}")
+    return ARCHITECTURES[mixer].layers(s)
+
+
 SSM_SETTINGS = ("d_state", "d_conv", "expand")
 HYBRID_SETTINGS = ("layers", "window", *MLA_SETTINGS, "feature_map", "feature_dim", *SSM_SETTINGS, "n_groups")
 
@@ -173,12 +186,22 @@ ARCHITECTURES: dict[str, Architecture] = {
         "sliding-window heavy: three sliding-window layers per global GQA layer",
         pattern_layers("swa,swa,swa,gqa"), HYBRID_SETTINGS, in_patterns=False,
     ),
+    "diffusion": Architecture(
+        "masked diffusion LM (LLaDA): a bidirectional decoder (mixer=gqa|mha|mqa|mla) that predicts masked tokens; "
+        "vocab_size+1 ids, the last one the mask token",
+        diffusion_layers, ("mixer", *MLA_SETTINGS), in_patterns=False, causal=False,
+    ),
 }
-DEFAULT_SETTINGS = {"share": 2}  # settings no preset sizes
+DEFAULT_SETTINGS = {"share": 2, "mixer": "gqa"}  # settings no preset sizes
 
 
 def architectures() -> list[str]:
     return list(ARCHITECTURES)
+
+
+def is_causal(name: str) -> bool:
+    """Whether the architecture decodes left to right (the engine's models); False for a masked diffusion LM."""
+    return ARCHITECTURES[check_architecture(name)].causal
 
 
 def describe(name: str) -> str:
@@ -200,8 +223,10 @@ def make_config(name: str, preset: str = "small", **overrides) -> ModelConfig:
     if unknown:
         raise ValueError(f"unknown setting(s) {unknown} for {name!r}; allowed: {sorted(allowed)}")
     settings.update(overrides)
+    # a diffusion LM reserves the id after the data's vocabulary for its mask token, so every data id stays valid
+    vocab_size = settings["vocab_size"] + (0 if arch.causal else 1)
     return ModelConfig(
-        vocab_size=settings["vocab_size"],
+        vocab_size=vocab_size,
         d_model=settings["d_model"],
         layers=arch.layers(settings),
         mlp=settings.get("mlp", "swiglu"),
@@ -212,6 +237,8 @@ def make_config(name: str, preset: str = "small", **overrides) -> ModelConfig:
         tie_embeddings=settings["tie_embeddings"],
         max_seq_len=settings["max_seq_len"],
         name=name,
+        causal=arch.causal,
+        mask_token_id=None if arch.causal else vocab_size - 1,
     )
 
 
