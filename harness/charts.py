@@ -1,4 +1,5 @@
-"""PNG charts of a comparison: cache bytes vs context, decode throughput vs batch, per-token latency vs context."""
+"""PNG charts of a comparison: cache bytes vs context, decode throughput vs batch, per-token latency vs context,
+and for masked diffusion LMs tokens/s vs sampler steps beside autoregressive decode."""
 from pathlib import Path
 
 import matplotlib
@@ -51,6 +52,48 @@ def sorted_xy(rows: list[dict], x: str, y) -> tuple[list, list]:
 
 def write_charts(rows: list[dict], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
+    autoregressive = [r for r in rows if not r.get("steps")]
+    diffusion = [r for r in rows if r.get("steps")]
+    charts = autoregressive_charts(autoregressive, out) if autoregressive else []
+    if diffusion:
+        charts.append(diffusion_chart(diffusion, autoregressive, out))
+    return charts
+
+
+def diffusion_chart(diffusion: list[dict], autoregressive: list[dict], out: Path) -> Path:
+    """One panel per context at the smallest batch: a line per diffusion arch and cache mode over steps, and each
+    autoregressive arch's output tokens/s at the same context and batch as a flat line (it takes no steps)."""
+    batch = min(r["batch"] for r in diffusion)
+    contexts = sorted({r["context"] for r in diffusion})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5.2 * len(contexts), 4.2), dpi=120, squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        cell = [r for r in diffusion if r["context"] == context and r["batch"] == batch]
+        steps = sorted({r["steps"] for r in cell})
+        series = {}
+        for r in cell:
+            series.setdefault(f"{r['arch']} cache={r['diffusion_cache']}", []).append(r)
+        for i, (name, rs) in enumerate(series.items()):
+            xs, ys = sorted_xy(rs, "steps", lambda r: r["output_tok_s"])
+            ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], linestyle=DASHES[i % len(DASHES)], label=name)
+        for arch, rs in by_arch([r for r in autoregressive if r["context"] == context and r["batch"] == batch]).items():
+            ax.axhline(rs[0]["output_tok_s"], color="black", linestyle=DASHES[1], label=f"{arch} autoregressive")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(steps)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set(title=f"context {context}, batch {batch}, {cell[0]['new_tokens']} new tokens",
+               xlabel="sampler steps (forward passes for the answer)", ylabel="output tokens/s")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Masked diffusion LM: tokens/s vs steps, beside autoregressive decode of the same size")
+    fig.tight_layout()
+    path = out / "diffusion_tok_s_vs_steps.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def autoregressive_charts(rows: list[dict], out: Path) -> list[Path]:
     groups = by_arch(rows)
     mib = 2.0**20
     smallest_batch = {a: min(r["batch"] for r in rs) for a, rs in groups.items()}

@@ -7,6 +7,7 @@ import torch
 
 import zoo
 from harness.charts import write_charts
+from harness.diffusion import DiffusionSampler
 from harness.compare import DTYPES, CompareSettings, run_compare, settings_dict
 from harness.engine import Engine
 from harness.recall import cli as recall_cli
@@ -35,13 +36,17 @@ def cmd_list(args) -> None:
 def cmd_compare(args) -> None:
     settings = CompareSettings(archs=args.archs, preset=args.preset, contexts=args.contexts, batches=args.batches,
                                new_tokens=args.new_tokens, dtype=args.dtype, kv_cache=args.kv_cache,
-                               block_size=args.block_size, device=args.device, seed=args.seed, out=Path(args.out))
+                               block_size=args.block_size, device=args.device, seed=args.seed, out=Path(args.out),
+                               diffusion_steps=args.diffusion_steps, block_length=args.block_length,
+                               diffusion_caches=args.diffusion_caches)
     rows = run_compare(settings, show_progress=not args.quiet)
     table = markdown_table(rows)
     write_atomic(settings.out / "table.md", table)
     charts = write_charts(rows, settings.out)
     print(table)
-    print(f"peak bandwidth for MBU: {rows[0]['peak_bandwidth_gb_s']:.1f} GB/s (measured large copy, read+write)")
+    peaks = [r["peak_bandwidth_gb_s"] for r in rows if r.get("peak_bandwidth_gb_s")]
+    if peaks:
+        print(f"peak bandwidth for MBU: {peaks[0]:.1f} GB/s (measured large copy, read+write)")
     print(f"settings: {settings_dict(settings)}")
     print(f"wrote {settings.out / 'results.jsonl'}, {settings.out / 'table.md'}, " + ", ".join(str(c) for c in charts))
 
@@ -67,6 +72,9 @@ def cmd_generate(args) -> None:
                             top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
                             stop_token_ids=(tokenizer.eos_id,))
     prompt_ids = tokenizer.encode(args.prompt)
+    if not model.config.causal:
+        generate_diffusion(model, prompt_ids, tokenizer, args)
+        return
     engine = Engine(model, max_batch=1, max_seq_len=min(model.config.max_seq_len, len(prompt_ids) + args.max_new_tokens),
                     kv_cache=args.kv_cache)
     out = engine.generate([prompt_ids], params)[0]
@@ -75,6 +83,22 @@ def cmd_generate(args) -> None:
     print(f"[{args.arch}/{args.preset}: {len(out.token_ids)} tokens, finish={out.finish_reason}, "
           f"TTFT {1000 * m.ttft:.1f} ms, TPOT {1000 * m.tpot:.2f} ms, E2E {1000 * m.e2e:.1f} ms"
           + ("" if args.weights else "; random weights: pass --weights for a trained model") + "]", file=sys.stderr)
+
+
+def generate_diffusion(model, prompt_ids: list[int], tokenizer, args) -> None:
+    """A masked diffusion LM fills the answer block by block through the LLaDA sampler (no engine, no EOS stop)."""
+    block_length = args.block_length or args.max_new_tokens
+    sampler = DiffusionSampler(model, steps=args.steps or args.max_new_tokens, block_length=block_length,
+                               remasking=args.remasking, temperature=args.temperature,
+                               cache=None if args.diffusion_cache == "none" else args.diffusion_cache,
+                               threshold=args.threshold)
+    generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
+    out = sampler.generate([prompt_ids], args.max_new_tokens, generator=generator)
+    print(args.prompt + tokenizer.decode(out.token_ids[0]))
+    print(f"[{args.arch}/{args.preset}: {args.max_new_tokens} tokens in {out.forward_passes} forward passes "
+          f"({out.tokens_per_forward:.2f} tokens/forward), first block {1000 * out.first_block_s:.1f} ms, "
+          f"E2E {1000 * out.wall_s:.1f} ms" + ("" if args.weights else "; random weights: pass --weights for a "
+                                               "trained model") + "]", file=sys.stderr)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -98,6 +122,12 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--device", default=d.device, help=f"torch device, e.g. cpu or cuda (default: {d.device})")
     c.add_argument("--seed", type=int, default=d.seed, help=f"seed for weights and prompts (default: {d.seed})")
     c.add_argument("--out", default=str(d.out), help=f"output folder (default: {d.out})")
+    c.add_argument("--diffusion-steps", type=int_list, help="masked diffusion LMs: comma-separated sampler steps "
+                   "(default: new_tokens, new_tokens/4, new_tokens/16 where they divide into the blocks)")
+    c.add_argument("--block-length", type=int, help="masked diffusion LMs: answer tokens per block, left to right "
+                   "(default: 32 where new_tokens splits into them, else new_tokens)")
+    c.add_argument("--diffusion-caches", type=name_list, default=d.diffusion_caches,
+                   help=f"masked diffusion LMs: Fast-dLLM caches to measure (default: {','.join(d.diffusion_caches)})")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_compare)
 
@@ -114,6 +144,16 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache", default="contiguous", choices=["contiguous", "paged"], help="KV cache layout")
     g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default: float32)")
     g.add_argument("--weights", default=None, help="a .safetensors (or tensors-only .pt) state dict for this architecture")
+    g.add_argument("--steps", type=int, help="masked diffusion LMs: sampler steps (forward passes) for the whole "
+                                             "answer (default: max-new-tokens, one token per step)")
+    g.add_argument("--block-length", type=int, help="masked diffusion LMs: answer tokens per block (default: the "
+                                                    "whole answer)")
+    g.add_argument("--remasking", default="low_confidence", choices=["low_confidence", "random"],
+                   help="masked diffusion LMs: which predictions a step keeps (default: low_confidence)")
+    g.add_argument("--diffusion-cache", default="none", choices=["none", "prefix", "dual"],
+                   help="masked diffusion LMs: Fast-dLLM approximate cache (default: none)")
+    g.add_argument("--threshold", type=float, help="masked diffusion LMs: unmask every prediction at least this "
+                                                   "confident (Fast-dLLM parallel decoding) instead of a fixed count")
     g.set_defaults(func=cmd_generate)
 
     recall_cli.add_parser(sub, int_list, name_list)

@@ -8,13 +8,15 @@ import torch
 from tqdm import tqdm
 
 import zoo
+from harness.compare_diffusion import CACHE_MODES, default_block_length, default_steps, measure_diffusion_cell
 from harness.engine import Engine
 from harness.metrics import mbu, measure_copy_bandwidth, summarize
 from harness.results import ResultStore
 from harness.sampling import SamplingParams
 
 # The fields that identify a cell: a re-run skips rows that match on all of them.
-CELL_KEY = ("arch", "preset", "context", "batch", "new_tokens", "dtype", "kv_cache", "device", "block_size")
+CELL_KEY = ("arch", "preset", "context", "batch", "new_tokens", "dtype", "kv_cache", "device", "block_size",
+            "steps", "block_length", "diffusion_cache")  # the last three: diffusion cells only (None otherwise)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -31,6 +33,17 @@ class CompareSettings:
     device: str = "cpu"
     seed: int = 0
     out: Path = Path("results/compare")
+    # masked diffusion LMs (e.g. "diffusion") run through the LLaDA sampler instead of the engine, once per
+    # steps x cache; None = steps {new_tokens, /4, /16} and 32-token blocks (or one block)
+    diffusion_steps: list[int] | None = None
+    block_length: int | None = None
+    diffusion_caches: list[str] = field(default_factory=lambda: list(CACHE_MODES))
+
+    def __post_init__(self):
+        if self.block_length is None:
+            self.block_length = default_block_length(self.new_tokens)
+        if self.diffusion_steps is None:
+            self.diffusion_steps = default_steps(self.new_tokens, self.block_length)
 
     def validate(self) -> None:
         """Every bad setting is reported before any model is built."""
@@ -51,11 +64,36 @@ class CompareSettings:
                              f"preset's max_seq_len={limit}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        if any(not zoo.is_causal(a) for a in self.archs):
+            self.validate_diffusion()
+
+    def validate_diffusion(self) -> None:
+        if self.block_length < 1 or self.new_tokens % self.block_length:
+            raise ValueError(f"block_length={self.block_length} must divide new_tokens={self.new_tokens}")
+        blocks = self.new_tokens // self.block_length
+        bad = [s for s in self.diffusion_steps if s < 1 or s % blocks]
+        if not self.diffusion_steps or bad:
+            raise ValueError(f"diffusion steps {bad or self.diffusion_steps} not allowed: each must be a positive "
+                             f"multiple of the block count new_tokens / block_length = {blocks}")
+        unknown = [c for c in self.diffusion_caches if c not in CACHE_MODES]
+        if not self.diffusion_caches or unknown:
+            raise ValueError(f"unknown diffusion cache {unknown or self.diffusion_caches}; allowed: {', '.join(CACHE_MODES)}")
 
     def cells(self) -> list[dict]:
         common = {"preset": self.preset, "new_tokens": self.new_tokens, "dtype": self.dtype,
                   "kv_cache": self.kv_cache, "device": self.device, "block_size": self.block_size}
-        return [{"arch": a, "context": c, "batch": b, **common} for a in self.archs for c in self.contexts for b in self.batches]
+        autoregressive = {"steps": None, "block_length": None, "diffusion_cache": None}
+        cells = []
+        for a in self.archs:
+            for c in self.contexts:
+                for b in self.batches:
+                    if zoo.is_causal(a):
+                        cells.append({"arch": a, "context": c, "batch": b, **common, **autoregressive})
+                    else:  # no-cache first: cached cells measure their agreement against it
+                        cells += [{"arch": a, "context": c, "batch": b, **common, "steps": s,
+                                   "block_length": self.block_length, "diffusion_cache": cache}
+                                  for s in self.diffusion_steps for cache in self.diffusion_caches]
+        return cells
 
 
 def build_model(arch: str, settings: CompareSettings):
@@ -106,13 +144,17 @@ def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[d
     todo = [c for c in settings.cells() if not store.done(c)]
     if todo:
         peak = measure_copy_bandwidth(settings.device, nbytes=1 << 28)
-        model_arch, model = None, None
+        model_arch, model, reference = None, None, {}
         bar = tqdm(todo, desc="zoo compare", unit="cell", disable=not show_progress)
         for cell in bar:
-            bar.set_postfix_str(f"{cell['arch']} ctx={cell['context']} batch={cell['batch']}")
+            diffusion = f" steps={cell['steps']} cache={cell['diffusion_cache']}" if cell["steps"] else ""
+            bar.set_postfix_str(f"{cell['arch']} ctx={cell['context']} batch={cell['batch']}{diffusion}")
             if cell["arch"] != model_arch:
-                model_arch, model = cell["arch"], build_model(cell["arch"], settings)
-            store.append(measure_cell(model, cell, peak, settings.seed))
+                model_arch, model, reference = cell["arch"], build_model(cell["arch"], settings), {}
+            if cell["steps"]:
+                store.append(measure_diffusion_cell(model, cell, settings.seed, reference))
+            else:
+                store.append(measure_cell(model, cell, peak, settings.seed))
     wanted = {store.key(c) for c in settings.cells()}
     return [r for r in store.rows if store.key(r) in wanted]
 

@@ -14,17 +14,22 @@ VOCAB, MASK = 10, 9
 
 
 class FixedLogits(nn.Module):
-    """Logits that ignore the input (a fixed [T, V] table), recording the input it was given."""
+    """Logits that ignore the input (a fixed [T, V] table), recording the input it was given. As the zoo model,
+    hidden_states is the forward without the head (here the head is the identity)."""
 
     def __init__(self, table: torch.Tensor):
         super().__init__()
         self.table = table
         self.config = types.SimpleNamespace(causal=False, mask_token_id=MASK, name="fixed")
         self.inputs = []
+        self.head = nn.Identity()
 
-    def forward(self, tokens):
+    def hidden_states(self, tokens):
         self.inputs.append(tokens.clone())
         return self.table.expand(tokens.shape[0], -1, -1)
+
+    def forward(self, tokens):
+        return self.head(self.hidden_states(tokens))
 
 
 def naive_loss(table, tokens, masked, p, eligible) -> float:

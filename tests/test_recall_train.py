@@ -5,7 +5,7 @@ import torch
 
 import zoo
 from harness.recall import MQARSetting, make_mqar
-from harness.recall.train import TrainConfig, build_recall_model, evaluate, train_recall
+from harness.recall.train import TrainConfig, build_recall_model, diffusion_sequences, evaluate, train_recall
 
 SETTING = MQARSetting(seq_len=64, num_kv_pairs=4)  # vocab 8192
 
@@ -73,3 +73,32 @@ def test_attention_solves_recall():
     config = TrainConfig("gqa", lr=3e-3, max_steps=2000, eval_every=100, vocab_size=8192)
     result = train_recall(config, train, [test])
     assert result["accuracy"] >= 0.99, result["history"]
+
+
+def test_diffusion_sees_mqar_as_one_sequence_with_answers_in_place():
+    """A diffusion LM's sequence is the inputs with each answer in the filler slot right after its query key."""
+    inputs, labels = make_mqar(SETTING, 32, seed=7)
+    tokens, answers = diffusion_sequences(inputs, labels)
+    queries = labels != -100
+    assert tokens.shape == inputs.shape and torch.equal(answers[:, 1:], queries[:, :-1]) and not answers[:, 0].any()
+    assert torch.equal(tokens[answers], labels[queries])
+    assert torch.equal(tokens[~answers], inputs[~answers])  # only the filler slots after query keys change
+    assert (inputs[answers] != labels[queries]).float().mean() > 0.9  # the inputs never held the answers there
+
+
+class Copier(torch.nn.Module):
+    """A 'diffusion LM' that predicts the token at each position itself: perfect if an answer were visible."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.config = type("C", (), {"causal": False, "mask_token_id": vocab - 1})()
+        self.head = torch.nn.Identity()
+        self.vocab = vocab
+
+    def hidden_states(self, tokens):
+        return torch.nn.functional.one_hot(tokens, self.vocab).float()
+
+
+def test_diffusion_evaluation_hides_every_answer():
+    inputs, labels = make_mqar(SETTING, 16, seed=8)
+    assert evaluate(Copier(8193), inputs, labels)["token_accuracy"] < 0.05  # it sees only mask tokens there

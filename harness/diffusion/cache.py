@@ -32,6 +32,7 @@ class BlockForward:
         if cache is not None:  # contiguous rows of the full padded width (block_size is a paged-only setting)
             self.pool = CachePool(model.cache_specs(), "contiguous", rows, width, 1, [], param.dtype, param.device)
         self.cache_bytes = sum(zoo.cache_bytes(model, n) for n in lengths) if cache is not None else 0
+        self.cache_bytes_allocated = 0 if self.pool is None else self.pool.nbytes
 
     def __call__(self, x: torch.Tensor, answer: torch.Tensor, first: int, last: int, step: int) -> torch.Tensor:
         """x: [B, width] tokens; answer: [B, gen_length] each row's answer positions, the block is answer[:, first:last];

@@ -20,6 +20,7 @@ class DiffusionOutput:
     first_block_s: float  # until every row's first block is complete: the analogue of time to first token
     wall_s: float
     cache_bytes: int  # analytic K/V bytes of the positions the approximate cache holds; 0 without a cache
+    cache_bytes_allocated: int  # measured: the cache tensors' bytes (rows padded to the longest sequence)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -134,7 +135,7 @@ class DiffusionSampler:
                 first_block_s = time.perf_counter() - start
         token_ids = [x[i, len(prompt) : len(prompt) + gen_length].tolist() for i, prompt in enumerate(prompts)]
         return DiffusionOutput(token_ids, len(unmasked), unmasked, first_block_s, time.perf_counter() - start,
-                               forward.cache_bytes)
+                               forward.cache_bytes, forward.cache_bytes_allocated)
 
     def block_done(self, tokens: torch.Tensor, step: int, steps_per_block: int) -> bool:
         """The schedule's steps are spent; with a threshold, no mask is left in the block [B, L]."""

@@ -2,6 +2,8 @@
 import multiprocessing
 import os
 import queue as queue_module
+import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -125,22 +127,36 @@ def expected_cost(run: dict) -> tuple:
     return run["d_model"], any(spec.kind == "state" for spec in specs)
 
 
-def _worker_init(threads: int) -> None:
+_worker_events = None  # in a worker process only: the queue its progress goes to (a Queue passes only at start)
+
+
+def _worker_init(threads: int, events) -> None:
+    global _worker_events
+    _worker_events = events
     torch.set_num_threads(threads)
+    parent = os.getppid()
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
 
 
-def _worker_run(run, settings, data, events) -> dict:
-    return train_run(run, settings, data, lambda text: events.put((run_label(run), text)))
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose parent was killed (not interrupted: Ctrl-C reaches both) stops instead of training on."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _worker_run(run, settings, data) -> dict:
+    return train_run(run, settings, data, lambda text: _worker_events.put((run_label(run), text)))
 
 
 def train_in_workers(todo: list[dict], settings: RecallSettings, data, store: ResultStore, bar) -> None:
     """Runs in `settings.workers` processes (one thread each per core); this process alone writes results.jsonl."""
     context = multiprocessing.get_context("spawn")  # fork after torch has started threads can deadlock
     threads = max(1, (os.cpu_count() or 1) // settings.workers)
-    with context.Manager() as manager, ProcessPoolExecutor(settings.workers, mp_context=context, initializer=_worker_init,
-                                                           initargs=(threads,)) as pool:
-        events = manager.Queue()
-        pending = {pool.submit(_worker_run, run, settings, data, events): run for run in todo}
+    events = context.Queue()
+    with ProcessPoolExecutor(settings.workers, mp_context=context, initializer=_worker_init,
+                             initargs=(threads, events)) as pool:
+        pending = {pool.submit(_worker_run, run, settings, data): run for run in todo}
         status: dict = {}
         try:
             while pending:

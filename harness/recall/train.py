@@ -6,6 +6,11 @@ evaluation every eval_every steps, early stop once every test set is above targe
 
 For CPU speed the vocabulary head (8192 wide) runs only at labelled positions: the hidden states
 come from `model.hidden_states` (the forward without the head), then `model.head` on the gathered rows.
+
+A masked diffusion LM (non-causal) sees the whole sequence, so the next-token recipe would hand it the answers.
+It trains with its own objective instead (LLaDA's, on the answers only, as LLaDA fine-tunes on responses: the
+key-value pairs and query keys stay visible) and is evaluated by masking every answer and predicting them all in
+one forward pass.
 """
 import math
 import time
@@ -16,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import zoo
+from harness.diffusion import masked_diffusion_loss
 
 IGNORE = -100
 
@@ -43,7 +49,7 @@ def architecture_settings(arch: str, d_model: int, n_heads: int, seq_len: int) -
     """Settings beyond the common ones a registered architecture needs to be meaningful on MQAR at this size."""
     name = zoo.make_config(arch, preset="tiny", d_model=d_model, n_heads=n_heads, mlp="none").name  # validates arch
     settings: dict = {}
-    if name in ("gqa", "cla", "swa", "hybrid", "hybrid-1in6", "hybrid-3to1"):
+    if name in ("gqa", "cla", "swa", "hybrid", "hybrid-1in6", "hybrid-3to1", "diffusion"):
         settings["n_kv_heads"] = max(1, n_heads // 2)  # the tiny preset's ratio (4 query heads : 2 KV heads)
     if name in ("swa", "hybrid", "hybrid-1in6", "hybrid-3to1"):
         settings["window"] = max(1, seq_len // 4)  # smaller than L, so the window matters
@@ -67,10 +73,36 @@ def build_recall_model(config: TrainConfig, vocab_size: int, seq_len: int) -> to
 
 
 def labelled_logits(model, inputs: torch.Tensor, labels: torch.Tensor):
-    """Logits [M, vocab] at the M labelled positions, with their targets [M] and mask [B, T]."""
+    """Logits [M, vocab] at the M labelled positions, with their targets [M] and mask [B, T]. A diffusion LM
+    predicts each answer at its own (masked) position; an autoregressive one at the position before it."""
+    if not model.config.causal:
+        tokens, answers = diffusion_sequences(inputs, labels)
+        h = model.hidden_states(tokens.masked_fill(answers, model.config.mask_token_id))
+        logits = model.head(h[answers])
+        logits[:, model.config.mask_token_id] = float("-inf")  # an answer is a token, never "still masked"
+        return logits, tokens[answers], answers
     mask = labels != IGNORE
     h = model.hidden_states(inputs)
     return model.head(h[mask]), labels[mask], mask
+
+
+def diffusion_sequences(inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MQAR as a diffusion LM sees it: each answer in the slot after its query key (Zoology leaves that slot
+    filler: the value never follows the query in the input). Returns tokens [B, L] and where the answers are."""
+    if (labels[:, -1] != IGNORE).any():
+        raise ValueError("a query at the last position has no slot after it for a diffusion LM's answer")
+    answers = F.pad(labels[:, :-1] != IGNORE, (1, 0))
+    tokens = inputs.clone()
+    tokens[answers] = labels[labels != IGNORE]
+    return tokens, answers
+
+
+def training_loss(model, inputs: torch.Tensor, labels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    if not model.config.causal:
+        tokens, answers = diffusion_sequences(inputs, labels)
+        return masked_diffusion_loss(model, tokens, generator=generator, loss_mask=answers)
+    logits, targets, _ = labelled_logits(model, inputs, labels)
+    return F.cross_entropy(logits, targets)
 
 
 @torch.no_grad()
@@ -128,6 +160,7 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
 
     torch.manual_seed(config.seed)
     model = build_recall_model(config, vocab_size, seq_len).to(device)
+    mask_generator = torch.Generator(device).manual_seed(config.seed + 1)  # a diffusion LM's masking draws
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -149,8 +182,7 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
         idx = order[cursor:cursor + min(config.batch_size, n)]
         cursor += len(idx)
         x, y = train_inputs[idx].to(device), train_labels[idx].to(device)
-        logits, targets, _ = labelled_logits(model, x, y)
-        loss = F.cross_entropy(logits, targets)
+        loss = training_loss(model, x, y, mask_generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
