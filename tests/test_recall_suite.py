@@ -100,3 +100,18 @@ def test_bad_settings_fail_before_training(tmp_path, capsys, option, value, mess
     assert cli.main(argv) == 2
     assert pytest.importorskip("re").search(message, capsys.readouterr().err)
     assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_identical_models_train_once(tmp_path, monkeypatch):
+    """mha, gqa and mqa with one head are one model (as are the hybrids tiled to 2 layers): trained once, each
+    architecture still gets its row, marked with the run it copies; a re-run copies from the file."""
+    real, trained = suite.train_recall, []
+    monkeypatch.setattr(suite, "train_recall", lambda config, *a, **k: trained.append(config.arch) or real(config, *a, **k))
+    rows = run_recall(tiny(tmp_path, archs=["mha", "gqa", "mla"], d_models=[16], lrs=[3e-3]), show_progress=False)
+    assert trained == ["mha", "mla"]  # d_model 16: one head, so gqa's KV heads = 1 = mha's
+    by_arch = {r["arch"]: r for r in rows}
+    assert by_arch["gqa"]["same_model_as"] == "mha" and "same_model_as" not in by_arch["mha"]
+    assert by_arch["gqa"]["accuracy"] == by_arch["mha"]["accuracy"]
+    trained.clear()
+    more = run_recall(tiny(tmp_path, archs=["mha", "gqa", "mqa", "mla"], d_models=[16], lrs=[3e-3]), show_progress=False)
+    assert trained == [] and {r["arch"]: r.get("same_model_as") for r in more}["mqa"] == "mha"

@@ -5,7 +5,7 @@ import torch
 
 import zoo
 from harness.recall import MQARSetting, make_mqar
-from harness.recall.train import TrainConfig, build_recall_model, diffusion_sequences, evaluate, train_recall
+from harness.recall.train import TrainConfig, build_recall_model, diffusion_sequences, evaluate, model_identity, train_recall
 
 SETTING = MQARSetting(seq_len=64, num_kv_pairs=4)  # vocab 8192
 
@@ -102,3 +102,13 @@ class Copier(torch.nn.Module):
 def test_diffusion_evaluation_hides_every_answer():
     inputs, labels = make_mqar(SETTING, 16, seed=8)
     assert evaluate(Copier(8193), inputs, labels)["token_accuracy"] < 0.05  # it sees only mask tokens there
+
+
+def test_architectures_with_one_identity_train_identically(small_data):
+    """What lets the sweep train such twins once: same identity, same history (gqa = mha with one head)."""
+    train, test = small_data
+    runs = {a: TrainConfig(a, d_model=64, max_steps=3, eval_every=1, batch_size=16, vocab_size=8192) for a in ("mha", "gqa", "mla")}
+    assert model_identity(runs["mha"], 8192, 64) == model_identity(runs["gqa"], 8192, 64) != model_identity(runs["mla"], 8192, 64)
+    assert model_identity(TrainConfig("mha", d_model=128), 8192, 64) != model_identity(TrainConfig("gqa", d_model=128), 8192, 64)
+    a, b = (train_recall(runs[x], train, [test]) for x in ("mha", "gqa"))
+    assert a["history"] == b["history"] and a["state_bytes"] == b["state_bytes"]

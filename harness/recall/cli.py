@@ -10,7 +10,7 @@ from harness.results import write_atomic
 
 # A preset is a list of sweeps (one per sequence length) written to one results folder.
 PRESETS = {
-    "cpu-default": [{}],  # RecallSettings' defaults: every architecture, L=64, N in {4, 8, 16}, d_model 64 and 128
+    "cpu-default": [{}],  # RecallSettings' defaults: every architecture, L=64, N in {4, 8}, d_model 32 and 64
     # Zoology's Fig. 2 grid: GPU-sized, runs anywhere, slowly
     "zoology-fig2": [
         {"seq_len": seq_len, "kv_pairs": [n], "d_models": [64, 128, 256, 512], "lrs": [1e-4, 4.6e-4, 2.2e-3, 1e-2],

@@ -12,6 +12,8 @@ It trains with its own objective instead (LLaDA's, on the answers only, as LLaDA
 key-value pairs and query keys stay visible) and is evaluated by masking every answer and predicting them all in
 one forward pass.
 """
+import dataclasses
+import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -60,16 +62,27 @@ def architecture_settings(arch: str, d_model: int, n_heads: int, seq_len: int) -
     return settings
 
 
-def build_recall_model(config: TrainConfig, vocab_size: int, seq_len: int) -> torch.nn.Module:
+def recall_model_config(config: TrainConfig, vocab_size: int, seq_len: int) -> zoo.ModelConfig:
     # one 64-wide head at d_model 64 (as Zoology): reaches 0.99 on (64, 4) in ~900 steps; two 32-wide heads
     # plateaued at 0.95 after 2500
     n_heads = config.n_heads or max(1, config.d_model // 64)
     settings = architecture_settings(config.arch, config.d_model, n_heads, seq_len)
     settings.update(config.overrides or {})
-    return zoo.build(
+    return zoo.make_config(
         config.arch, preset="tiny", d_model=config.d_model, n_layers=config.n_layers, n_heads=n_heads, mlp="none",
         vocab_size=vocab_size, tie_embeddings=True, max_seq_len=seq_len, **settings,
     )
+
+
+def build_recall_model(config: TrainConfig, vocab_size: int, seq_len: int) -> torch.nn.Module:
+    return zoo.build(recall_model_config(config, vocab_size, seq_len))
+
+
+def model_identity(config: TrainConfig, vocab_size: int, seq_len: int) -> str:
+    """Two architectures that build the same model at this size (mha, gqa and mqa with one head; the hybrids
+    tiled to 2 layers) train to the same result: everything but the name, as a short digest."""
+    model = dataclasses.replace(recall_model_config(config, vocab_size, seq_len), name="")
+    return hashlib.sha256(repr(model).encode()).hexdigest()[:16]
 
 
 def labelled_logits(model, inputs: torch.Tensor, labels: torch.Tensor):
