@@ -6,6 +6,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on CI or servers
 import matplotlib.pyplot as plt  # noqa: E402
 
+from matplotlib.ticker import NullFormatter  # noqa: E402
+
 from harness.charts import DASHES, MARKERS  # noqa: E402
 
 
@@ -16,33 +18,47 @@ def per_n(row: dict) -> dict[int, float]:
 
 def markdown_table(best: list[dict]) -> str:
     ns = sorted({n for row in best for n in per_n(row)})
-    header = ["arch", "d_model", "state (KiB, fp32)", "best lr"] + [f"acc N={n}" for n in ns] + ["acc (all)", "steps", "wall (s)"]
+    header = (["arch", "d_model", "state (KiB, fp32)", "best lr"] + [f"acc N={n}" for n in ns]
+              + ["acc (all)", "steps", "wall (s)", "same model as"])
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for row in best:
         accs = per_n(row)
         cells = [row["arch"], str(row["d_model"]), f"{row['state_bytes'] / 1024:.1f}", f"{row['lr']:g}"]
         cells += [f"{accs[n]:.3f}" if n in accs else "" for n in ns]
-        cells += [f"{row['accuracy']:.3f}", str(row["steps"]), f"{row['wall_s']:.0f}"]
+        cells += [f"{row['accuracy']:.3f}", str(row["steps"]), f"{row['wall_s']:.0f}", row.get("same_model_as", "")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def panels(best: list[dict], x_of, xlabel: str, title: str, path: Path, logx: bool) -> Path:
-    """One panel per number of kv pairs; in each, accuracy against x, one line per architecture."""
-    ns = sorted({n for row in best for n in per_n(row)})
+def lines(best: list[dict]) -> dict[str, list[dict]]:
+    """One line per model: architectures whose rows are all the same models (e.g. mha, gqa and mqa with one head
+    each) share a line labelled "mha = gqa = mqa" instead of hiding each other."""
     archs = sorted({row["arch"] for row in best}, key=[r["arch"] for r in best].index)
-    fig, axes = plt.subplots(1, len(ns), figsize=(4.2 * len(ns), 4.2), dpi=110, sharey=True, squeeze=False)
+    groups: dict[tuple, list[str]] = {}
+    for arch in archs:
+        rows = sorted((r for r in best if r["arch"] == arch), key=lambda r: r["d_model"])
+        groups.setdefault(tuple((r["d_model"], r.get("same_model_as", arch)) for r in rows), []).append(arch)
+    return {" = ".join(names): [r for r in best if r["arch"] == names[0]] for names in groups.values()}
+
+
+def panels(best: list[dict], x_of, xlabel: str, title: str, path: Path, logx: bool) -> Path:
+    """One panel per number of kv pairs; in each, accuracy against x, one line per model."""
+    ns = sorted({n for row in best for n in per_n(row)})
+    series = lines(best)
+    colors = plt.get_cmap("tab10" if len(series) <= 10 else "tab20").colors
+    fig, axes = plt.subplots(1, len(ns), figsize=(4.6 * len(ns) + 2.4, 4.4), dpi=110, sharey=True, squeeze=False)
     for ax, n in zip(axes[0], ns):
-        for i, arch in enumerate(archs):
-            rows = sorted((r for r in best if r["arch"] == arch and n in per_n(r)), key=x_of)
+        for i, (label, rows) in enumerate(series.items()):
+            rows = sorted((r for r in rows if n in per_n(r)), key=x_of)
             ax.plot([x_of(r) for r in rows], [per_n(r)[n] for r in rows], marker=MARKERS[i % len(MARKERS)],
-                    linestyle=DASHES[i % len(DASHES)], label=arch)
+                    linestyle=DASHES[i % len(DASHES)], color=colors[i % len(colors)], label=label)
         if logx:
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())  # minor-tick labels (3x10^4, 4x10^4) ran into each other
         ax.set(title=f"L={best[0]['seq_len']}, N={n}", xlabel=xlabel, ylim=(-0.02, 1.02))
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("MQAR test accuracy")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # outside: never over a line
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path)
