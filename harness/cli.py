@@ -134,7 +134,7 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt (byte-level tokenizer)")
     g.add_argument("--arch", default="gqa", help="architecture (default: gqa)")
     g.add_argument("--preset", default="small", choices=list(zoo.PRESETS), help="model size (default: small)")
-    g.add_argument("--prompt", required=True, help="prompt text")
+    g.add_argument("--prompt", default="", help="prompt text (default: empty; a diffusion LM fills the answer from nothing)")
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: 32)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")

@@ -80,3 +80,12 @@ def test_cli_generate_with_a_diffusion_lm(capsys):
     assert "8 tokens in 4 forward passes (2.00 tokens/forward)" in captured.err
     bad = argv[:-4] + ["--steps", "3", "--block-length", "4"]
     assert cli.main(bad) == 2 and "steps=3" in capsys.readouterr().err
+
+
+def test_generate_without_a_prompt(capsys):
+    """The issue's command has no --prompt: a diffusion LM fills the answer from nothing; an autoregressive
+    model needs a first token and says so."""
+    assert cli.main(["generate", "--arch", "diffusion", "--preset", "tiny", "--max-new-tokens", "4", "--steps", "4"]) == 0
+    assert "4 tokens in 4 forward passes" in capsys.readouterr().err
+    assert cli.main(["generate", "--arch", "gqa", "--preset", "tiny", "--max-new-tokens", "4"]) == 2
+    assert "empty prompt" in capsys.readouterr().err
