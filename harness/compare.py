@@ -8,7 +8,8 @@ import torch
 from tqdm import tqdm
 
 import zoo
-from harness.compare_diffusion import CACHE_MODES, default_block_length, default_steps, measure_diffusion_cell
+from harness.compare_diffusion import (CACHE_MODES, default_block_length, default_steps, measure_diffusion_cell,
+                                       prompts_for)
 from harness.engine import Engine
 from harness.metrics import mbu, measure_copy_bandwidth, summarize
 from harness.results import ResultStore
@@ -105,9 +106,7 @@ def measure_cell(model, cell: dict, peak_bandwidth: float, seed: int) -> dict:
     """Prefill `batch` prompts of `context` tokens together, decode `new_tokens` each; times and bytes."""
     max_seq_len = cell["context"] + cell["new_tokens"]
     engine = Engine(model, max_batch=cell["batch"], max_seq_len=max_seq_len, kv_cache=cell["kv_cache"], block_size=cell["block_size"])
-    gen = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    prompts = [torch.randint(0, vocab, (cell["context"],), generator=gen).tolist() for _ in range(cell["batch"])]
+    prompts = prompts_for(cell, model.config.vocab_size, seed)
     # No stop tokens: every request runs exactly new_tokens, so cells are comparable.
     params = SamplingParams(max_new_tokens=cell["new_tokens"], temperature=0.0)
     start = time.perf_counter()

@@ -25,13 +25,14 @@ def default_block_length(new_tokens: int) -> int:
 
 
 def prompts_for(cell: dict, vocab: int, seed: int) -> list[list[int]]:
-    """The same random prompts the autoregressive cell of this (context, batch) uses."""
+    """`batch` random prompts of `context` ids below `vocab`: autoregressive and diffusion cells of one
+    (context, batch) get the same ones."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (cell["context"],), generator=gen).tolist() for _ in range(cell["batch"])]
 
 
 def measure_diffusion_cell(model, cell: dict, seed: int, reference: dict) -> dict:
-    """reference: {(context, batch, steps): no-cache token ids}, filled by no-cache cells and reused by cached ones."""
+    """reference: {(context, batch, steps): the no-cache output}, filled by no-cache cells and reused by cached ones."""
     # prompts never contain the mask id: draw from the vocabulary below it (it is the last id)
     prompts = prompts_for(cell, model.config.mask_token_id, seed)
     sampler_for = lambda cache: DiffusionSampler(model, steps=cell["steps"], block_length=cell["block_length"],  # noqa: E731
@@ -40,12 +41,11 @@ def measure_diffusion_cell(model, cell: dict, seed: int, reference: dict) -> dic
     key = (cell["context"], cell["batch"], cell["steps"])
     agreement = None
     if cell["diffusion_cache"] == "none":
-        reference[key] = out.token_ids
+        reference[key] = out
     else:
         if key not in reference:  # resumed after its no-cache cell: recompute it (untimed)
-            reference[key] = sampler_for("none").generate(prompts, cell["new_tokens"]).token_ids
-        pairs = [(a, b) for got, want in zip(out.token_ids, reference[key]) for a, b in zip(got, want)]
-        agreement = sum(a == b for a, b in pairs) / len(pairs)
+            reference[key] = sampler_for("none").generate(prompts, cell["new_tokens"])
+        agreement = out.agreement(reference[key])
     generated = sum(map(len, out.token_ids))
     return {
         **cell,

@@ -29,7 +29,7 @@ def selective_scan(x, dt, A, B, C, D, z, state, last=None):
     batch keeps each row's state after that token), None = T - 1 for every row.
     Returns y [b, T, d] and the final state [b, d, n], both fp32 (or wider).
     """
-    b, t, d = x.shape
+    t = x.shape[1]
     dtype = torch.promote_types(x.dtype, torch.float32)
     x, dt, A, B, C = (v.to(dtype) for v in (x, dt, A, B, C))
     if last is not None:  # dt = 0 after a row's end: decay 1 and no input, so its state stops there
