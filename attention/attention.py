@@ -61,9 +61,10 @@ class Attention(nn.Module):
 
     def cache_spec(self) -> CacheSpec:
         if self.kv_source is not None:
-            return CacheSpec(kind="shared", kv_heads=self.n_kv_heads, head_dim=self.head_dim, source=self.kv_source)
+            return CacheSpec(kind="shared", kv_heads=self.n_kv_heads, head_dim=self.head_dim, source=self.kv_source,
+                             query_heads=self.n_heads)
         return CacheSpec(kind="kv", kv_heads=self.n_kv_heads, head_dim=self.head_dim, value_dim=self.head_dim,
-                         window=self.window)
+                         window=self.window, query_heads=self.n_heads)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, batch: CacheBatch | None = None):
         """x: [B, T, d_model]. Without a cache: causal attention over x. With one: write this step's K/V, then attend.

@@ -21,6 +21,7 @@ class CacheSpec:
     kind "state": a fixed-size recurrent state per sequence, one tensor per (name, shape) in state_shapes
     (Mamba's conv and SSM states, linear attention's S and z), whatever the sequence's length.
     window: keep only the newest `window` tokens (sliding-window attention).
+    query_heads: query heads that read this cache each token (attention FLOPs per key scale with it; 0 for states).
     """
 
     kind: str
@@ -29,6 +30,7 @@ class CacheSpec:
     value_dim: int = 0
     window: int | None = None
     source: int | None = None
+    query_heads: int = 0
     state_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
     state_dtype: torch.dtype | None = None  # None: the model's dtype; float32 for states that accumulate sums
 

@@ -51,7 +51,8 @@ class MLAttention(nn.Module):
         self.rope = RotaryEmbedding(qk_rope_head_dim, rope_base)
 
     def cache_spec(self) -> CacheSpec:
-        return CacheSpec(kind="latent", kv_heads=1, head_dim=self.kv_lora_rank + self.rope_dim, value_dim=self.kv_lora_rank)
+        return CacheSpec(kind="latent", kv_heads=1, head_dim=self.kv_lora_rank + self.rope_dim, value_dim=self.kv_lora_rank,
+                         query_heads=self.n_heads)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, batch: CacheBatch | None = None):
         """Uncached and prefill: the expanded form (per-head keys/values from the latent). Decode: weight absorption,
