@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from attention.cache_spec import CacheBatch, CacheSpec
-from kernels import mla_decode_attention, paged_decode_attention, write_paged_kv
+from kernels import contiguous_decode_attention, mla_decode_attention, paged_decode_attention, write_paged_kv
 
 
 def visible_keys(key_positions: torch.Tensor, query_positions: torch.Tensor, window: int | None,
@@ -104,18 +104,20 @@ class ContiguousKV(KVTensors):
     def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None = None,
                causal: bool = True) -> torch.Tensor:
         """causal=False: each query sees every cached key of its row before batch.lengths, not only earlier ones."""
-        rows = batch.slots if batch.slot_range is None else batch.slot_range
+        if q.shape[2] == 1:
+            # one query per sequence sees every live row (a window never binds here: a rolling buffer holds just the
+            # window, unordered, which softmax does not mind; an unrolled one is at least max_len wide)
+            lengths = batch.lengths.clamp(max=self.rows) if self.rolling else batch.lengths
+            out = contiguous_decode_attention(q[:, :, 0], self.k, self.v, batch.slots, lengths, scale,
+                                              value_dim or self.v.shape[-1], rows_read=min(batch.max_length, self.rows),
+                                              slot_range=batch.slot_range)
+            return out.unsqueeze(2)
         if self.rolling:
-            if q.shape[2] != 1:
-                raise ValueError("a rolling-window cache attends one new token per sequence after its prefill")
-            k, v = self.k[rows], None if self.v is None else self.v[rows]
-            newest = (batch.lengths.long() - 1)[:, None]
-            # row r holds the latest position <= newest that is congruent to r; negative = not written yet
-            key_positions = newest - (newest - torch.arange(self.rows, device=q.device)) % self.rows
-        else:
-            k = self.k[rows, :, : batch.max_length]
-            v = None if self.v is None else self.v[rows, :, : batch.max_length]
-            key_positions = torch.arange(batch.max_length, device=q.device).unsqueeze(0)
+            raise ValueError("a rolling-window cache attends one new token per sequence after its prefill")
+        rows = batch.slots if batch.slot_range is None else batch.slot_range
+        k = self.k[rows, :, : batch.max_length]
+        v = None if self.v is None else self.v[rows, :, : batch.max_length]
+        key_positions = torch.arange(batch.max_length, device=q.device).unsqueeze(0)
         visible = visible_keys(key_positions, batch.positions, self.window, None if causal else batch.lengths)
         return self.attend_over(q, k, v, visible, scale, value_dim)
 

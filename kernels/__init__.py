@@ -1,6 +1,9 @@
-"""Paged-KV, linear-attention and Mamba state kernels: each Triton kernel beside the PyTorch reference it must equal."""
+"""Decode-attention, linear-attention and Mamba state kernels: each Triton (CUDA) or compiled C (CPU) kernel beside
+the PyTorch reference it must equal."""
 
-from .dispatch import FORCE_TRITON_ENV, triton_available, use_triton
+from .contiguous_attention import contiguous_decode_attention, contiguous_decode_attention_ref
+from .cpu_decode import cpu_kernels_available
+from .dispatch import FORCE_TRITON_ENV, triton_available, use_cpu_kernel, use_triton
 from .linear_attention import (
     linear_attention_chunked,
     linear_attention_chunked_ref,
@@ -21,6 +24,9 @@ from .selective_state_update import (
 
 __all__ = [
     "FORCE_TRITON_ENV",
+    "contiguous_decode_attention",
+    "contiguous_decode_attention_ref",
+    "cpu_kernels_available",
     "linear_attention_chunked",
     "linear_attention_chunked_ref",
     "linear_attention_chunked_triton",
@@ -38,6 +44,7 @@ __all__ = [
     "selective_state_update_ref",
     "selective_state_update_triton",
     "triton_available",
+    "use_cpu_kernel",
     "use_triton",
     "write_paged_kv",
     "write_paged_kv_ref",

@@ -18,8 +18,8 @@ import functools
 
 import torch
 
-from . import paged_attention
-from .dispatch import use_triton
+from . import cpu_decode, paged_attention
+from .dispatch import use_cpu_kernel, use_triton
 from .paged_attention import _cdiv, _default_num_splits, _padded, _tile_shape
 
 tl = None  # triton.language, bound by _jitted_kernels() on the first Triton call
@@ -180,4 +180,6 @@ def mla_decode_attention_triton(
 def mla_decode_attention(q, latent_pool, block_table, seq_lens, scale: float, value_dim: int) -> torch.Tensor:
     if use_triton(q, latent_pool, block_table, seq_lens):
         return mla_decode_attention_triton(q, latent_pool, block_table, seq_lens, scale, value_dim)
+    if use_cpu_kernel(q, latent_pool) and cpu_decode.fits(q, latent_pool, 1, value_dim):
+        return cpu_decode.mla_decode_attention_cpu(q, latent_pool, block_table, seq_lens, scale, value_dim)
     return mla_decode_attention_ref(q, latent_pool, block_table, seq_lens, scale, value_dim)

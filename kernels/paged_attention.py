@@ -21,7 +21,8 @@ import functools
 
 import torch
 
-from .dispatch import use_triton
+from . import cpu_decode
+from .dispatch import use_cpu_kernel, use_triton
 
 tl = None  # triton.language, bound by _jitted_kernels() on the first Triton call
 
@@ -239,4 +240,6 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     if use_triton(q, k_pool, v_pool, block_table, seq_lens):
         return paged_decode_attention_triton(q, k_pool, v_pool, block_table, seq_lens, scale, window=window)
+    if use_cpu_kernel(q, k_pool, v_pool) and cpu_decode.fits(q, k_pool, k_pool.shape[2], v_pool.shape[3]):
+        return cpu_decode.paged_decode_attention_cpu(q, k_pool, v_pool, block_table, seq_lens, scale, window=window)
     return paged_decode_attention_ref(q, k_pool, v_pool, block_table, seq_lens, scale, window=window)

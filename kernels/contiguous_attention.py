@@ -1,0 +1,47 @@
+"""Decode attention over a contiguous KV cache: one new query token per sequence.
+
+Layout: q [B, H, Dk]; k [slots, KVH, rows, Dk], v [slots, KVH, rows, Dv] or None (an MLA latent cache: the value
+is the first value_dim columns of each key row); slots [B] (the cache row of each sequence); seq_lens [B] (keys
+each sequence sees: rows 0 .. seq_lens-1 of its slot). Query head h reads KV head h // (H // KVH). A rolling
+sliding-window buffer is passed with seq_lens capped at its rows: softmax does not care in which row a key sits.
+Output [B, H, value_dim] in q's dtype.
+
+The reference is the oracle; the CPU path is the compiled kernel (kernels/cpu_decode.py), which reads only each
+sequence's live rows, in place; elsewhere (CUDA) SDPA over the rows up to `rows_read` with a length mask.
+"""
+import torch
+import torch.nn.functional as F
+
+from . import cpu_decode
+from .dispatch import use_cpu_kernel
+
+
+def contiguous_decode_attention_ref(q, k, v, slots, seq_lens, scale: float, value_dim: int) -> torch.Tensor:
+    batch, heads, _ = q.shape
+    kv_heads = k.shape[1]
+    length = int(seq_lens.max())
+    keys = k[slots, :, :length].float()  # [B, KVH, L, Dk]
+    values = keys[..., :value_dim] if v is None else v[slots, :, :length].float()
+    valid = torch.arange(length, device=q.device) < seq_lens[:, None]  # [B, L]
+    queries = q.float().view(batch, kv_heads, heads // kv_heads, -1)
+    scores = torch.einsum("bkgd,bkld->bkgl", queries, keys) * scale
+    probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(dim=-1)
+    # zero the masked values: rows past a sequence's length may hold anything (a finished request's keys, NaN)
+    out = torch.einsum("bkgl,bkld->bkgd", probs, values.masked_fill(~valid[:, None, :, None], 0.0))
+    return out.reshape(batch, heads, value_dim).to(q.dtype)
+
+
+def contiguous_decode_attention(q, k, v, slots, seq_lens, scale: float, value_dim: int,
+                                rows_read: int | None = None, slot_range: slice | None = None) -> torch.Tensor:
+    """rows_read: rows the SDPA path reads (default: all; a compiled step passes a fixed number so its shapes do
+    not change with the lengths). slot_range: the same rows as `slots` when they are consecutive (SDPA reads a view)."""
+    if use_cpu_kernel(q, k) and cpu_decode.fits(q, k, k.shape[1], value_dim):
+        return cpu_decode.contiguous_decode_attention_cpu(q, k, v, slots, seq_lens, scale, value_dim)
+    rows = slots if slot_range is None else slot_range
+    length = k.shape[2] if rows_read is None else rows_read
+    keys = k[rows, :, :length]
+    values = keys if v is None else v[rows, :, :length]
+    visible = (torch.arange(length, device=q.device) < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=visible, scale=scale,
+                                         enable_gqa=keys.shape[1] != q.shape[1])
+    return out[:, :, 0, :value_dim]

@@ -1,0 +1,237 @@
+/* Decode attention on CPU: one new query per sequence over its cached keys, read in place.
+ *
+ * One routine serves every cache layout the engine has: a key n of sequence b lives at
+ *   base + block_table[b][n / block_size] * stride_block + (n % block_size) * stride_pos + kv_head * stride_head
+ * so a paged pool is [blocks, block_size, kv_heads, dim], a contiguous cache is [slots, kv_heads, rows, dim] seen
+ * as one block per slot, and an MLA latent cache passes the same rows as keys and values (value = first dv columns).
+ * Each (sequence, KV head, split of the keys) task loads every key and value row once for the whole group of query
+ * heads that share it (GQA without repeating K/V), keeps an online softmax in fp32, and a second pass merges the
+ * splits by their log-sum-exp (flash-decoding). Rows are converted to fp32 one at a time, so 16-bit caches are
+ * read as they are. Built at first use by kernels/cpu_decode.py with the compiler flags written there.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+#define TILE 32        /* keys per step: their scores, softmax and values for every head of a group */
+#define MAX_HEADS 128  /* query heads per KV head (MLA: all heads share one latent) */
+#define MAX_DIM 1024
+
+static inline float load1(const void *p, int64_t i, int dtype) {
+    if (dtype == F32) return ((const float *)p)[i];
+    if (dtype == BF16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    return (float)((const _Float16 *)p)[i];
+}
+
+/* a row of n elements as fp32; an fp32 row is used in place, a 16-bit one is converted into buf
+ * (bf16 is the top half of an fp32: a shift, vectorised; built with -fno-strict-aliasing for the cast) */
+static inline const float *row_f32(const void *p, int64_t offset, int n, int dtype, float *buf) {
+    if (dtype == F32) return (const float *)p + offset;
+    if (dtype == BF16) {
+        const uint16_t *src = (const uint16_t *)p + offset;
+        uint32_t *bits = (uint32_t *)buf;
+        for (int i = 0; i < n; i++) bits[i] = (uint32_t)src[i] << 16;
+    } else {
+        const _Float16 *src = (const _Float16 *)p + offset;
+        for (int i = 0; i < n; i++) buf[i] = (float)src[i];
+    }
+    return buf;
+}
+
+static inline void store1(void *p, int64_t i, float x, int dtype) {
+    if (dtype == F32) {
+        ((float *)p)[i] = x;
+    } else if (dtype == BF16) {
+        uint32_t bits;
+        memcpy(&bits, &x, 4);
+        bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even, as torch does */
+        ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
+    } else {
+        ((_Float16 *)p)[i] = (_Float16)x;
+    }
+}
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));  /* 8 fp32 lanes, any 4-byte alignment */
+
+typedef struct {
+    const void *k, *v;
+    int64_t k_block, k_pos, k_head, v_block, v_pos, v_head;
+    int64_t block_size;
+    int heads, kv_heads, dk, dv, dtype;
+} Cache;
+
+static inline int64_t row_offset(const Cache *c, int64_t stride_block, int64_t stride_pos, int64_t stride_head,
+                                 const int32_t *table_row, int64_t n, int kv_head) {
+    int64_t block = table_row[n / c->block_size];
+    return block * stride_block + (n % c->block_size) * stride_pos + kv_head * stride_head;
+}
+
+/* Rows [first, first + n) of one KV head as fp32 pointers: in place for an fp32 cache, converted into buf
+ * (n rows of `width`) otherwise. Also prefetches the next tile's rows: a paged block interleaves KV heads, so one
+ * head's rows are strided across pages where the hardware prefetchers lose the stream. */
+static void tile_rows(const Cache *c, const void *base, int64_t stride_block, int64_t stride_pos, int64_t stride_head,
+                      const int32_t *table_row, int kv, int64_t first, int n, int64_t next_end, int width, float *buf,
+                      const float **rows) {
+    int elem = c->dtype == F32 ? 4 : 2;
+    for (int t = 0; t < n; t++)
+        rows[t] = row_f32(base, row_offset(c, stride_block, stride_pos, stride_head, table_row, first + t, kv), width,
+                          c->dtype, buf + (int64_t)t * width);
+    for (int64_t p = first + TILE; p < next_end && p < first + 2 * TILE; p++) {
+        const char *row = (const char *)base + elem * row_offset(c, stride_block, stride_pos, stride_head, table_row, p, kv);
+        for (int byte = 0; byte < width * elem; byte += 64) __builtin_prefetch(row + byte);
+    }
+}
+
+/* keys [start, end) of one sequence for the query heads of one KV head (q: [group][dk] fp32, pre-scaled). Writes
+ * the unnormalised partial output out[group][dv] (sum of exp(score - max) * value) and each head's max and sum.
+ * work: TILE * (dk + dv) floats for converting 16-bit rows. */
+static void attend_split(const Cache *c, const int32_t *table_row, int kv, int64_t start, int64_t end,
+                         const float *q, float *out, float *max_out, float *sum_out, float *work) {
+    float scores[MAX_HEADS][TILE];
+    const float *krows[TILE], *vrows[TILE];
+    const int dk = c->dk, dv = c->dv, group = c->heads / c->kv_heads;
+    for (int g = 0; g < group; g++) {
+        max_out[g] = -INFINITY;
+        sum_out[g] = 0.0f;
+        memset(out + (int64_t)g * dv, 0, sizeof(float) * dv);
+    }
+    for (int64_t first = start; first < end; first += TILE) {
+        int n = (int)(end - first < TILE ? end - first : TILE);
+        tile_rows(c, c->k, c->k_block, c->k_pos, c->k_head, table_row, kv, first, n, end, dk, work, krows);
+        for (int g = 0; g < group; g++) {  /* scores: four keys at a time, four independent dot products */
+            const float *qg = q + (int64_t)g * dk;
+            int t = 0;
+            for (; t + 4 <= n; t += 4) {
+                const float *k0 = krows[t], *k1 = krows[t + 1], *k2 = krows[t + 2], *k3 = krows[t + 3];
+                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+                for (int d = 0; d < dk; d++) {
+                    s0 += qg[d] * k0[d];
+                    s1 += qg[d] * k1[d];
+                    s2 += qg[d] * k2[d];
+                    s3 += qg[d] * k3[d];
+                }
+                scores[g][t] = s0, scores[g][t + 1] = s1, scores[g][t + 2] = s2, scores[g][t + 3] = s3;
+            }
+            for (; t < n; t++) {
+                float s0 = 0.0f;
+                for (int d = 0; d < dk; d++) s0 += qg[d] * krows[t][d];
+                scores[g][t] = s0;
+            }
+        }
+        for (int g = 0; g < group; g++) {  /* online softmax over the tile */
+            float *s = scores[g], tile_max = -INFINITY, tile_sum = 0.0f;
+            for (int t = 0; t < n; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
+            float new_max = tile_max > max_out[g] ? tile_max : max_out[g];
+            float rescale = expf(max_out[g] - new_max);
+            for (int t = 0; t < n; t++) {
+                s[t] = expf(s[t] - new_max);
+                tile_sum += s[t];
+            }
+            sum_out[g] = sum_out[g] * rescale + tile_sum;
+            max_out[g] = new_max;
+            float *acc = out + (int64_t)g * dv;
+            for (int d = 0; d < dv; d++) acc[d] *= rescale;
+        }
+        tile_rows(c, c->v, c->v_block, c->v_pos, c->v_head, table_row, kv, first, n, end, dv, work + TILE * dk, vrows);
+        for (int g = 0; g < group; g++) {  /* values: 32 output columns stay in 4 registers over the whole tile */
+            const float *p = scores[g];
+            float *acc = out + (int64_t)g * dv;
+            int d = 0;
+            for (; d + 32 <= dv; d += 32) {
+                v8 a0 = *(v8 *)(acc + d), a1 = *(v8 *)(acc + d + 8), a2 = *(v8 *)(acc + d + 16), a3 = *(v8 *)(acc + d + 24);
+                for (int t = 0; t < n; t++) {
+                    const float *row = vrows[t] + d;
+                    a0 += p[t] * *(const v8 *)row;
+                    a1 += p[t] * *(const v8 *)(row + 8);
+                    a2 += p[t] * *(const v8 *)(row + 16);
+                    a3 += p[t] * *(const v8 *)(row + 24);
+                }
+                *(v8 *)(acc + d) = a0, *(v8 *)(acc + d + 8) = a1, *(v8 *)(acc + d + 16) = a2, *(v8 *)(acc + d + 24) = a3;
+            }
+            for (; d + 8 <= dv; d += 8) {
+                v8 a = *(v8 *)(acc + d);
+                for (int t = 0; t < n; t++) a += p[t] * *(const v8 *)(vrows[t] + d);
+                *(v8 *)(acc + d) = a;
+            }
+            for (; d < dv; d++)
+                for (int t = 0; t < n; t++) acc[d] += p[t] * vrows[t][d];
+        }
+    }
+}
+
+int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int64_t k_block, int64_t k_pos,
+                     int64_t k_head, const void *v, int64_t v_block, int64_t v_pos, int64_t v_head,
+                     const int32_t *table, int64_t table_stride, int64_t block_size, const int32_t *seq_lens,
+                     int64_t window, int batch, int heads, int kv_heads, int dk, int dv, float scale, int splits,
+                     void *out, int64_t out_b, int64_t out_h, int dtype, int threads) {
+    if (kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_HEADS || dk > MAX_DIM || dv > MAX_DIM || splits < 1)
+        return -1;
+    int group = heads / kv_heads;
+    Cache c = {k, v, k_block, k_pos, k_head, v_block, v_pos, v_head, block_size, heads, kv_heads, dk, dv, dtype};
+    /* task = (sequence, KV head, split of the keys); partials [task][group] */
+    int64_t tasks = (int64_t)batch * kv_heads * splits, work_floats = (int64_t)TILE * (dk + dv);
+    float *partial = malloc(sizeof(float) * (tasks * group * (dv + 2) + (int64_t)batch * heads * dk));
+    float *workspace = malloc(sizeof(float) * threads * work_floats); /* one tile buffer per thread */
+    if (!partial || !workspace) {
+        free(partial);
+        free(workspace);
+        return -1;
+    }
+    float *partial_max = partial + tasks * group * dv, *partial_sum = partial_max + tasks * group;
+    float *queries = partial_sum + tasks * group; /* [batch][heads][dk], fp32, scaled */
+    for (int b = 0; b < batch; b++)
+        for (int h = 0; h < heads; h++)
+            for (int d = 0; d < dk; d++)
+                queries[((int64_t)b * heads + h) * dk + d] = scale * load1(q, b * q_b + h * q_h + d, dtype);
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t task = 0; task < tasks; task++) {
+        int split = (int)(task % splits), kv = (int)(task / splits % kv_heads), b = (int)(task / splits / kv_heads);
+        int64_t len = seq_lens[b];
+        int64_t first = window > 0 && len > window ? len - window : 0;
+        int64_t per_split = (len - first + splits - 1) / splits;
+        int64_t start = first + split * per_split, end = start + per_split < len ? start + per_split : len;
+        float *m = partial_max + task * group, *l = partial_sum + task * group;
+        if (start < end) {
+            attend_split(&c, table + b * table_stride, kv, start, end, queries + ((int64_t)b * heads + kv * group) * dk,
+                         partial + task * group * dv, m, l, workspace + omp_get_thread_num() * work_floats);
+        } else { /* an empty split (a short sequence): weight 0 in the merge */
+            for (int g = 0; g < group; g++) {
+                m[g] = -INFINITY;
+                l[g] = 0.0f;
+            }
+        }
+    }
+
+    /* merge each head's splits by their log-sum-exp; split 0 always holds a key (seq_lens >= 1) */
+    for (int b = 0; b < batch; b++) {
+        for (int h = 0; h < heads; h++) {
+            float top = -INFINITY, total = 0.0f, acc[MAX_DIM];
+            int64_t first_row = ((int64_t)b * kv_heads + h / group) * splits * group + h % group;
+            for (int s = 0; s < splits; s++) {
+                float m = partial_max[first_row + (int64_t)s * group];
+                top = m > top ? m : top;
+            }
+            memset(acc, 0, sizeof(float) * dv);
+            for (int s = 0; s < splits; s++) {
+                int64_t row = first_row + (int64_t)s * group;
+                if (partial_sum[row] == 0.0f) continue;
+                float w = expf(partial_max[row] - top);
+                total += w * partial_sum[row];
+                for (int d = 0; d < dv; d++) acc[d] += w * partial[row * dv + d];
+            }
+            for (int d = 0; d < dv; d++) store1(out, b * out_b + h * out_h + d, acc[d] / total, dtype);
+        }
+    }
+    free(partial);
+    free(workspace);
+    return 0;
+}

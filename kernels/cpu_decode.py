@@ -1,0 +1,139 @@
+"""CPU decode attention that reads every cache layout in place: the C kernel in kernels/cpu/decode_attention.c,
+compiled at first use with the machine's C compiler (like inductor and Triton, so -march=native fits the CPU it
+runs on) and registered as a torch custom op, so `torch.compile` calls it without a graph break.
+
+Layouts (k and v 4-D, last dim contiguous):
+  "blocks": [num_blocks, block_size, kv_heads, dim], a sequence's keys found through its block-table row (paged);
+  "rows":   [slots, kv_heads, rows, dim], sequence b in row table[b, 0] (contiguous; a rolling window is `rows` wide).
+v None: the keys are MLA latent rows and the value is their first `value_dim` columns.
+"""
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu") / "decode_attention.c"
+DISABLE_ENV = "ARCHZOO_CPU_KERNELS"  # "0": the engine's CPU decode runs the PyTorch references instead
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fno-strict-aliasing", "-shared", "-fPIC", "-std=c11"]
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+LAYOUTS = ("blocks", "rows")
+_MIN_KEYS_PER_SPLIT = 256  # a split's fixed cost (its query load, the merge) is small against 256 keys
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "archzoo" / "kernels"
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernel, built once per source + flags + compiler; None where no C compiler works."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return None
+    compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    compiler = compiler.split()[0]
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + version).hexdigest()[:16]
+    target = cache_dir() / f"decode_attention_{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True)
+            if result.returncode:
+                return None
+            os.replace(built, target)  # atomic: a concurrent build never loads a half-written file
+    # torch has loaded its libgomp.so.1 already: the kernel's OpenMP needs resolve to it (one thread pool)
+    lib = ctypes.CDLL(str(target))
+    lib.decode_attention.restype = ctypes.c_int
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.decode_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64,
+                                     i32, i32, i32, i32, i32, ctypes.c_float, i32, ptr, i64, i64, i32, i32]
+    return lib
+
+
+@torch.compiler.assume_constant_result  # a compiled step asks once, at trace time, not through the cache wrapper
+def cpu_kernels_available() -> bool:
+    return _library() is not None
+
+
+def _num_splits(tasks: int, max_keys: int, threads: int) -> int:
+    """Key splits per task: enough to keep every thread busy, none shorter than _MIN_KEYS_PER_SPLIT."""
+    wanted = -(-4 * threads // tasks)
+    return max(1, min(wanted, -(-max_keys // _MIN_KEYS_PER_SPLIT)))
+
+
+def _strides(x: torch.Tensor, layout: str) -> tuple[int, int, int]:
+    """(block or slot, position, head) element strides of a cache tensor in `layout`."""
+    if layout == "blocks":
+        return x.stride(0), x.stride(1), x.stride(2)
+    return x.stride(0), x.stride(2), x.stride(1)
+
+
+@torch.library.custom_op("archzoo::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, table: torch.Tensor,
+                     seq_lens: torch.Tensor, layout: str, scale: float, window: int, value_dim: int,
+                     splits: int = 0) -> torch.Tensor:
+    """q [B, H, Dk] -> [B, H, value_dim]: each sequence's query over keys 0..seq_lens[b]-1 (window > 0: the newest
+    `window` of them). table: int32 [B, blocks] ("blocks") or [B, 1] ("rows"). See the module doc for layouts.
+    splits: key slices per (sequence, KV head), merged by log-sum-exp; 0 = enough to keep every thread busy."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown cache layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
+    lib = _library()
+    q = q.contiguous()
+    batch, heads, dim_k = q.shape
+    kv_heads = k.shape[2] if layout == "blocks" else k.shape[1]
+    block_size = k.shape[1] if layout == "blocks" else k.shape[2]
+    values = k if v is None else v
+    out = torch.empty(batch, heads, value_dim, dtype=q.dtype)
+    threads = torch.get_num_threads()
+    max_keys = table.shape[1] * block_size if window <= 0 else min(window, table.shape[1] * block_size)
+    status = lib.decode_attention(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        k.data_ptr(), *_strides(k, layout),
+        values.data_ptr(), *_strides(values, layout),
+        table.data_ptr(), table.stride(0), block_size,
+        seq_lens.data_ptr(), window,
+        batch, heads, kv_heads, dim_k, value_dim, scale, splits or _num_splits(batch * kv_heads, max_keys, threads),
+        out.data_ptr(), out.stride(0), out.stride(1), DTYPE_CODES[q.dtype], threads,
+    )
+    if status:
+        raise ValueError(f"decode_attention: sizes beyond the CPU kernel (query heads per KV head {heads // kv_heads} <= 128, "
+                         f"dims {dim_k}, {value_dim} <= 1024)")
+    return out
+
+
+@decode_attention.register_fake
+def _(q, k, v, table, seq_lens, layout, scale, window, value_dim, splits=0):
+    return q.new_empty(q.shape[0], q.shape[1], value_dim)
+
+
+def fits(q: torch.Tensor, cache: torch.Tensor, kv_heads: int, value_dim: int) -> bool:
+    """Whether decode_attention takes these tensors: a supported dtype, the cache's last dim contiguous, sizes in range."""
+    return (q.dtype in DTYPE_CODES and cache.dtype == q.dtype and cache.stride(-1) == 1
+            and q.shape[1] % kv_heads == 0 and q.shape[1] // kv_heads <= 128 and max(q.shape[2], value_dim) <= 1024)
+
+
+def paged_decode_attention_cpu(q, k_pool, v_pool, block_table, seq_lens, scale: float, window: int | None = None):
+    """The paged kernel's contract (kernels/paged_attention.py) on the CPU kernel."""
+    return decode_attention(q, k_pool, v_pool, block_table, seq_lens, "blocks", scale, window or 0, v_pool.shape[-1])
+
+
+def mla_decode_attention_cpu(q, latent_pool, block_table, seq_lens, scale: float, value_dim: int):
+    """The MLA kernel's contract (kernels/mla_attention.py): latent_pool [num_blocks, block_size, W]."""
+    return decode_attention(q, latent_pool.unsqueeze(2), None, block_table, seq_lens, "blocks", scale, 0, value_dim)
+
+
+def contiguous_decode_attention_cpu(q, k, v, slots, seq_lens, scale: float, value_dim: int):
+    """kernels/contiguous_attention.py's contract: k, v [slots, kv_heads, rows, dim], v None for a latent cache."""
+    return decode_attention(q, k, v, slots.to(torch.int32).unsqueeze(1), seq_lens, "rows", scale, 0, value_dim)

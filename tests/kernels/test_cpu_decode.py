@@ -1,0 +1,106 @@
+"""The compiled CPU decode-attention kernel against the PyTorch references (and a float64 loop), in every layout."""
+import pytest
+import torch
+
+from kernels import (cpu_kernels_available, contiguous_decode_attention, contiguous_decode_attention_ref,
+                     mla_decode_attention, mla_decode_attention_ref, paged_decode_attention, paged_decode_attention_ref,
+                     use_cpu_kernel)
+from kernels.cpu_decode import decode_attention
+
+from test_paged_attention import naive_decode_attention  # noqa: E402 (pytest puts this folder on sys.path)
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C compiler on this machine")
+
+SEQ_LENS = [1, 19, 70, 33, 300]  # a fresh sequence, mid-block ends, one long enough for several splits
+HEAD_LAYOUTS = {"mha": (4, 4), "gqa": (12, 4), "mqa": (6, 1)}
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=2e-2),
+             torch.float16: dict(atol=2e-3, rtol=1e-2)}
+
+
+def query(batch, heads, dim, dtype, seed=0):
+    return torch.randn(batch, heads, dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", TOLERANCE)
+@pytest.mark.parametrize("layout", HEAD_LAYOUTS)
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("splits", [0, 1, 3])
+def test_paged_matches_reference(paged_cache, dtype, layout, window, splits):
+    heads, kv_heads = HEAD_LAYOUTS[layout]
+    cache = paged_cache(SEQ_LENS, 16, kv_heads, 64, 64, dtype, "cpu", window=window)  # unowned slots hold NaN
+    q = query(len(SEQ_LENS), heads, 64, dtype)
+    args = (q, cache.k_pool, cache.v_pool, cache.block_table, cache.seq_lens)
+    actual = decode_attention(*args, "blocks", 0.125, window or 0, 64, splits)
+    expected = paged_decode_attention_ref(*args, 0.125, window=window)
+    torch.testing.assert_close(actual, expected, **TOLERANCE[dtype])
+    if dtype == torch.float32 and splits == 3:  # and the float64 loop, not only our other implementation
+        naive = naive_decode_attention(*args, 0.125, window=window)
+        torch.testing.assert_close(actual.double(), naive, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", TOLERANCE)
+@pytest.mark.parametrize("width, value_dim, heads", [(48, 32, 5), (80, 64, 16), (99, 37, 3)])
+def test_mla_latent_matches_reference(paged_cache, dtype, width, value_dim, heads):
+    cache = paged_cache(SEQ_LENS, 8, 1, width, width, dtype, "cpu")
+    latent = cache.k_pool[:, :, 0]  # [num_blocks, block_size, W]: keys; values are their first value_dim columns
+    q = query(len(SEQ_LENS), heads, width, dtype, seed=1)
+    args = (q, latent, cache.block_table, cache.seq_lens, width**-0.5, value_dim)
+    torch.testing.assert_close(mla_decode_attention(*args), mla_decode_attention_ref(*args), **TOLERANCE[dtype])
+
+
+def contiguous_cache(lengths, slots, kv_heads, dim, rows, dtype, latent=False):
+    """[slots, KVH, rows, D] with NaN in every row past a sequence's length and in slots no sequence uses."""
+    g = torch.Generator().manual_seed(rows)
+    k = torch.full((max(slots) + 2, kv_heads, rows, dim), float("nan"))
+    v = None if latent else k.clone()
+    for slot, n in zip(slots, lengths):
+        k[slot, :, :n] = torch.randn(kv_heads, n, dim, generator=g)
+        if v is not None:
+            v[slot, :, :n] = torch.randn(kv_heads, n, dim, generator=g)
+    return k.to(dtype), None if v is None else v.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", TOLERANCE)
+@pytest.mark.parametrize("layout", HEAD_LAYOUTS)
+def test_contiguous_matches_reference(dtype, layout):
+    heads, kv_heads = HEAD_LAYOUTS[layout]
+    lengths, slots = [5, 300, 1, 64], [3, 0, 2, 5]  # slots out of order: the kernel follows the slot of each row
+    k, v = contiguous_cache(lengths, slots, kv_heads, 32, 320, dtype)
+    q = query(len(lengths), heads, 32, dtype, seed=2)
+    args = (q, k, v, torch.tensor(slots), torch.tensor(lengths, dtype=torch.int32), 32**-0.5, 32)
+    assert use_cpu_kernel(q, k)
+    actual = contiguous_decode_attention(*args)
+    torch.testing.assert_close(actual, contiguous_decode_attention_ref(*args), **TOLERANCE[dtype])
+
+
+def test_contiguous_latent_rows():
+    lengths, slots = [7, 200], [1, 0]
+    k, _ = contiguous_cache(lengths, slots, 1, 72, 256, torch.float32, latent=True)
+    q = query(2, 8, 72, torch.float32, seed=3)
+    args = (q, k, None, torch.tensor(slots), torch.tensor(lengths, dtype=torch.int32), 0.1, 64)
+    torch.testing.assert_close(contiguous_decode_attention(*args), contiguous_decode_attention_ref(*args),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_picks_the_cpu_kernel_only_on_cpu(monkeypatch):
+    x = torch.zeros(2)
+    assert use_cpu_kernel(x)
+    assert not use_cpu_kernel(torch.zeros(2, device="meta"))
+    monkeypatch.setenv("ARCHZOO_FORCE_TRITON", "1")  # the interpreter tests force Triton on CPU tensors
+    assert not use_cpu_kernel(x)
+
+
+def test_compiled_call_has_no_graph_break(paged_cache):
+    """A custom op: torch.compile(fullgraph=True) traces through it, and the compiled call equals eager."""
+    cache = paged_cache(SEQ_LENS, 16, 2, 32, 32, torch.float32, "cpu")
+    q = query(len(SEQ_LENS), 4, 32, torch.float32)
+    args = (q, cache.k_pool, cache.v_pool, cache.block_table, cache.seq_lens, 0.2)
+    compiled = torch.compile(paged_decode_attention, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(*args), paged_decode_attention(*args), atol=0, rtol=0)
+
+
+def test_bad_layout_is_refused():
+    q = torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match="unknown cache layout 'columns'"):
+        decode_attention(q, torch.zeros(1, 2, 4, 8), None, torch.zeros(1, 1, dtype=torch.int32),
+                         torch.ones(1, dtype=torch.int32), "columns", 1.0, 0, 8)
