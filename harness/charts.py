@@ -1,5 +1,6 @@
 """PNG charts of a comparison: cache bytes vs context, decode throughput vs batch, per-token latency vs context,
-and for masked diffusion LMs tokens/s vs sampler steps beside autoregressive decode."""
+measured decode step vs its roofline floor, and for masked diffusion LMs tokens/s vs sampler steps beside
+autoregressive decode."""
 from pathlib import Path
 
 import matplotlib
@@ -116,6 +117,54 @@ def autoregressive_charts(rows: list[dict], out: Path) -> list[Path]:
     latency = line_chart(
         out / "latency_vs_context.png", "Per-token decode latency vs context (smallest batch, median step)",
         "context length (tokens)", "median decode step (ms)",
-        {a: sorted_xy(rs, "context", lambda r: r.get("decode_step_ms_p50", r["tpot_ms"])) for a, rs in per_seq.items()},
+        {a: sorted_xy(rs, "context", lambda r: r.get("step_ms_p50", r["tpot_ms"])) for a, rs in per_seq.items()},
     )
-    return [cache, throughput, latency]
+    floored = [r for r in rows if r.get("floor_ms")]  # rows written before the roofline existed have no floor
+    return [cache, throughput, latency] + ([step_vs_floor_chart(floored, out)] if floored else [])
+
+
+def floor_bars(ax, rows: list[dict], bar_key: str, bar_label) -> None:
+    """Grouped bars on one axis: a group per architecture (in row order), a bar per value of `bar_key` within it,
+    height the measured median decode step; the roofline floor is a black bar over each, and the measured / floor
+    ratio is written above."""
+    archs = list(by_arch(rows))
+    values = sorted({r[bar_key] for r in rows})
+    width = 0.8 / len(values)
+    colors = plt.get_cmap("viridis")([(i + 0.5) / len(values) for i in range(len(values))])
+    cells = {(r["arch"], r[bar_key]): r for r in rows}
+    for j, (value, color) in enumerate(zip(values, colors)):
+        xs = [i + (j - (len(values) - 1) / 2) * width for i, a in enumerate(archs) if (a, value) in cells]
+        rs = [cells[a, value] for a in archs if (a, value) in cells]
+        ax.bar(xs, [r["step_ms_p50"] for r in rs], width * 0.92, color=color, label=bar_label(value))
+        ax.hlines([r["floor_ms"] for r in rs], [x - width / 2 for x in xs], [x + width / 2 for x in xs],
+                  color="black", linewidth=2.2, label="roofline floor" if j == 0 else None)
+        for x, r in zip(xs, rs):
+            ax.annotate(f"{r['step_ms_p50'] / r['floor_ms']:.1f}x", (x, max(r["step_ms_p50"], r["floor_ms"])),
+                        xytext=(0, 2), textcoords="offset points", ha="center", va="bottom", fontsize=6.5, rotation=90)
+    crowded = len(archs) > 6  # long names (hybrid-1in6) would overlap level
+    ax.set_xticks(range(len(archs)), archs, rotation=30 if crowded else 0, ha="right" if crowded else "center")
+    ax.set_yscale("log")
+    ax.margins(y=0.25)
+    ax.grid(True, axis="y", which="major", alpha=0.3)
+
+
+def step_vs_floor_chart(rows: list[dict], out: Path) -> Path:
+    """One panel per batch size: each architecture's measured median decode step at each context beside the
+    floor max(bytes / streaming rate, FLOPs / matmul rate) of a step at that batch and its mean context."""
+    batches = sorted({r["batch"] for r in rows})
+    n_archs = len(by_arch(rows))
+    fig, axes = plt.subplots(len(batches), 1, figsize=(max(6.4, 0.75 * n_archs + 2.5), 2.9 * len(batches) + 0.6),
+                             dpi=130, squeeze=False, sharex=True)
+    for ax, batch in zip(axes[:, 0], batches):
+        floor_bars(ax, [r for r in rows if r["batch"] == batch], "context", lambda c: f"context {c}")
+        ax.set_ylabel(f"batch {batch}\ndecode step (ms)")
+    axes[0, 0].legend(fontsize=8, ncols=4, loc="lower left", bbox_to_anchor=(0, 1.02), frameon=False)
+    r = rows[0]
+    fig.suptitle(f"Measured median decode step vs roofline floor ({r['dtype']}, {r['kv_cache']}, {r['device']}: "
+                 f"{r['stream_gb_s']:.1f} GB/s stream, {r['matmul_gflop_s']:.0f} GFLOP/s matmul); label: measured / floor",
+                 fontsize=9)
+    fig.tight_layout()
+    path = out / "step_vs_floor.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path

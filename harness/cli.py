@@ -44,9 +44,10 @@ def cmd_compare(args) -> None:
     write_atomic(settings.out / "table.md", table)
     charts = write_charts(rows, settings.out)
     print(table)
-    peaks = [r["peak_bandwidth_gb_s"] for r in rows if r.get("peak_bandwidth_gb_s")]
-    if peaks:
-        print(f"peak bandwidth for MBU: {peaks[0]:.1f} GB/s (measured large copy, read+write)")
+    rated = [r for r in rows if r.get("stream_gb_s")]
+    if rated:
+        print(f"roofline ceilings: {rated[-1]['stream_gb_s']:.1f} GB/s stream, {rated[-1]['matmul_gflop_s']:.0f} GFLOP/s "
+              f"matmul ({rated[-1]['rates_how']}); floor = max(step bytes / stream, step FLOPs / matmul)")
     print(f"settings: {settings_dict(settings)}")
     print(f"wrote {settings.out / 'results.jsonl'}, {settings.out / 'table.md'}, " + ", ".join(str(c) for c in charts))
 
@@ -106,7 +107,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the registered architectures, one line each").set_defaults(func=cmd_list)
 
-    c = sub.add_parser("compare", help="measure cache bytes, TTFT, TPOT, decode throughput and MBU per architecture",
+    c = sub.add_parser("compare", help="measure cache bytes, TTFT, TPOT, decode throughput, MBU and the roofline floor per architecture",
                        description="Run every architecture x context x batch cell through the same engine. Rows are "
                                    "appended to OUT/results.jsonl as each cell finishes (a re-run skips finished cells); "
                                    "prints a table and writes OUT/table.md and PNG charts.")

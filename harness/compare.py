@@ -10,8 +10,9 @@ from tqdm import tqdm
 import zoo
 from harness.compare_diffusion import (CACHE_MODES, default_block_length, default_steps, measure_diffusion_cell,
                                        prompts_for)
+from harness import roofline
 from harness.engine import Engine
-from harness.metrics import mbu, measure_copy_bandwidth, summarize
+from harness.metrics import summarize
 from harness.results import ResultStore
 from harness.sampling import SamplingParams
 
@@ -102,8 +103,9 @@ def build_model(arch: str, settings: CompareSettings):
     return zoo.build(arch, preset=settings.preset).to(device=settings.device, dtype=DTYPES[settings.dtype]).eval()
 
 
-def measure_cell(model, cell: dict, peak_bandwidth: float, seed: int) -> dict:
-    """Prefill `batch` prompts of `context` tokens together, decode `new_tokens` each; times and bytes."""
+def measure_cell(model, cell: dict, rates: roofline.MachineRates, seed: int) -> dict:
+    """Prefill `batch` prompts of `context` tokens together, decode `new_tokens` each; times and bytes, and the
+    roofline floor of the median decode step beside it."""
     max_seq_len = cell["context"] + cell["new_tokens"]
     engine = Engine(model, max_batch=cell["batch"], max_seq_len=max_seq_len, kv_cache=cell["kv_cache"], block_size=cell["block_size"])
     prompts = prompts_for(cell, model.config.vocab_size, seed)
@@ -114,26 +116,56 @@ def measure_cell(model, cell: dict, peak_bandwidth: float, seed: int) -> dict:
     duration = time.perf_counter() - start
     summary = summarize(outputs, duration)
     stats = engine.decode_stats
-    step_seconds = sum(stats.seconds) / len(stats.seconds)
-    kv_per_step = sum(stats.kv_bytes) / len(stats.kv_bytes)
-    weight_bytes = zoo.decode_weight_bytes(model)
-    analytic = zoo.cache_bytes(model, seq_len=max_seq_len, batch=cell["batch"])
+    step_s = statistics.median(stats.seconds)  # robust to a noisy machine's outliers
     return {
         **cell,
         "params": sum(p.numel() for p in model.parameters()),
-        "analytic_cache_bytes": analytic,
+        "analytic_cache_bytes": zoo.cache_bytes(model, seq_len=max_seq_len, batch=cell["batch"]),
         "measured_cache_bytes": engine.cache_bytes_allocated,
         "cache_bytes_per_token": zoo.cache_bytes(model, seq_len=1),
         "ttft_ms": summary["Mean TTFT (ms)"],
         "tpot_ms": summary["Mean TPOT (ms)"],
         "itl_p99_ms": summary["P99 ITL (ms)"],
-        "decode_step_ms_p50": 1000 * statistics.median(stats.seconds),  # robust to a noisy machine's outliers
+        "step_ms_p50": 1000 * step_s,
         "decode_tok_s": stats.tokens_per_second,
         "output_tok_s": summary["Output token throughput (tok/s)"],
-        "mbu": mbu(weight_bytes, kv_per_step, step_seconds, peak_bandwidth),
-        "peak_bandwidth_gb_s": peak_bandwidth / 1e9,
+        **floor_fields(model, cell, step_s, rates),
         "wall_s": duration,
     }
+
+
+def floor_context(cell: dict) -> int:
+    """Tokens cached before the middle decode step: the k-th of the new_tokens - 1 decode steps starts from
+    context + k (the first new token comes from the prefill), so this is their mean context, rounded down."""
+    return cell["context"] + (cell["new_tokens"] - 2) // 2
+
+
+def floor_fields(model, cell: dict, step_s: float, rates: roofline.MachineRates) -> dict:
+    """The roofline beside the measurement: the decode step's floor at the cell's batch and mean context, and one
+    prompt's prefill floor (the engine prefills prompts one after another, so the mean TTFT at batch b waits for
+    about (b + 1) / 2 of them)."""
+    step = roofline.decode_step_cost(model, cell["batch"], floor_context(cell))
+    floor_s = roofline.floor_seconds(step, rates)
+    prefill = roofline.prefill_cost(model, 1, cell["context"])
+    return {
+        "floor_context": floor_context(cell),
+        "floor_ms": 1000 * floor_s,
+        "bound": roofline.bound(step, rates),
+        "fraction_of_floor": step_s / floor_s,
+        "mbu": roofline.mbu(step, step_s, rates),
+        "mfu": roofline.mfu(step, step_s, rates),
+        "step_weight_bytes": step.weight_bytes,
+        "step_cache_read_bytes": step.cache_read_bytes,
+        "step_flops": step.flops,
+        "prefill_floor_ms": 1000 * roofline.floor_seconds(prefill, rates),
+        **rates.row_fields(),
+    }
+
+
+def measure_rates(settings: CompareSettings) -> roofline.MachineRates:
+    """The machine's ceilings in this run's dtype and device, once per run, on the preset's gqa weights (a fixed
+    reference, so runs over different architectures share a yardstick)."""
+    return roofline.measure_machine(build_model("gqa", settings), settings.device)
 
 
 def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[dict]:
@@ -142,7 +174,7 @@ def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[d
     store = ResultStore(settings.out / "results.jsonl", CELL_KEY)
     todo = [c for c in settings.cells() if not store.done(c)]
     if todo:
-        peak = measure_copy_bandwidth(settings.device, nbytes=1 << 28)
+        rates = measure_rates(settings) if any(not c["steps"] for c in todo) else None
         model_arch, model, reference = None, None, {}
         bar = tqdm(todo, desc="zoo compare", unit="cell", disable=not show_progress)
         for cell in bar:
@@ -153,7 +185,7 @@ def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[d
             if cell["steps"]:
                 store.append(measure_diffusion_cell(model, cell, settings.seed, reference))
             else:
-                store.append(measure_cell(model, cell, peak, settings.seed))
+                store.append(measure_cell(model, cell, rates, settings.seed))
     wanted = {store.key(c) for c in settings.cells()}
     return [r for r in store.rows if store.key(r) in wanted]
 

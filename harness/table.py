@@ -1,16 +1,23 @@
-"""The comparison as Markdown tables, one row per measured cell: autoregressive cells, then diffusion cells."""
+"""The comparison as Markdown tables, one row per measured cell: autoregressive cells, then diffusion cells.
+
+A column is (title, key or tuple of keys, format): a tuple fills one cell from several fields ("measured / floor").
+"""
 
 COLUMNS = [
     ("arch", "arch", "{}"),
     ("context", "context", "{}"),
     ("batch", "batch", "{}"),
-    ("analytic KV (MiB)", "analytic_cache_bytes", "{:.2f}"),
-    ("measured KV (MiB)", "measured_cache_bytes", "{:.2f}"),
-    ("TTFT (ms)", "ttft_ms", "{:.1f}"),
+    ("KV MiB analytic / measured", ("analytic_cache_bytes", "measured_cache_bytes"), "{:.2f} / {:.2f}"),
+    ("TTFT / prefill floor (ms)", ("ttft_ms", "prefill_floor_ms"), "{:.1f} / {:.1f}"),
     ("TPOT (ms)", "tpot_ms", "{:.2f}"),
+    ("step p50 / floor (ms)", ("step_ms_p50", "floor_ms"), "{:.2f} / {:.2f}"),
+    ("x floor", "fraction_of_floor", "{:.1f}"),
+    ("bound", "bound", "{}"),
     ("decode tok/s", "decode_tok_s", "{:.1f}"),
-    ("MBU", "mbu", "{:.1%}"),
+    ("MBU", "mbu", "{:.0%}"),
+    ("MFU", "mfu", "{:.0%}"),
 ]
+TEXT_KEYS = ("arch", "diffusion_cache", "bound")  # left-aligned
 
 DIFFUSION_COLUMNS = [
     ("arch", "arch", "{}"),
@@ -31,15 +38,16 @@ CACHE_ORDER = ("none", "prefix", "dual")
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]], order) -> list[str]:
     lines = ["| " + " | ".join(title for title, _, _ in columns) + " |",
-             "|" + "|".join("---" if key in ("arch", "diffusion_cache") else "---:" for _, key, _ in columns) + "|"]
+             "|" + "|".join("---" if key in TEXT_KEYS else "---:" for _, key, _ in columns) + "|"]
     for row in sorted(rows, key=order):
         cells = []
         for _, key, fmt in columns:
-            value = row.get(key)
-            if value is None:
+            keys = key if isinstance(key, tuple) else (key,)
+            values = [row.get(k) for k in keys]
+            if any(v is None for v in values):  # a diffusion cell, or a row written before the field existed
                 cells.append("—")
             else:
-                cells.append(fmt.format(value / 2**20 if key.endswith("cache_bytes") else value))
+                cells.append(fmt.format(*(v / 2**20 if k.endswith("cache_bytes") else v for k, v in zip(keys, values))))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

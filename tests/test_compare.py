@@ -4,7 +4,7 @@ import json
 import pytest
 
 import zoo
-from harness import cli, compare
+from harness import cli, compare, roofline
 from harness.compare import CompareSettings, run_compare
 
 
@@ -23,7 +23,16 @@ def test_rows_have_measured_and_analytic_bytes(tmp_path):
         assert row["measured_cache_bytes"] == row["analytic_cache_bytes"]
         assert row["analytic_cache_bytes"] == zoo.cache_bytes(model, seq_len=row["context"] + 3, batch=row["batch"])
         assert row["ttft_ms"] > 0 and row["tpot_ms"] > 0 and row["decode_tok_s"] > 0 and row["mbu"] > 0
-        assert row["decode_step_ms_p50"] > 0
+        assert row["step_ms_p50"] > 0 and row["floor_ms"] > 0 and row["prefill_floor_ms"] > 0
+        assert row["fraction_of_floor"] == pytest.approx(row["step_ms_p50"] / row["floor_ms"])
+        assert row["bound"] in ("memory", "compute") and 0 < row["mfu"]
+        assert row["floor_context"] == row["context"] + 0  # 3 new tokens: decode steps from context and context + 1
+        assert row["stream_gb_s"] > 0 and row["matmul_gflop_s"] > 0
+        rates = roofline.MachineRates(row["stream_gb_s"] * 1e9, row["matmul_gflop_s"] * 1e9, "float32", "cpu", "")
+        step = roofline.decode_step_cost(model, row["batch"], row["context"])
+        assert row["floor_ms"] == pytest.approx(1000 * roofline.floor_seconds(step, rates))
+    # one machine measurement per run: every row carries the same rates
+    assert len({(r["stream_gb_s"], r["matmul_gflop_s"]) for r in rows}) == 1
     mha = next(r for r in rows if r["arch"] == "mha")
     mqa = next(r for r in rows if r["arch"] == "mqa" and r["context"] == mha["context"] and r["batch"] == mha["batch"])
     assert mha["analytic_cache_bytes"] == 4 * mqa["analytic_cache_bytes"]  # tiny: 4 heads vs 1 KV head
@@ -61,7 +70,9 @@ def test_cli_compare_writes_table_and_charts(tmp_path, capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "| gqa | 16 | 2 |" in out and "TPOT (ms)" in out
-    for name in ("results.jsonl", "table.md", "cache_bytes_vs_context.png", "decode_throughput_vs_batch.png", "latency_vs_context.png"):
+    assert "step p50 / floor (ms)" in out and "GB/s stream" in out
+    for name in ("results.jsonl", "table.md", "cache_bytes_vs_context.png", "decode_throughput_vs_batch.png",
+                 "latency_vs_context.png", "step_vs_floor.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert {json.loads(line)["kv_cache"] for line in (tmp_path / "results.jsonl").read_text().splitlines()} == {"paged"}
 
