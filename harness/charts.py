@@ -7,7 +7,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on CI or servers
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
+from matplotlib.ticker import LogFormatter, NullFormatter, ScalarFormatter  # noqa: E402
 
 
 MARKERS = "os^vDP*X"
@@ -144,6 +144,9 @@ def floor_bars(ax, rows: list[dict], bar_key: str, bar_label) -> None:
     crowded = len(archs) > 6  # long names (hybrid-1in6) would overlap level
     ax.set_xticks(range(len(archs)), archs, rotation=30 if crowded else 0, ha="right" if crowded else "center")
     ax.set_yscale("log")
+    # plain numbers (20, 30, 40 ms), also on the minor ticks a narrow range labels instead of the decades
+    ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
     ax.margins(y=0.25)
     ax.grid(True, axis="y", which="major", alpha=0.3)
 

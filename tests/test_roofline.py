@@ -158,5 +158,7 @@ def test_measure_machine_gives_finite_positive_rates_quickly():
     for rate in (rates.stream_bytes_per_s, rates.matmul_flops_per_s):
         assert math.isfinite(rate) and rate > 0
     assert rates.dtype == "float32" and rates.device == "cpu" and "F.linear" in rates.how
+    # the compute ceiling is never below what the streaming GEMVs reached: 2 FLOPs per 4-byte weight
+    assert rates.matmul_flops_per_s >= rates.stream_bytes_per_s * 2 / 4 * (1 - 1e-9)
     fields = rates.row_fields()
     assert fields["stream_gb_s"] == pytest.approx(rates.stream_bytes_per_s / 1e9)
