@@ -6,6 +6,7 @@ from torch import nn
 from attention.cache_spec import CacheBatch, CacheSpec
 from attention.kv_layouts import fresh_attention
 from attention.rope import RotaryEmbedding, apply_rope
+from kernels import Linear
 
 
 def check_heads(n_heads: int, n_kv_heads: int) -> None:
@@ -52,11 +53,11 @@ class Attention(nn.Module):
         self.layer_idx, self.window, self.kv_source, self.causal = layer_idx, window, kv_source, causal
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = head_dim**-0.5
-        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        self.q_proj = Linear(d_model, n_heads * head_dim, bias=bias)
         if kv_source is None:
-            self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
-            self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+            self.k_proj = Linear(d_model, n_kv_heads * head_dim, bias=bias)
+            self.v_proj = Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(n_heads * head_dim, d_model, bias=bias)
         self.rope = RotaryEmbedding(head_dim, rope_base)
 
     def cache_spec(self) -> CacheSpec:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.cache_spec import CacheBatch, CacheSpec
-from kernels import linear_attention_chunked, linear_attention_parallel_ref, linear_attention_step
+from kernels import Linear, linear_attention_chunked, linear_attention_parallel_ref, linear_attention_step
 
 FEATURE_MAPS = ("elu", "taylor")
 
@@ -74,10 +74,10 @@ class LinearAttention(nn.Module):
         self.feature_map, self.feature_dim, self.chunk_size, self.eps = feature_map, feature_dim, chunk_size, eps
         self.state_dim = feature_width(feature_map, feature_dim)  # dk: what S and z are indexed by
         self.phi = elu_feature_map if feature_map == "elu" else taylor_feature_map
-        self.q_proj = nn.Linear(d_model, n_heads * feature_dim, bias=False)
-        self.k_proj = nn.Linear(d_model, n_heads * feature_dim, bias=False)
-        self.v_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+        self.q_proj = Linear(d_model, n_heads * feature_dim, bias=False)
+        self.k_proj = Linear(d_model, n_heads * feature_dim, bias=False)
+        self.v_proj = Linear(d_model, n_heads * head_dim, bias=False)
+        self.o_proj = Linear(n_heads * head_dim, d_model, bias=False)
 
     def cache_spec(self) -> CacheSpec:
         # fp32 whatever the model's dtype: S and z are running sums, which 16-bit floats stop resolving

@@ -7,6 +7,7 @@ from attention.cache_spec import CacheBatch, CacheSpec
 from attention.kv_layouts import fresh_attention
 from attention.rope import RotaryEmbedding, apply_rope
 from attention.norm import RMSNorm
+from kernels import Linear
 
 
 class MLAttention(nn.Module):
@@ -39,15 +40,15 @@ class MLAttention(nn.Module):
         self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
         q_out = n_heads * (qk_nope_head_dim + qk_rope_head_dim)
         if q_lora_rank is None:
-            self.q_proj = nn.Linear(d_model, q_out, bias=False)
+            self.q_proj = Linear(d_model, q_out, bias=False)
         else:
-            self.q_a_proj = nn.Linear(d_model, q_lora_rank, bias=False)
+            self.q_a_proj = Linear(d_model, q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(q_lora_rank, norm_eps)
-            self.q_b_proj = nn.Linear(q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d_model, kv_lora_rank + qk_rope_head_dim, bias=False)
+            self.q_b_proj = Linear(q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(d_model, kv_lora_rank + qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
-        self.o_proj = nn.Linear(n_heads * v_head_dim, d_model, bias=False)
+        self.kv_b_proj = Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = Linear(n_heads * v_head_dim, d_model, bias=False)
         self.rope = RotaryEmbedding(qk_rope_head_dim, rope_base)
 
     def cache_spec(self) -> CacheSpec:

@@ -3,6 +3,7 @@ the PyTorch reference it must equal."""
 
 from .contiguous_attention import contiguous_decode_attention, contiguous_decode_attention_ref
 from .cpu_decode import cpu_kernels_available
+from .linear import Linear
 from .dispatch import FORCE_TRITON_ENV, triton_available, use_cpu_kernel, use_triton
 from .linear_attention import (
     linear_attention_chunked,
@@ -24,6 +25,7 @@ from .selective_state_update import (
 
 __all__ = [
     "FORCE_TRITON_ENV",
+    "Linear",
     "contiguous_decode_attention",
     "contiguous_decode_attention_ref",
     "cpu_kernels_available",

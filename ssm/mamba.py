@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.cache_spec import CacheBatch, CacheSpec
-from kernels import selective_state_update
+from kernels import Linear, selective_state_update
 from ssm.scan import SelectiveScan, scan_forward
 
 def selective_scan(x, dt, A, B, C, D, z, state, last=None):
@@ -86,15 +86,15 @@ class Mamba(nn.Module):
         self.d_state, self.d_conv, self.dt_rank = d_state, d_conv, dt_rank
         self.d_inner = int(expand * d_model)
         self.dt_min, self.dt_max, self.dt_init_floor = dt_min, dt_max, dt_init_floor
-        self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=bias)
+        self.in_proj = Linear(d_model, 2 * self.d_inner, bias=bias)
         self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, d_conv, groups=self.d_inner, padding=d_conv - 1,
                                 bias=conv_bias)
-        self.x_proj = nn.Linear(self.d_inner, dt_rank + 2 * d_state, bias=False)
-        self.dt_proj = nn.Linear(dt_rank, self.d_inner, bias=True)
+        self.x_proj = Linear(self.d_inner, dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = Linear(dt_rank, self.d_inner, bias=True)
         # S4D-real init: A = -(1..d_state) for every channel, stored as its log
         self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1, dtype=torch.float32)).repeat(self.d_inner, 1))
         self.D = nn.Parameter(torch.ones(self.d_inner))
-        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias)
+        self.out_proj = Linear(self.d_inner, d_model, bias=bias)
         self.reset_dt()
 
     @torch.no_grad()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.cache_spec import CacheBatch, CacheSpec
-from kernels import selective_state_update
+from kernels import Linear, selective_state_update
 
 
 class GatedRMSNorm(nn.Module):
@@ -64,14 +64,14 @@ class Mamba2(nn.Module):
         self.chunk_size = chunk_size
         self.conv_dim = d_inner + 2 * n_groups * d_state  # channels through the conv: x, B, C
         # in_proj rows: z (gate), x, B, C, dt, in mamba-ssm's order
-        self.in_proj = nn.Linear(d_model, d_inner + self.conv_dim + self.n_heads, bias=bias)
+        self.in_proj = Linear(d_model, d_inner + self.conv_dim + self.n_heads, bias=bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, padding=d_conv - 1,
                                 bias=conv_bias)
         self.dt_bias = nn.Parameter(torch.empty(self.n_heads))
         self.A_log = nn.Parameter(torch.empty(self.n_heads))
         self.D = nn.Parameter(torch.empty(self.n_heads))
         self.norm = GatedRMSNorm(d_inner, d_inner // n_groups, norm_eps)
-        self.out_proj = nn.Linear(d_inner, d_model, bias=bias)
+        self.out_proj = Linear(d_inner, d_model, bias=bias)
         self.reset_ssm_parameters(dt_min, dt_max, dt_init_floor)
 
     @torch.no_grad()

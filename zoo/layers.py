@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.norm import RMSNorm
+from kernels import Linear
 
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
@@ -13,9 +14,9 @@ def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
-        self.up_proj = nn.Linear(d_model, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+        self.gate_proj = Linear(d_model, hidden, bias=False)
+        self.up_proj = Linear(d_model, hidden, bias=False)
+        self.down_proj = Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -24,8 +25,8 @@ class SwiGLU(nn.Module):
 class GeluMLP(nn.Module):
     def __init__(self, d_model: int, hidden: int):
         super().__init__()
-        self.up_proj = nn.Linear(d_model, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+        self.up_proj = Linear(d_model, hidden, bias=False)
+        self.down_proj = Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.up_proj(x)))

@@ -6,6 +6,7 @@ from attention import CallKV
 from zoo.config import ModelConfig
 from zoo.layers import make_mlp, make_norm
 from zoo.mixers import make_mixer
+from kernels import Linear
 
 
 class Block(nn.Module):
@@ -30,7 +31,7 @@ class DecoderLM(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = make_norm(config.norm, config.d_model, config.norm_eps)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.head = Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         self.apply(init_weights)
