@@ -1,5 +1,5 @@
-"""CPU decode attention that reads every cache layout in place: the C kernel in kernels/cpu/decode_attention.c,
-compiled at first use with the machine's C compiler (like inductor and Triton, so -march=native fits the CPU it
+"""CPU decode kernels: attention that reads every cache layout in place (kernels/cpu/decode_attention.c) and
+Mamba's one-token state update (kernels/cpu/selective_state_update.c), compiled at first use with the machine's C compiler (like inductor and Triton, so -march=native fits the CPU it
 runs on) and registered as a torch custom op, so `torch.compile` calls it without a graph break.
 
 Layouts (k and v 4-D, last dim contiguous):
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu") / "decode_attention.c"
+SOURCES = sorted((Path(__file__).with_name("cpu")).glob("*.c"))  # decode attention, Mamba's state update
 DISABLE_ENV = "ARCHZOO_CPU_KERNELS"  # "0": the engine's CPU decode runs the PyTorch references instead
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fno-strict-aliasing", "-shared", "-fPIC", "-std=c11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -38,18 +38,18 @@ def _library() -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
     compiler = compiler.split()[0]
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + version).hexdigest()[:16]
-    target = cache_dir() / f"decode_attention_{key}.so"
+    target = cache_dir() / f"cpu_kernels_{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True)
+            result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], capture_output=True)
             if result.returncode:
                 return None
             os.replace(built, target)  # atomic: a concurrent build never loads a half-written file
@@ -59,6 +59,10 @@ def _library() -> ctypes.CDLL | None:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.decode_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64,
                                      i32, i32, i32, i32, i32, ctypes.c_float, i32, ptr, i64, i64, i32, i32]
+    lib.selective_state_update.restype = None
+    lib.selective_state_update.argtypes = ([ptr, i64, i64, i64, i64, i32] + [ptr, i64, i64, i64] * 2 + [ptr, i64, i64]
+                                           + [ptr, i64, i64, i64] * 3 + [ptr, i64, i64] + [ptr, i64, i64, i64]
+                                           + [ptr, i32, i32, i32, i32, i32, i32, i32])
     return lib
 
 
@@ -137,3 +141,37 @@ def mla_decode_attention_cpu(q, latent_pool, block_table, seq_lens, scale: float
 def contiguous_decode_attention_cpu(q, k, v, slots, seq_lens, scale: float, value_dim: int):
     """kernels/contiguous_attention.py's contract: k, v [slots, kv_heads, rows, dim], v None for a latent cache."""
     return decode_attention(q, k, v, slots.to(torch.int32).unsqueeze(1), seq_lens, "rows", scale, 0, value_dim)
+
+
+def state_update_fits(state: torch.Tensor) -> bool:
+    return state.dtype in DTYPE_CODES
+
+
+@torch.library.custom_op("archzoo::selective_state_update", mutates_args=("state",))
+def _state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                  C: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                  dt_softplus: bool) -> torch.Tensor:
+    """Mamba-2 layout (state [B, H, P, N], the rest fp32, any strides); updates state in place, returns y [B, H, P] fp32."""
+    batch, heads, head_dim, dstate = state.shape
+    out = torch.empty(batch, heads, head_dim, dtype=torch.float32)
+
+    def view(t, dims):  # (pointer, strides...) of an optional tensor; a missing one is NULL with zero strides
+        return (None, *[0] * dims) if t is None else (t.data_ptr(), *t.stride())
+
+    _library().selective_state_update(
+        state.data_ptr(), *state.stride(), DTYPE_CODES[state.dtype], *view(x, 3), *view(dt, 3), *view(dt_bias, 2),
+        *view(A, 3), *view(B, 3), *view(C, 3), *view(D, 2), *view(z, 3), out.data_ptr(),
+        batch, heads, head_dim, dstate, B.shape[1], int(dt_softplus), torch.get_num_threads())
+    return out
+
+
+@_state_update.register_fake
+def _(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+def selective_state_update_cpu(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    """kernels/selective_state_update.py's contract, already in the Mamba-2 layout (its _as_multihead)."""
+    f32 = [None if t is None else t.float() for t in (x, dt, A, B, C, D, z, dt_bias)]
+    x32, dt32, A32, B32, C32, D32, z32, bias32 = f32
+    return _state_update(state, x32, dt32, A32, B32, C32, D32, z32, bias32, dt_softplus).to(x.dtype)

@@ -23,7 +23,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .dispatch import use_triton
+from . import cpu_decode
+from .dispatch import use_cpu_kernel, use_triton
 
 tl = None  # triton.language, bound by _jitted_kernels() on the first Triton call
 
@@ -186,4 +187,8 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     tensors = [t for t in (state, x, dt, A, B, C, D, z, dt_bias) if t is not None]
     if use_triton(*tensors):
         return selective_state_update_triton(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+    if use_cpu_kernel(*tensors) and cpu_decode.state_update_fits(state):
+        out_shape = x.shape
+        args = _as_multihead(state, x, dt, A, B, C, D, z, dt_bias)
+        return cpu_decode.selective_state_update_cpu(*args, dt_softplus=dt_softplus).reshape(out_shape)
     return selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)

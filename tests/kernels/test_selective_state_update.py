@@ -7,6 +7,7 @@ import torch
 
 from kernels import (
     FORCE_TRITON_ENV,
+    cpu_kernels_available,
     selective_state_update,
     selective_state_update_ref,
     selective_state_update_triton,
@@ -130,7 +131,38 @@ def test_triton_matches_reference_and_loop(force_triton, device, layout, options
     torch.testing.assert_close(state, ref_state, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("update", [selective_state_update_ref, selective_state_update_triton], ids=["ref", "triton"])
+def cpu_kernel(state, **inputs):
+    """The dispatcher on CPU tensors: the compiled kernel (kernels/cpu/selective_state_update.c)."""
+    if not cpu_kernels_available():
+        pytest.skip("no C compiler on this machine")
+    return selective_state_update(state, **inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_cpu_kernel_matches_reference_and_loop(layout, options, dtype):
+    state, y = check(cpu_kernel, layout, dtype, "cpu", options)
+    ref_state = make_state(layout, dtype, "cpu")
+    ref_y = selective_state_update_ref(ref_state, **make_inputs(layout, dtype, "cpu", **options))
+    torch.testing.assert_close(y, ref_y, **TOLERANCE[dtype])
+    torch.testing.assert_close(state, ref_state, **TOLERANCE[dtype])
+
+
+def test_cpu_kernel_bf16_state():
+    """A bf16 model keeps a bf16 state: read, updated in fp32, rounded back like the reference."""
+    layout = LAYOUTS["mamba2_g2"]
+    state, ref_state = make_state(layout, torch.bfloat16, "cpu"), make_state(layout, torch.bfloat16, "cpu")
+    y = cpu_kernel(state, **make_inputs(layout, torch.bfloat16, "cpu", **OPTIONS["all"]))
+    ref_y = selective_state_update_ref(ref_state, **make_inputs(layout, torch.bfloat16, "cpu", **OPTIONS["all"]))
+    torch.testing.assert_close(y, ref_y, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(state, ref_state, atol=2e-2, rtol=2e-2)
+
+
+UPDATES = [selective_state_update_ref, selective_state_update_triton, cpu_kernel]
+
+
+@pytest.mark.parametrize("update", UPDATES, ids=["ref", "triton", "cpu"])
 def test_dense_mamba2_inputs(monkeypatch, device, update):
     # per-element dt, A, D, dt_bias (no stride-0 broadcast): the general Mamba-2 form
     if update is selective_state_update_triton:
@@ -139,7 +171,7 @@ def test_dense_mamba2_inputs(monkeypatch, device, update):
     check(update, LAYOUTS["mamba2_g2"], torch.float32, device, OPTIONS["all"], dense=True)
 
 
-@pytest.mark.parametrize("update", [selective_state_update_ref, selective_state_update_triton], ids=["ref", "triton"])
+@pytest.mark.parametrize("update", UPDATES, ids=["ref", "triton", "cpu"])
 def test_state_is_a_strided_view_of_the_slot_pool(monkeypatch, device, update):
     # the engine passes the running slots' rows of its pool: here every other row of a 7-slot pool, with the
     # pool stored dstate-major (P and N strides swapped), so only the viewed rows may change
@@ -199,6 +231,8 @@ def test_dispatcher_routes_by_use_triton(monkeypatch, forced):
     called = []
     monkeypatch.setattr(ssu_module, "selective_state_update_triton", lambda *a: called.append("triton"))
     monkeypatch.setattr(ssu_module, "selective_state_update_ref", lambda *a: called.append("ref"))
+    monkeypatch.setattr(ssu_module.cpu_decode, "selective_state_update_cpu", lambda *a, **k: called.append("cpu") or a[1])
     layout = LAYOUTS["mamba1"]
     selective_state_update(make_state(layout, torch.float32, "cpu"), **make_inputs(layout, torch.float32, "cpu"))
-    assert called == ["triton" if forced else "ref"]
+    unforced = "cpu" if cpu_kernels_available() else "ref"
+    assert called == ["triton" if forced else unforced]

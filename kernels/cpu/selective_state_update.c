@@ -1,0 +1,77 @@
+/* One Mamba decode step on CPU, in place: the selective-scan recurrence advanced by one token per row.
+ * Semantics of kernels/selective_state_update.py (mamba-ssm's selective_state_update), Mamba-2 layout; Mamba-1 is
+ * one head and one group:
+ *   dt <- softplus(dt + dt_bias);  state <- state * exp(A * dt) + dt * B * x;  y <- sum_n(state * C) + D * x,
+ *   then y * silu(z).
+ * Every input is fp32 with any strides (0 included: Mamba-2 passes per-head dt, A, D as broadcast views); the state
+ * is fp32, bf16 or fp16 and is read and written once, which is what a decode step must cost. y is fp32 [B, H, P]. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+static inline float get(const void *p, int64_t i, int dtype) {
+    if (dtype == F32) return ((const float *)p)[i];
+    if (dtype == BF16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    return (float)((const _Float16 *)p)[i];
+}
+
+static inline void put(void *p, int64_t i, float x, int dtype) {
+    if (dtype == F32) {
+        ((float *)p)[i] = x;
+    } else if (dtype == BF16) {
+        uint32_t bits;
+        memcpy(&bits, &x, 4);
+        bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even, as torch does */
+        ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
+    } else {
+        ((_Float16 *)p)[i] = (_Float16)x;
+    }
+}
+
+/* strides: s* state [B,H,P,N]; x*, dt*, z* [B,H,P]; a* A [H,P,N]; b*, c* B and C [B,G,N]; d*, db* D, dt_bias [H,P].
+ * dt_bias, D and z may be NULL. */
+void selective_state_update(void *state, int64_t s_b, int64_t s_h, int64_t s_p, int64_t s_n, int state_dtype,
+                            const float *x, int64_t x_b, int64_t x_h, int64_t x_p,
+                            const float *dt, int64_t dt_b, int64_t dt_h, int64_t dt_p,
+                            const float *dt_bias, int64_t db_h, int64_t db_p,
+                            const float *A, int64_t a_h, int64_t a_p, int64_t a_n,
+                            const float *Bm, int64_t b_b, int64_t b_g, int64_t b_n,
+                            const float *Cm, int64_t c_b, int64_t c_g, int64_t c_n,
+                            const float *D, int64_t d_h, int64_t d_p,
+                            const float *z, int64_t z_b, int64_t z_h, int64_t z_p,
+                            float *out, int batch, int heads, int head_dim, int dstate, int groups, int softplus,
+                            int threads) {
+    int heads_per_group = heads / groups;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t row = 0; row < (int64_t)batch * heads; row++) {
+        int b = (int)(row / heads), h = (int)(row % heads), g = h / heads_per_group;
+        const float *Bv = Bm + b * b_b + g * b_g, *Cv = Cm + b * c_b + g * c_g;
+        for (int p = 0; p < head_dim; p++) {
+            float delta = dt[b * dt_b + h * dt_h + p * dt_p] + (dt_bias ? dt_bias[h * db_h + p * db_p] : 0.0f);
+            if (softplus) delta = delta > 20.0f ? delta : log1pf(expf(delta));
+            float xv = x[b * x_b + h * x_h + p * x_p], dx = delta * xv, y = 0.0f;
+            const float *a = A + h * a_h + p * a_p;
+            int64_t base = b * s_b + h * s_h + p * s_p;
+            float shared_decay = expf(a[0] * delta); /* Mamba-2: A is one number per head (a_n == 0) */
+            for (int n = 0; n < dstate; n++) {
+                float decay = a_n == 0 ? shared_decay : expf(a[n * a_n] * delta);
+                float s = get(state, base + n * s_n, state_dtype) * decay + dx * Bv[n * b_n];
+                put(state, base + n * s_n, s, state_dtype);
+                y += s * Cv[n * c_n];
+            }
+            if (D) y += D[h * d_h + p * d_p] * xv;
+            if (z) {
+                float zv = z[b * z_b + h * z_h + p * z_p];
+                y *= zv / (1.0f + expf(-zv));
+            }
+            out[(b * heads + h) * head_dim + p] = y;
+        }
+    }
+}
