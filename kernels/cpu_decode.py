@@ -59,7 +59,7 @@ def _library() -> ctypes.CDLL | None:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.decode_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64,
                                      i32, i32, i32, i32, i32, ctypes.c_float, i32, ptr, i64, i64, i32, i32]
-    lib.selective_state_update.restype = None
+    lib.selective_state_update.restype = ctypes.c_int
     lib.selective_state_update.argtypes = ([ptr, i64, i64, i64, i64, i32] + [ptr, i64, i64, i64] * 2 + [ptr, i64, i64]
                                            + [ptr, i64, i64, i64] * 3 + [ptr, i64, i64] + [ptr, i64, i64, i64]
                                            + [ptr, i32, i32, i32, i32, i32, i32, i32])
@@ -144,7 +144,7 @@ def contiguous_decode_attention_cpu(q, k, v, slots, seq_lens, scale: float, valu
 
 
 def state_update_fits(state: torch.Tensor) -> bool:
-    return state.dtype in DTYPE_CODES
+    return state.dtype in DTYPE_CODES and state.shape[-1] <= 1024
 
 
 @torch.library.custom_op("archzoo::selective_state_update", mutates_args=("state",))
@@ -158,10 +158,12 @@ def _state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: tor
     def view(t, dims):  # (pointer, strides...) of an optional tensor; a missing one is NULL with zero strides
         return (None, *[0] * dims) if t is None else (t.data_ptr(), *t.stride())
 
-    _library().selective_state_update(
+    status = _library().selective_state_update(
         state.data_ptr(), *state.stride(), DTYPE_CODES[state.dtype], *view(x, 3), *view(dt, 3), *view(dt_bias, 2),
         *view(A, 3), *view(B, 3), *view(C, 3), *view(D, 2), *view(z, 3), out.data_ptr(),
         batch, heads, head_dim, dstate, B.shape[1], int(dt_softplus), torch.get_num_threads())
+    if status:
+        raise ValueError(f"selective_state_update: d_state {dstate} is beyond the CPU kernel's 1024")
     return out
 
 

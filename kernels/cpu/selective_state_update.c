@@ -4,12 +4,14 @@
  *   dt <- softplus(dt + dt_bias);  state <- state * exp(A * dt) + dt * B * x;  y <- sum_n(state * C) + D * x,
  *   then y * silu(z).
  * Every input is fp32 with any strides (0 included: Mamba-2 passes per-head dt, A, D as broadcast views); the state
- * is fp32, bf16 or fp16 and is read and written once, which is what a decode step must cost. y is fp32 [B, H, P]. */
+ * is fp32, bf16 or fp16 and is read and written once, which is what a decode step must cost. y is fp32 [B, H, P].
+ * Returns 0, or -1 for sizes beyond its buffers. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
+#define MAX_STATE 1024 /* d_state per channel (mamba-ssm's largest is 256) */
 
 static inline float get(const void *p, int64_t i, int dtype) {
     if (dtype == F32) return ((const float *)p)[i];
@@ -37,7 +39,7 @@ static inline void put(void *p, int64_t i, float x, int dtype) {
 
 /* strides: s* state [B,H,P,N]; x*, dt*, z* [B,H,P]; a* A [H,P,N]; b*, c* B and C [B,G,N]; d*, db* D, dt_bias [H,P].
  * dt_bias, D and z may be NULL. */
-void selective_state_update(void *state, int64_t s_b, int64_t s_h, int64_t s_p, int64_t s_n, int state_dtype,
+int selective_state_update(void *state, int64_t s_b, int64_t s_h, int64_t s_p, int64_t s_n, int state_dtype,
                             const float *x, int64_t x_b, int64_t x_h, int64_t x_p,
                             const float *dt, int64_t dt_b, int64_t dt_h, int64_t dt_p,
                             const float *dt_bias, int64_t db_h, int64_t db_p,
@@ -48,30 +50,35 @@ void selective_state_update(void *state, int64_t s_b, int64_t s_h, int64_t s_p, 
                             const float *z, int64_t z_b, int64_t z_h, int64_t z_p,
                             float *out, int batch, int heads, int head_dim, int dstate, int groups, int softplus,
                             int threads) {
+    if (dstate > MAX_STATE || groups < 1 || heads % groups) return -1;
     int heads_per_group = heads / groups;
+    /* one task per (sequence, head, channel): Mamba-1 has a single head of d_inner channels */
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t row = 0; row < (int64_t)batch * heads; row++) {
-        int b = (int)(row / heads), h = (int)(row % heads), g = h / heads_per_group;
-        const float *Bv = Bm + b * b_b + g * b_g, *Cv = Cm + b * c_b + g * c_g;
-        for (int p = 0; p < head_dim; p++) {
-            float delta = dt[b * dt_b + h * dt_h + p * dt_p] + (dt_bias ? dt_bias[h * db_h + p * db_p] : 0.0f);
-            if (softplus) delta = delta > 20.0f ? delta : log1pf(expf(delta));
-            float xv = x[b * x_b + h * x_h + p * x_p], dx = delta * xv, y = 0.0f;
-            const float *a = A + h * a_h + p * a_p;
-            int64_t base = b * s_b + h * s_h + p * s_p;
-            float shared_decay = expf(a[0] * delta); /* Mamba-2: A is one number per head (a_n == 0) */
-            for (int n = 0; n < dstate; n++) {
-                float decay = a_n == 0 ? shared_decay : expf(a[n * a_n] * delta);
-                float s = get(state, base + n * s_n, state_dtype) * decay + dx * Bv[n * b_n];
-                put(state, base + n * s_n, s, state_dtype);
-                y += s * Cv[n * c_n];
-            }
-            if (D) y += D[h * d_h + p * d_p] * xv;
-            if (z) {
-                float zv = z[b * z_b + h * z_h + p * z_p];
-                y *= zv / (1.0f + expf(-zv));
-            }
-            out[(b * heads + h) * head_dim + p] = y;
+    for (int64_t row = 0; row < (int64_t)batch * heads * head_dim; row++) {
+        int p = (int)(row % head_dim), h = (int)(row / head_dim % heads), b = (int)(row / head_dim / heads);
+        int g = h / heads_per_group;
+        const float *Bv = Bm + b * b_b + g * b_g, *Cv = Cm + b * c_b + g * c_g, *a = A + h * a_h + p * a_p;
+        float delta = dt[b * dt_b + h * dt_h + p * dt_p] + (dt_bias ? dt_bias[h * db_h + p * db_p] : 0.0f);
+        if (softplus) delta = delta > 20.0f ? delta : log1pf(expf(delta));
+        float xv = x[b * x_b + h * x_h + p * x_p], dx = delta * xv, y = 0.0f, decay[MAX_STATE];
+        if (a_n == 0) { /* Mamba-2: A is one number per head, so one exp per channel */
+            float shared = expf(a[0] * delta);
+            for (int n = 0; n < dstate; n++) decay[n] = shared;
+        } else {
+            for (int n = 0; n < dstate; n++) decay[n] = expf(a[n * a_n] * delta);
         }
+        int64_t base = b * s_b + h * s_h + p * s_p;
+        for (int n = 0; n < dstate; n++) {
+            float s = get(state, base + n * s_n, state_dtype) * decay[n] + dx * Bv[n * b_n];
+            put(state, base + n * s_n, s, state_dtype);
+            y += s * Cv[n * c_n];
+        }
+        if (D) y += D[h * d_h + p * d_p] * xv;
+        if (z) {
+            float zv = z[b * z_b + h * z_h + p * z_p];
+            y *= zv / (1.0f + expf(-zv));
+        }
+        out[(b * heads + h) * head_dim + p] = y;
     }
+    return 0;
 }
