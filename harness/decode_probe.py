@@ -39,7 +39,10 @@ class DecodeProbe:
 
 
 def fill_random(layers: list, seed: int = 0) -> None:
-    """Random normal values in every cache tensor; a layer object shared by several layers is filled once."""
+    """Random normal values in every cache tensor; a layer object shared by several layers is filled once.
+
+    One random slice along the first dim (a slot or a block) is copied into every other one: drawing GBs of
+    normals takes seconds per cell, and the step's cost does not depend on the values."""
     generators = {}
     for layer in {id(layer): layer for layer in layers if layer is not None}.values():
         if hasattr(layer, "tensors"):  # state slots: one tensor per state name
@@ -51,7 +54,8 @@ def fill_random(layers: list, seed: int = 0) -> None:
         for t in tensors:
             if t.device not in generators:  # a generator draws on its own device's tensors only
                 generators[t.device] = torch.Generator(t.device).manual_seed(seed)
-            t.normal_(generator=generators[t.device])
+            row = torch.randn(t.shape[1:], generator=generators[t.device], device=t.device)
+            t.copy_(row.to(t.dtype).expand_as(t))
 
 
 def decode_probe(model, batch: int, context: int, kv_cache: str = "contiguous", block_size: int = 16,
