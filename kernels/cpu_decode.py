@@ -58,7 +58,7 @@ def _library() -> ctypes.CDLL | None:
     lib.decode_attention.restype = ctypes.c_int
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.decode_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64,
-                                     i32, i32, i32, i32, i32, ctypes.c_float, i32, ptr, i64, i64, i32, i32]
+                                     i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, ptr, i64, i64, i32, i32]
     lib.selective_state_update.restype = ctypes.c_int
     lib.selective_state_update.argtypes = ([ptr, i64, i64, i64, i64, i32] + [ptr, i64, i64, i64] * 2 + [ptr, i64, i64]
                                            + [ptr, i64, i64, i64] * 3 + [ptr, i64, i64] + [ptr, i64, i64, i64]
@@ -101,6 +101,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
     values = k if v is None else v
     out = torch.empty(batch, heads, value_dim, dtype=q.dtype)
     threads = torch.get_num_threads()
+    # a paged block stores a position's KV heads side by side: an fp32 task reads them all, position by position
+    # (16-bit rows measured faster one KV head per task); a contiguous cache streams one KV head per task
+    kv_per_task = kv_heads if layout == "blocks" and q.dtype == torch.float32 else 1
     max_keys = table.shape[1] * block_size if window <= 0 else min(window, table.shape[1] * block_size)
     status = lib.decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1),
@@ -108,7 +111,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
         values.data_ptr(), *_strides(values, layout),
         table.data_ptr(), table.stride(0), block_size,
         seq_lens.data_ptr(), window,
-        batch, heads, kv_heads, dim_k, value_dim, scale, splits or _num_splits(batch * kv_heads, max_keys, threads),
+        batch, heads, kv_heads, kv_per_task, dim_k, value_dim, scale,
+        splits or _num_splits(batch * kv_heads // kv_per_task, max_keys, threads),
         out.data_ptr(), out.stride(0), out.stride(1), DTYPE_CODES[q.dtype], threads,
     )
     if status:

@@ -65,7 +65,7 @@ typedef struct {
     const void *k, *v;
     int64_t k_block, k_pos, k_head, v_block, v_pos, v_head;
     int64_t block_size;
-    int heads, kv_heads, dk, dv, dtype;
+    int heads, kv_heads, kv_per_task, dk, dv, dtype;
 } Cache;
 
 static inline int64_t row_offset(const Cache *c, int64_t stride_block, int64_t stride_pos, int64_t stride_head,
@@ -75,37 +75,50 @@ static inline int64_t row_offset(const Cache *c, int64_t stride_block, int64_t s
 }
 
 /* Rows [first, first + n) of one KV head as fp32 pointers: in place for an fp32 cache, converted into buf
- * (n rows of `width`) otherwise. Also prefetches the next tile's rows: a paged block interleaves KV heads, so one
- * head's rows are strided across pages where the hardware prefetchers lose the stream. */
+ * (n rows of `width`) otherwise. */
 static void tile_rows(const Cache *c, const void *base, int64_t stride_block, int64_t stride_pos, int64_t stride_head,
-                      const int32_t *table_row, int kv, int64_t first, int n, int64_t next_end, int width, float *buf,
-                      const float **rows) {
-    int elem = c->dtype == F32 ? 4 : 2;
+                      const int32_t *table_row, int kv, int64_t first, int n, int width, float *buf, const float **rows) {
     for (int t = 0; t < n; t++)
         rows[t] = row_f32(base, row_offset(c, stride_block, stride_pos, stride_head, table_row, first + t, kv), width,
                           c->dtype, buf + (int64_t)t * width);
-    for (int64_t p = first + TILE; p < next_end && p < first + 2 * TILE; p++) {
-        const char *row = (const char *)base + elem * row_offset(c, stride_block, stride_pos, stride_head, table_row, p, kv);
-        for (int byte = 0; byte < width * elem; byte += 64) __builtin_prefetch(row + byte);
-    }
 }
 
-/* keys [start, end) of one sequence for the query heads of one KV head (q: [group][dk] fp32, pre-scaled). Writes
- * the unnormalised partial output out[group][dv] (sum of exp(score - max) * value) and each head's max and sum.
- * work: TILE * (dk + dv) floats for converting 16-bit rows. */
-static void attend_split(const Cache *c, const int32_t *table_row, int kv, int64_t start, int64_t end,
-                         const float *q, float *out, float *max_out, float *sum_out, float *work) {
+/* Asks for positions [first, end) of the task's KV heads ahead of use, position by position: a paged block
+ * interleaves KV heads, so one head's rows alone are strided across pages where the hardware prefetchers lose
+ * the stream, while a position's rows of all heads are side by side. */
+static void prefetch_tile(const Cache *c, const int32_t *table_row, int kv0, int64_t first, int64_t end) {
+    int elem = c->dtype == F32 ? 4 : 2;
+    for (int64_t p = first; p < end; p++)
+        for (int kv = kv0; kv < kv0 + c->kv_per_task; kv++) {
+            const char *k = (const char *)c->k + elem * row_offset(c, c->k_block, c->k_pos, c->k_head, table_row, p, kv);
+            const char *v = (const char *)c->v + elem * row_offset(c, c->v_block, c->v_pos, c->v_head, table_row, p, kv);
+            for (int byte = 0; byte < c->dk * elem; byte += 64) __builtin_prefetch(k + byte);
+            if (v != k)
+                for (int byte = 0; byte < c->dv * elem; byte += 64) __builtin_prefetch(v + byte);
+        }
+}
+
+/* keys [start, end) of one sequence for the query heads of KV heads kv0 .. kv0 + kv_per_task (q: [those heads][dk]
+ * fp32, pre-scaled). Writes the unnormalised partial output out[heads][dv] (sum of exp(score - max) * value) and each
+ * head's max and sum. work: TILE * (dk + dv) floats for converting 16-bit rows. */
+static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int64_t start, int64_t end,
+                         const float *q_task, float *out_task, float *max_task, float *sum_task, float *work) {
     float scores[MAX_HEADS][TILE];
     const float *krows[TILE], *vrows[TILE];
     const int dk = c->dk, dv = c->dv, group = c->heads / c->kv_heads;
-    for (int g = 0; g < group; g++) {
-        max_out[g] = -INFINITY;
-        sum_out[g] = 0.0f;
-        memset(out + (int64_t)g * dv, 0, sizeof(float) * dv);
+    for (int h = 0; h < group * c->kv_per_task; h++) {
+        max_task[h] = -INFINITY;
+        sum_task[h] = 0.0f;
+        memset(out_task + (int64_t)h * dv, 0, sizeof(float) * dv);
     }
     for (int64_t first = start; first < end; first += TILE) {
         int n = (int)(end - first < TILE ? end - first : TILE);
-        tile_rows(c, c->k, c->k_block, c->k_pos, c->k_head, table_row, kv, first, n, end, dk, work, krows);
+        prefetch_tile(c, table_row, kv0, first + TILE, end < first + 2 * TILE ? end : first + 2 * TILE);
+        for (int kv = kv0; kv < kv0 + c->kv_per_task; kv++) {  /* each KV head's group on this tile, in turn */
+        const float *q = q_task + (int64_t)(kv - kv0) * group * dk;
+        float *out = out_task + (int64_t)(kv - kv0) * group * dv;
+        float *max_out = max_task + (kv - kv0) * group, *sum_out = sum_task + (kv - kv0) * group;
+        tile_rows(c, c->k, c->k_block, c->k_pos, c->k_head, table_row, kv, first, n, dk, work, krows);
         for (int g = 0; g < group; g++) {  /* scores: four keys at a time, four independent dot products */
             const float *qg = q + (int64_t)g * dk;
             int t = 0;
@@ -140,7 +153,7 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv, int64
             float *acc = out + (int64_t)g * dv;
             for (int d = 0; d < dv; d++) acc[d] *= rescale;
         }
-        tile_rows(c, c->v, c->v_block, c->v_pos, c->v_head, table_row, kv, first, n, end, dv, work + TILE * dk, vrows);
+        tile_rows(c, c->v, c->v_block, c->v_pos, c->v_head, table_row, kv, first, n, dv, work + TILE * dk, vrows);
         for (int g = 0; g < group; g++) {  /* values: 32 output columns stay in 4 registers over the whole tile */
             const float *p = scores[g];
             float *acc = out + (int64_t)g * dv;
@@ -164,29 +177,32 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv, int64
             for (; d < dv; d++)
                 for (int t = 0; t < n; t++) acc[d] += p[t] * vrows[t][d];
         }
+        }
     }
 }
 
 int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int64_t k_block, int64_t k_pos,
                      int64_t k_head, const void *v, int64_t v_block, int64_t v_pos, int64_t v_head,
                      const int32_t *table, int64_t table_stride, int64_t block_size, const int32_t *seq_lens,
-                     int64_t window, int batch, int heads, int kv_heads, int dk, int dv, float scale, int splits,
-                     void *out, int64_t out_b, int64_t out_h, int dtype, int threads) {
-    if (kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_HEADS || dk > MAX_DIM || dv > MAX_DIM || splits < 1)
+                     int64_t window, int batch, int heads, int kv_heads, int kv_per_task, int dk, int dv,
+                     float scale, int splits, void *out, int64_t out_b, int64_t out_h, int dtype, int threads) {
+    if (kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_HEADS || dk > MAX_DIM || dv > MAX_DIM ||
+        splits < 1 || kv_per_task < 1 || kv_heads % kv_per_task)
         return -1;
-    int group = heads / kv_heads;
-    Cache c = {k, v, k_block, k_pos, k_head, v_block, v_pos, v_head, block_size, heads, kv_heads, dk, dv, dtype};
-    /* task = (sequence, KV head, split of the keys); partials [task][group] */
-    int64_t tasks = (int64_t)batch * kv_heads * splits, work_floats = (int64_t)TILE * (dk + dv);
-    float *partial = malloc(sizeof(float) * (tasks * group * (dv + 2) + (int64_t)batch * heads * dk));
+    int group = heads / kv_heads, chunks = kv_heads / kv_per_task, task_heads = group * kv_per_task;
+    Cache c = {k, v, k_block, k_pos, k_head, v_block, v_pos, v_head, block_size, heads, kv_heads, kv_per_task,
+               dk, dv, dtype};
+    /* task = (sequence, chunk of kv_per_task KV heads, split of the keys); partials [task][task_heads] */
+    int64_t tasks = (int64_t)batch * chunks * splits, work_floats = (int64_t)TILE * (dk + dv);
+    float *partial = malloc(sizeof(float) * (tasks * task_heads * (dv + 2) + (int64_t)batch * heads * dk));
     float *workspace = malloc(sizeof(float) * threads * work_floats); /* one tile buffer per thread */
     if (!partial || !workspace) {
         free(partial);
         free(workspace);
         return -1;
     }
-    float *partial_max = partial + tasks * group * dv, *partial_sum = partial_max + tasks * group;
-    float *queries = partial_sum + tasks * group; /* [batch][heads][dk], fp32, scaled */
+    float *partial_max = partial + tasks * task_heads * dv, *partial_sum = partial_max + tasks * task_heads;
+    float *queries = partial_sum + tasks * task_heads; /* [batch][heads][dk], fp32, scaled */
     for (int b = 0; b < batch; b++)
         for (int h = 0; h < heads; h++)
             for (int d = 0; d < dk; d++)
@@ -194,17 +210,18 @@ int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < tasks; task++) {
-        int split = (int)(task % splits), kv = (int)(task / splits % kv_heads), b = (int)(task / splits / kv_heads);
+        int split = (int)(task % splits), chunk = (int)(task / splits % chunks), b = (int)(task / splits / chunks);
         int64_t len = seq_lens[b];
         int64_t first = window > 0 && len > window ? len - window : 0;
         int64_t per_split = (len - first + splits - 1) / splits;
         int64_t start = first + split * per_split, end = start + per_split < len ? start + per_split : len;
-        float *m = partial_max + task * group, *l = partial_sum + task * group;
+        float *m = partial_max + task * task_heads, *l = partial_sum + task * task_heads;
         if (start < end) {
-            attend_split(&c, table + b * table_stride, kv, start, end, queries + ((int64_t)b * heads + kv * group) * dk,
-                         partial + task * group * dv, m, l, workspace + omp_get_thread_num() * work_floats);
+            attend_split(&c, table + b * table_stride, chunk * kv_per_task, start, end,
+                         queries + ((int64_t)b * heads + chunk * task_heads) * dk, partial + task * task_heads * dv,
+                         m, l, workspace + omp_get_thread_num() * work_floats);
         } else { /* an empty split (a short sequence): weight 0 in the merge */
-            for (int g = 0; g < group; g++) {
+            for (int g = 0; g < task_heads; g++) {
                 m[g] = -INFINITY;
                 l[g] = 0.0f;
             }
@@ -215,14 +232,14 @@ int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int
     for (int b = 0; b < batch; b++) {
         for (int h = 0; h < heads; h++) {
             float top = -INFINITY, total = 0.0f, acc[MAX_DIM];
-            int64_t first_row = ((int64_t)b * kv_heads + h / group) * splits * group + h % group;
+            int64_t first_row = ((int64_t)b * chunks + h / task_heads) * splits * task_heads + h % task_heads;
             for (int s = 0; s < splits; s++) {
-                float m = partial_max[first_row + (int64_t)s * group];
+                float m = partial_max[first_row + (int64_t)s * task_heads];
                 top = m > top ? m : top;
             }
             memset(acc, 0, sizeof(float) * dv);
             for (int s = 0; s < splits; s++) {
-                int64_t row = first_row + (int64_t)s * group;
+                int64_t row = first_row + (int64_t)s * task_heads;
                 if (partial_sum[row] == 0.0f) continue;
                 float w = expf(partial_max[row] - top);
                 total += w * partial_sum[row];
