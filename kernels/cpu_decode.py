@@ -95,6 +95,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
         raise ValueError(f"unknown cache layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
     lib = _library()
     q = q.contiguous()
+    # the kernel reads int32 rows with unit stride: callers may hand int64 lengths or a sliced table
+    table, seq_lens = table.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
     batch, heads, dim_k = q.shape
     kv_heads = k.shape[2] if layout == "blocks" else k.shape[1]
     block_size = k.shape[1] if layout == "blocks" else k.shape[2]

@@ -173,5 +173,7 @@ def test_paged_non_causal_attend_equals_contiguous(queries_per_row):
     got = paged.attend(q, read, 0.3, causal=False)
     want = contiguous.attend(q, read, 0.3, causal=False)
     assert torch.allclose(got, want, atol=1e-5)
-    # and both read past the query: the causal answer differs
-    assert not torch.allclose(want, contiguous.attend(q, read, 0.3), atol=1e-3)
+    # and both read past the query: the causal answer (lengths = newest query + 1, as a causal batch has) differs
+    causal = CacheBatch(positions=queries, lengths=queries[:, -1] + 1, max_length=width, is_prefill=False,
+                        slots=torch.arange(rows), block_tables=(table,))
+    assert not torch.allclose(want, contiguous.attend(q, causal, 0.3), atol=1e-3)

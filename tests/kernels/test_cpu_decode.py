@@ -104,3 +104,15 @@ def test_bad_layout_is_refused():
     with pytest.raises(ValueError, match="unknown cache layout 'columns'"):
         decode_attention(q, torch.zeros(1, 2, 4, 8), None, torch.zeros(1, 1, dtype=torch.int32),
                          torch.ones(1, dtype=torch.int32), "columns", 1.0, 0, 8)
+
+
+def test_int64_lengths_and_a_sliced_table(paged_cache):
+    """Index tensors in other integer types or strides are read as the values they hold."""
+    cache = paged_cache(SEQ_LENS, 16, 2, 32, 32, torch.float32, "cpu")
+    q = query(len(SEQ_LENS), 4, 32, torch.float32)
+    wide = torch.cat([cache.block_table, torch.full_like(cache.block_table, -1)], dim=1)[:, ::2]  # strided view
+    wide[:, : cache.block_table.shape[1]] = cache.block_table
+    args = (q, cache.k_pool, cache.v_pool)
+    actual = decode_attention(*args, wide.long(), cache.seq_lens.long(), "blocks", 0.2, 0, 32)
+    expected = paged_decode_attention_ref(*args, cache.block_table, cache.seq_lens, 0.2)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)

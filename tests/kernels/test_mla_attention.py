@@ -3,6 +3,7 @@ import torch
 
 import kernels.mla_attention as mla_attention
 from kernels import (
+    cpu_kernels_available,
     FORCE_TRITON_ENV,
     mla_decode_attention,
     mla_decode_attention_ref,
@@ -151,6 +152,7 @@ def test_dispatcher_routes_by_use_triton(monkeypatch, paged_cache, forced):
     called = []
     monkeypatch.setattr(mla_attention, "mla_decode_attention_triton", lambda *a: called.append("triton"))
     monkeypatch.setattr(mla_attention, "mla_decode_attention_ref", lambda *a: called.append("ref"))
+    monkeypatch.setattr(mla_attention.cpu_decode, "mla_decode_attention_cpu", lambda *a, **kw: called.append("cpu"))
     latent_pool, block_table, seq_lens = latent_cache(paged_cache, [5], 16, 48, torch.float32, "cpu")
     mla_decode_attention(make_query(1, 2, 48, torch.float32, "cpu"), latent_pool, block_table, seq_lens, 0.25, 32)
-    assert called == ["triton" if forced else "ref"]
+    assert called == ["triton" if forced else ("cpu" if cpu_kernels_available() else "ref")]

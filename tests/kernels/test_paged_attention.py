@@ -3,6 +3,7 @@ import torch
 
 import kernels.paged_attention as paged_attention
 from kernels import (
+    cpu_kernels_available,
     FORCE_TRITON_ENV,
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -173,7 +174,8 @@ def test_dispatcher_routes_by_use_triton(monkeypatch, paged_cache, forced):
     called = []
     monkeypatch.setattr(paged_attention, "paged_decode_attention_triton", lambda *a, **kw: called.append("triton"))
     monkeypatch.setattr(paged_attention, "paged_decode_attention_ref", lambda *a, **kw: called.append("ref"))
+    monkeypatch.setattr(paged_attention.cpu_decode, "paged_decode_attention_cpu", lambda *a, **kw: called.append("cpu"))
     cache = paged_cache([5], 16, 1, 16, 16, torch.float32, "cpu")
     paged_decode_attention(make_query(1, 2, 16, torch.float32, "cpu"), cache.k_pool, cache.v_pool,
                            cache.block_table, cache.seq_lens, 0.25)
-    assert called == ["triton" if forced else "ref"]
+    assert called == ["triton" if forced else ("cpu" if cpu_kernels_available() else "ref")]
