@@ -38,7 +38,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
     compiler = compiler.split()[0]
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in sorted(SOURCES[0].parent.glob("*.[ch]")))  # headers too
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):

@@ -15,21 +15,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };
+#include "floats.h"
+
 #define TILE 32        /* keys per step: their scores, softmax and values for every head of a group */
 #define MAX_HEADS 128  /* query heads per KV head (MLA: all heads share one latent) */
 #define MAX_DIM 1024
-
-static inline float load1(const void *p, int64_t i, int dtype) {
-    if (dtype == F32) return ((const float *)p)[i];
-    if (dtype == BF16) {
-        uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &bits, 4);
-        return f;
-    }
-    return (float)((const _Float16 *)p)[i];
-}
 
 /* a row of n elements as fp32; an fp32 row is used in place, a 16-bit one is converted into buf
  * (bf16 is the top half of an fp32: a shift, vectorised; built with -fno-strict-aliasing for the cast) */
@@ -44,19 +34,6 @@ static inline const float *row_f32(const void *p, int64_t offset, int n, int dty
         for (int i = 0; i < n; i++) buf[i] = (float)src[i];
     }
     return buf;
-}
-
-static inline void store1(void *p, int64_t i, float x, int dtype) {
-    if (dtype == F32) {
-        ((float *)p)[i] = x;
-    } else if (dtype == BF16) {
-        uint32_t bits;
-        memcpy(&bits, &x, 4);
-        bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even, as torch does */
-        ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
-    } else {
-        ((_Float16 *)p)[i] = (_Float16)x;
-    }
 }
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  /* 8 fp32 lanes, any 4-byte alignment */

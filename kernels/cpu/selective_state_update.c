@@ -10,32 +10,9 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };
+#include "floats.h"
+
 #define MAX_STATE 1024 /* d_state per channel (mamba-ssm's largest is 256) */
-
-static inline float get(const void *p, int64_t i, int dtype) {
-    if (dtype == F32) return ((const float *)p)[i];
-    if (dtype == BF16) {
-        uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &bits, 4);
-        return f;
-    }
-    return (float)((const _Float16 *)p)[i];
-}
-
-static inline void put(void *p, int64_t i, float x, int dtype) {
-    if (dtype == F32) {
-        ((float *)p)[i] = x;
-    } else if (dtype == BF16) {
-        uint32_t bits;
-        memcpy(&bits, &x, 4);
-        bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even, as torch does */
-        ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
-    } else {
-        ((_Float16 *)p)[i] = (_Float16)x;
-    }
-}
 
 /* strides: s* state [B,H,P,N]; x*, dt*, z* [B,H,P]; a* A [H,P,N]; b*, c* B and C [B,G,N]; d*, db* D, dt_bias [H,P].
  * dt_bias, D and z may be NULL. */
@@ -69,8 +46,8 @@ int selective_state_update(void *state, int64_t s_b, int64_t s_h, int64_t s_p, i
         }
         int64_t base = b * s_b + h * s_h + p * s_p;
         for (int n = 0; n < dstate; n++) {
-            float s = get(state, base + n * s_n, state_dtype) * decay[n] + dx * Bv[n * b_n];
-            put(state, base + n * s_n, s, state_dtype);
+            float s = load1(state, base + n * s_n, state_dtype) * decay[n] + dx * Bv[n * b_n];
+            store1(state, base + n * s_n, s, state_dtype);
             y += s * Cv[n * c_n];
         }
         if (D) y += D[h * d_h + p * d_p] * xv;
