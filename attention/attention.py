@@ -43,6 +43,8 @@ class Attention(nn.Module):
             if d_model % n_heads:
                 raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim explicitly")
             head_dim = d_model // n_heads
+        if head_dim < 1:
+            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1 (keys each query sees, itself included), got {window}")
         if kv_source is not None and not 0 <= kv_source < layer_idx:

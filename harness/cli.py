@@ -14,17 +14,18 @@ from harness.recall import cli as recall_cli
 from harness.results import write_atomic
 from harness.sampling import SamplingParams
 from harness.table import markdown_table
+from harness.weights import check_weights_file, load_weights
 
 
 def int_list(text: str) -> list[int]:
     try:
-        return [int(part) for part in text.split(",") if part]
+        return list(dict.fromkeys(int(part) for part in text.split(",") if part))  # repeats dropped, order kept
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def name_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
+    return list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))  # repeats dropped, order kept
 
 
 def cmd_list(args) -> None:
@@ -52,26 +53,18 @@ def cmd_compare(args) -> None:
     print(f"wrote {settings.out / 'results.jsonl'}, {settings.out / 'table.md'}, " + ", ".join(str(c) for c in charts))
 
 
-def load_weights(model, path: str) -> None:
-    """Safetensors (as safetensors' save_model writes it: a tied head stored once), or a plain tensor
-    state dict loaded with weights_only (never unpickles code)."""
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_model
-
-        load_model(model, path)
-    else:
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-
-
 def cmd_generate(args) -> None:
-    torch.manual_seed(args.seed if args.seed is not None else 0)
-    model = zoo.build(args.arch, preset=args.preset).to(dtype=DTYPES[args.dtype])
-    if args.weights:
-        load_weights(model, args.weights)
     tokenizer = zoo.ByteTokenizer()
+    # the sampling arguments and the weights file are checked before the model is built
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
                             stop_token_ids=(tokenizer.eos_id,))
+    if args.weights:
+        check_weights_file(args.weights)
+    torch.manual_seed(args.seed if args.seed is not None else 0)
+    model = zoo.build(args.arch, preset=args.preset).to(dtype=DTYPES[args.dtype])
+    if args.weights:
+        load_weights(model, args.weights, f"{args.arch} (preset {args.preset})")
     prompt_ids = tokenizer.encode(args.prompt)
     if not model.config.causal:
         generate_diffusion(model, prompt_ids, tokenizer, args)

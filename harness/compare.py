@@ -11,10 +11,12 @@ import zoo
 from harness.compare_diffusion import (CACHE_MODES, default_block_length, default_steps, measure_diffusion_cell,
                                        prompts_for)
 from harness import roofline
+from harness.cache_pool import LAYOUTS
 from harness.engine import Engine
 from harness.metrics import summarize
-from harness.results import ResultStore
+from harness.results import ResultStore, check_output_folder
 from harness.sampling import SamplingParams
+from zoo import checks
 
 # The fields that identify a cell: a re-run skips rows that match on all of them.
 CELL_KEY = ("arch", "preset", "context", "batch", "new_tokens", "dtype", "kv_cache", "device", "block_size",
@@ -42,38 +44,43 @@ class CompareSettings:
     diffusion_caches: list[str] = field(default_factory=lambda: list(CACHE_MODES))
 
     def __post_init__(self):
+        # the diffusion defaults are derived from these two, so they are checked first
+        checks.integer("new_tokens (TPOT needs two tokens)", self.new_tokens, minimum=2)
         if self.block_length is None:
             self.block_length = default_block_length(self.new_tokens)
+        checks.integer("block_length", self.block_length, minimum=1)
         if self.diffusion_steps is None:
             self.diffusion_steps = default_steps(self.new_tokens, self.block_length)
 
     def validate(self) -> None:
         """Every bad setting is reported before any model is built."""
+        if not self.archs:
+            raise ValueError(f"no architectures to compare (archs is empty); allowed: {', '.join(zoo.architectures())}")
         for arch in self.archs:
             zoo.registry.check_architecture(arch)
         zoo.presets.preset_settings(self.preset)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; allowed: {', '.join(DTYPES)}")
-        if not self.contexts or min(self.contexts) < 1:
-            raise ValueError(f"contexts must be positive integers, got {self.contexts}")
-        if not self.batches or min(self.batches) < 1:
-            raise ValueError(f"batch sizes must be >= 1, got {self.batches}")
-        if self.new_tokens < 2:
-            raise ValueError(f"new_tokens must be >= 2 (TPOT needs two tokens), got {self.new_tokens}")
+        checks.choice("dtype", self.dtype, DTYPES)
+        checks.integer_list("contexts", self.contexts, minimum=1)
+        checks.integer_list("batches", self.batches, minimum=1)
+        checks.choice("kv_cache", self.kv_cache, LAYOUTS)
+        checks.integer("block_size", self.block_size, minimum=1)
+        if self.block_size & (self.block_size - 1):  # the engine's rule, checked before any model is built
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        checks.integer("seed", self.seed, minimum=0, maximum=2**64 - 1)  # what torch.manual_seed takes
+        checks.device("device", self.device)
+        check_output_folder(self.out)
         limit = zoo.PRESETS[self.preset].max_seq_len
         if max(self.contexts) + self.new_tokens > limit:
             raise ValueError(f"context {max(self.contexts)} + new_tokens {self.new_tokens} exceeds the {self.preset!r} "
                              f"preset's max_seq_len={limit}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
         if any(not zoo.is_causal(a) for a in self.archs):
             self.validate_diffusion()
 
     def validate_diffusion(self) -> None:
-        if self.block_length < 1 or self.new_tokens % self.block_length:
+        if self.new_tokens % self.block_length:
             raise ValueError(f"block_length={self.block_length} must divide new_tokens={self.new_tokens}")
         blocks = self.new_tokens // self.block_length
-        bad = [s for s in self.diffusion_steps if s < 1 or s % blocks]
+        bad = [s for s in self.diffusion_steps if not checks.is_integer(s) or s < 1 or s % blocks]
         if not self.diffusion_steps or bad:
             raise ValueError(f"diffusion steps {bad or self.diffusion_steps} not allowed: each must be a positive "
                              f"multiple of the block count new_tokens / block_length = {blocks}")

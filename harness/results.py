@@ -1,6 +1,7 @@
 """results.jsonl: one row per measured cell, rewritten atomically after each cell so a crash loses at most the cell in flight."""
 import json
 import os
+import warnings
 from pathlib import Path
 
 
@@ -11,15 +12,38 @@ class ResultStore:
         self.rows = self.load()
 
     def load(self) -> list[dict]:
+        """The file's rows; a damaged line (torn by a killed writer, edited by hand) is skipped with a warning that
+        names it, so its cell counts as not done and is run again."""
         if not self.path.exists():
             return []
         rows = []
-        for line in self.path.read_text().splitlines():
+        # read as bytes, so a byte that is not UTF-8 spoils its own line, not the whole file
+        for number, line in enumerate(self.path.read_bytes().splitlines(), start=1):
+            if not line.strip():
+                continue
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a torn line from a killed writer of an older format; the cell is simply re-run
+                rows.append(self.parse(line))
+            except ValueError as damage:
+                warnings.warn(f"{self.path}:{number}: skipped a damaged row ({damage}); its cell will be run again")
         return rows
+
+    def parse(self, line: bytes) -> dict:
+        """One row: a JSON object holding every key field, each a plain value (a list cannot name a cell)."""
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not JSON: {error.msg}") from None
+        except UnicodeDecodeError:
+            raise ValueError("not UTF-8 text") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"a JSON {type(row).__name__}, not an object")
+        missing = [f for f in self.key_fields if f not in row]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
+        unhashable = [f for f in self.key_fields if isinstance(row[f], (list, dict))]
+        if unhashable:
+            raise ValueError(f"{', '.join(unhashable)} not a plain value")
+        return row
 
     def key(self, row: dict) -> tuple:
         return tuple(row.get(f) for f in self.key_fields)
@@ -34,6 +58,19 @@ class ResultStore:
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
         os.replace(tmp, self.path)
+
+
+def check_output_folder(path: Path) -> None:
+    """The output folder is a folder, or can be made, and can be written: checked before any work, so a bad --out
+    fails at once instead of after the first measurement. Nothing is created here."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"output folder {str(path)!r} exists and is not a folder")
+    nearest = next(p for p in (path, *path.parents) if p.exists())  # the folder that would hold the new ones
+    if not nearest.is_dir():
+        raise ValueError(f"cannot create output folder {str(path)!r}: {str(nearest)!r} is a file, not a folder")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write output folder {str(path)!r}: {str(nearest)!r} is not writable")
 
 
 def write_atomic(path: Path, text: str) -> None:

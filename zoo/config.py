@@ -1,6 +1,8 @@
 """Model configuration: one dataclass, with a mixer spec per layer so hybrids are just lists."""
 from dataclasses import dataclass, field
 
+from zoo import checks
+
 MLP_KINDS = ("swiglu", "gelu", "none")
 NORM_KINDS = ("rmsnorm", "layernorm")
 
@@ -11,6 +13,12 @@ class MixerSpec:
 
     kind: str
     params: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.kind, str):
+            raise ValueError(f"a MixerSpec's kind must be a mixer name (str), got {self.kind!r}")
+        if not isinstance(self.params, dict) or not all(isinstance(name, str) for name in self.params):
+            raise ValueError(f"a MixerSpec's params must be a dict of parameter names to values, got {self.params!r}")
 
 
 @dataclass
@@ -30,21 +38,31 @@ class ModelConfig:
     mask_token_id: int | None = None  # the id a masked diffusion LM reads as "to be predicted"
 
     def __post_init__(self):
-        if self.vocab_size < 1 or self.d_model < 1 or self.max_seq_len < 1:
-            raise ValueError(
-                f"vocab_size, d_model and max_seq_len must be >= 1, got {self.vocab_size}, {self.d_model}, {self.max_seq_len}"
-            )
-        if not self.layers:
-            raise ValueError("a model needs at least one layer (layers is empty)")
-        if self.mlp not in MLP_KINDS:
-            raise ValueError(f"unknown mlp {self.mlp!r}; allowed: {', '.join(MLP_KINDS)}")
-        if self.norm not in NORM_KINDS:
-            raise ValueError(f"unknown norm {self.norm!r}; allowed: {', '.join(NORM_KINDS)}")
-        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id must lie in [0, {self.vocab_size}) (the vocabulary), got {self.mask_token_id}")
+        """Every field's type and range, so a bad value fails here by name rather than inside torch."""
+        for name in ("vocab_size", "d_model", "max_seq_len"):
+            setattr(self, name, checks.integer(name, getattr(self, name), minimum=1))
+        check_layers(self.layers)
+        checks.choice("mlp", self.mlp, MLP_KINDS)
+        checks.choice("norm", self.norm, NORM_KINDS)
+        self.mlp_hidden = checks.optional_integer("mlp_hidden", self.mlp_hidden, minimum=1)
+        self.norm_eps = checks.real("norm_eps", self.norm_eps, minimum=0, open_min=True)
+        self.rope_base = checks.real("rope_base", self.rope_base, minimum=0, open_min=True)
+        checks.boolean("tie_embeddings", self.tie_embeddings)
+        checks.boolean("causal", self.causal)
+        mask = self.mask_token_id
+        if mask is not None and not (checks.is_integer(mask) and 0 <= mask < self.vocab_size):
+            raise ValueError(f"mask_token_id must lie in [0, {self.vocab_size}) (an integer id of the vocabulary), "
+                             f"got {mask!r}")
         if self.mlp_hidden is None:
             self.mlp_hidden = -(-8 * self.d_model // 3 // 64) * 64
 
     @property
     def n_layers(self) -> int:
         return len(self.layers)
+
+
+def check_layers(layers) -> None:
+    if not isinstance(layers, (list, tuple)) or not all(isinstance(spec, MixerSpec) for spec in layers):
+        raise ValueError(f"layers must be a list of MixerSpec, one per layer, got {layers!r}")
+    if not layers:
+        raise ValueError("a model needs at least one layer (layers is empty)")

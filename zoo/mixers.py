@@ -1,10 +1,14 @@
 """Sequence-mixer kinds a MixerSpec may name, and how a layer's mixer is constructed."""
 import inspect
+import math
+import numbers
+import typing
 
 from torch import nn
 
 from attention import Attention, LinearAttention, MLAttention
 from ssm import Mamba, Mamba2
+from zoo import checks
 from zoo.config import MixerSpec, ModelConfig
 
 MIXERS: dict[str, type[nn.Module]] = {
@@ -19,6 +23,20 @@ SHARED_SETTINGS = ("rope_base",)
 NON_CAUSAL_MIXERS = {"attention": ("window", "kv_source"), "mla": ()}
 
 
+def is_finite_real(value) -> bool:
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and (checks.is_integer(value) or math.isfinite(value)))  # an int too large for a float is still finite
+
+
+# The value types a constructor's annotation may name: how a value passes, and how an error says it.
+VALUE_TYPES = {
+    int: (checks.is_integer, "an integer"),
+    float: (is_finite_real, "a finite number"),
+    bool: (lambda value: isinstance(value, bool), "True or False"),
+    str: (lambda value: isinstance(value, str), "a string"),
+}
+
+
 def make_mixer(spec: MixerSpec, config: ModelConfig, layer_idx: int) -> nn.Module:
     if spec.kind not in MIXERS:
         raise ValueError(f"unknown mixer kind {spec.kind!r} in layer {layer_idx}; allowed: {', '.join(MIXERS)}")
@@ -28,12 +46,28 @@ def make_mixer(spec: MixerSpec, config: ModelConfig, layer_idx: int) -> nn.Modul
     unknown = sorted(set(spec.params) - set(accepted))
     if unknown:
         raise ValueError(f"mixer {spec.kind!r} (layer {layer_idx}) got unknown parameters {unknown}; allowed: {sorted(accepted)}")
+    check_param_types(spec, cls, layer_idx)
     if "causal" in spec.params:  # one direction per model: the engine and the sampler read it from the config
         raise ValueError(f"layer {layer_idx} sets 'causal' in its mixer params; set ModelConfig.causal instead")
     if not config.causal:
         check_non_causal(spec, layer_idx)
         shared["causal"] = False
     return cls(d_model=config.d_model, layer_idx=layer_idx, **shared, **spec.params)
+
+
+def check_param_types(spec: MixerSpec, cls: type, layer_idx: int) -> None:
+    """Each parameter has the type its constructor declares (None only where it allows None), so a float size or a
+    string fails here by name rather than inside torch; ranges are the constructor's to check."""
+    hints = typing.get_type_hints(cls.__init__)
+    for name, value in spec.params.items():
+        declared = typing.get_args(hints.get(name)) or (hints.get(name),)
+        if value is None and type(None) in declared:
+            continue
+        for kind, (fits, wanted) in VALUE_TYPES.items():
+            if kind in declared and not fits(value):
+                optional = " or None" if type(None) in declared else ""
+                raise ValueError(f"mixer {spec.kind!r} (layer {layer_idx}): {name} must be {wanted}{optional}, "
+                                 f"got {value!r} ({type(value).__name__})")
 
 
 def check_non_causal(spec: MixerSpec, layer_idx: int) -> None:

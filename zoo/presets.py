@@ -1,6 +1,8 @@
 """Model sizes: tiny for tests, small for CPU comparisons, base (~125M) for benchmarks."""
 from dataclasses import asdict, dataclass
 
+from zoo import checks
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -23,6 +25,4 @@ PRESETS = {
 
 
 def preset_settings(name: str) -> dict:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}")
-    return asdict(PRESETS[name])
+    return asdict(PRESETS[checks.choice("preset", name, PRESETS)])

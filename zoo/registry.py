@@ -2,6 +2,7 @@
 from dataclasses import dataclass, fields
 from typing import Callable
 
+from zoo import checks
 from zoo.config import MixerSpec, ModelConfig
 from zoo.model import DecoderLM
 from zoo.presets import Preset, preset_settings
@@ -53,10 +54,8 @@ def fixed_kv_heads(name: str, value: Callable[[dict], int]) -> Callable[[dict], 
 
 
 def sliding_window_layers(s: dict) -> list[MixerSpec]:
-    window = s["window"]
-    if window is None or window < 1:
-        raise ValueError(f"window must be >= 1 (keys each query sees, itself included), got {window}")
-    return [MixerSpec("attention", {**attention_params(s, gqa_kv_heads(s)), "window": window}) for _ in range(s["n_layers"])]
+    return [MixerSpec("attention", {**attention_params(s, gqa_kv_heads(s)), "window": s["window"]})
+            for _ in range(s["n_layers"])]
 
 
 def latent_attention_layers(s: dict) -> list[MixerSpec]:
@@ -70,18 +69,15 @@ def latent_attention_layers(s: dict) -> list[MixerSpec]:
         "qk_rope_head_dim": s.get("qk_rope_head_dim") or head_dim // 2,
         "v_head_dim": s.get("v_head_dim") or head_dim,
     }
-    for name in MLA_SETTINGS:  # 0 or a negative size is an error, not "use the default"
-        if s.get(name) is not None and s[name] < 1:
-            raise ValueError(f"{name} must be >= 1, got {s[name]}")
     return [MixerSpec("mla", dict(params)) for _ in range(s["n_layers"])]
 
 
 def cross_layer_layers(s: dict) -> list[MixerSpec]:
     """Groups of `share` consecutive layers: the first computes and caches K/V, the rest read it (Brandon et al.)."""
     share, n_layers = s["share"], s["n_layers"]
-    if share is None or share < 1 or n_layers % share:
+    if not checks.is_integer(share) or share < 1 or n_layers % share:
         divisors = [k for k in range(1, n_layers + 1) if n_layers % k == 0]
-        raise ValueError(f"share factor {share} must divide n_layers={n_layers}; allowed: {divisors}")
+        raise ValueError(f"share factor {share!r} must divide n_layers={n_layers}; allowed: {divisors}")
     params = attention_params(s, gqa_kv_heads(s))
     return [MixerSpec("attention", dict(params) if i % share == 0 else {**params, "kv_source": i - i % share})
             for i in range(n_layers)]
@@ -110,16 +106,30 @@ def pattern_layers(default: str) -> Callable[[dict], list[MixerSpec]]:
     """A hybrid: registry names per layer, repeated to fill n_layers so the model ends on the pattern's last layer."""
 
     def layers(s: dict) -> list[MixerSpec]:
-        pattern = s.get("layers") or default
-        names = [n.strip() for n in pattern.split(",")] if isinstance(pattern, str) else list(pattern)
+        pattern = default if s.get("layers") is None else s["layers"]
+        names = pattern_names(pattern)
         allowed = [n for n, a in ARCHITECTURES.items() if a.in_patterns]
         bad = [n for n in names if n not in allowed]
-        if bad or not names:
+        if bad:
             raise ValueError(f"hybrid pattern {pattern!r} names unknown layer kind(s) {bad}; allowed: {', '.join(allowed)}")
         n = s["n_layers"]
         return [ARCHITECTURES[names[(i - n) % len(names)]].layers({**s, "n_layers": 1})[0] for i in range(n)]
 
     return layers
+
+
+def pattern_names(pattern) -> list[str]:
+    """'swa,gqa' or ['swa', 'gqa'] -> the layer names; an empty pattern is an error, not the default."""
+    if isinstance(pattern, str):
+        names = [n.strip() for n in pattern.split(",")]
+    elif isinstance(pattern, (list, tuple)):
+        names = list(pattern)
+    else:
+        raise ValueError(f"hybrid pattern (layers) must be comma-separated layer names such as 'swa,gqa' or a list "
+                         f"of them, got {pattern!r} ({type(pattern).__name__})")
+    if names in ([], [""]):
+        raise ValueError(f"empty hybrid pattern (layers={pattern!r}): name at least one layer kind, e.g. 'swa,gqa'")
+    return names
 
 
 # Architectures whose layers can attend both ways: what a masked diffusion LM may be built from.
@@ -193,6 +203,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
 }
 DEFAULT_SETTINGS = {"share": 2, "mixer": "gqa"}  # settings no preset sizes
+# Integer settings, each a size or count >= 1, checked before any layer is laid out; the optional ones may be None
+# (the default). share is checked with its divisors by cross_layer_layers.
+REQUIRED_INTEGERS = ("vocab_size", "d_model", "n_layers", "n_heads", "gqa_kv_heads", "max_seq_len", "window")
+OPTIONAL_INTEGERS = ("n_kv_heads", "head_dim", "mlp_hidden", *MLA_SETTINGS, "feature_dim", *SSM_SETTINGS, "n_groups")
 
 
 def architectures() -> list[str]:
@@ -209,9 +223,15 @@ def describe(name: str) -> str:
 
 
 def check_architecture(name: str) -> str:
-    if name not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {name!r}; allowed: {', '.join(ARCHITECTURES)}")
-    return name
+    return checks.choice("architecture", name, ARCHITECTURES)
+
+
+def check_integer_settings(settings: dict) -> None:
+    """Integers as given (numpy ints become ints); a float, bool, string or size below 1 is an error here."""
+    for name in REQUIRED_INTEGERS:
+        settings[name] = checks.integer(name, settings[name], minimum=1)
+    for name in [n for n in OPTIONAL_INTEGERS if n in settings]:
+        settings[name] = checks.optional_integer(name, settings[name], minimum=1)
 
 
 def make_config(name: str, preset: str = "small", **overrides) -> ModelConfig:
@@ -223,6 +243,7 @@ def make_config(name: str, preset: str = "small", **overrides) -> ModelConfig:
     if unknown:
         raise ValueError(f"unknown setting(s) {unknown} for {name!r}; allowed: {sorted(allowed)}")
     settings.update(overrides)
+    check_integer_settings(settings)
     # a diffusion LM reserves the id after the data's vocabulary for its mask token, so every data id stays valid
     vocab_size = settings["vocab_size"] + (0 if arch.causal else 1)
     return ModelConfig(

@@ -2,8 +2,6 @@
 import argparse
 from pathlib import Path
 
-import torch
-
 from harness.recall.report import markdown_table, write_report
 from harness.recall.suite import RecallSettings, best_over_lr, run_recall, settings_dict
 from harness.results import write_atomic
@@ -22,7 +20,7 @@ PRESETS = {
 
 def float_list(text: str) -> list[float]:
     try:
-        return [float(part) for part in text.split(",") if part]
+        return list(dict.fromkeys(float(part) for part in text.split(",") if part))  # repeats dropped, order kept
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
@@ -65,8 +63,6 @@ def cmd_recall(args) -> None:
     sweeps = [RecallSettings(**{**preset, **given, "out": out}) for preset in PRESETS[args.preset]]
     for settings in sweeps:
         settings.validate()  # every sweep's settings checked before the first one trains
-    if any(s.device.startswith("cuda") for s in sweeps) and not torch.cuda.is_available():
-        raise ValueError("device cuda requested but CUDA is not available")
     rows = [row for settings in sweeps for row in run_recall(settings, show_progress=not args.quiet)]
     best = best_over_lr(rows)
     table = markdown_table(best)

@@ -14,7 +14,8 @@ from tqdm import tqdm
 import zoo
 from harness.recall.data import MQARSetting, make_splits
 from harness.recall.train import TrainConfig, model_identity, train_recall
-from harness.results import ResultStore
+from harness.results import ResultStore, check_output_folder
+from zoo import checks
 
 # The fields that identify a run: a re-run skips rows that match on all of them.
 RUN_KEY = ("arch", "d_model", "lr", "seq_len", "kv_pairs", "vocab_size", "train_examples", "max_steps", "seed")
@@ -48,16 +49,23 @@ class RecallSettings:
 
     def validate(self) -> None:
         """Every bad setting is reported before any model trains."""
+        if not self.archs:
+            raise ValueError(f"no architectures to train (archs is empty); allowed: {', '.join(zoo.architectures())}")
         for arch in self.archs:
             zoo.registry.check_architecture(arch)
+        checks.integer_list("kv_pairs", self.kv_pairs, minimum=1)
         for n in self.kv_pairs:
             MQARSetting(self.seq_len, n, self.vocab_size).validate()
-        if not self.d_models or min(self.d_models) < 1:
-            raise ValueError(f"d_model values must be >= 1, got {self.d_models}")
-        if not self.lrs or min(self.lrs) <= 0:
-            raise ValueError(f"learning rates must be > 0, got {self.lrs}")
-        if min(self.train_examples, self.test_examples, self.max_steps, self.batch_size, self.workers) < 1:
-            raise ValueError("train_examples, test_examples, max_steps, batch_size and workers must be >= 1")
+        checks.integer_list("d_models", self.d_models, minimum=1)
+        if not isinstance(self.lrs, (list, tuple)) or not self.lrs:
+            raise ValueError(f"lrs must be a non-empty list of learning rates > 0, got {self.lrs!r}")
+        for lr in self.lrs:
+            checks.real("learning rate", lr, minimum=0, open_min=True)
+        for name in ("train_examples", "test_examples", "max_steps", "batch_size", "workers"):
+            checks.integer(name, getattr(self, name), minimum=1)
+        checks.integer("seed", self.seed, minimum=0, maximum=2**64 - 1)  # what torch.manual_seed takes
+        checks.device("device", self.device)
+        check_output_folder(self.out)
 
     def runs(self) -> list[dict]:
         common = {"seq_len": self.seq_len, "kv_pairs": ",".join(map(str, self.kv_pairs)), "vocab_size": self.vocab_size,
