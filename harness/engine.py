@@ -1,6 +1,8 @@
 """The generation engine: request queue, continuous batching, prefill + batched decode, per-request metrics."""
-import itertools
+import threading
 import time
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -10,21 +12,53 @@ from harness.cache_pool import LAYOUTS, CachePool, cache_groups
 from harness.model_runner import ModelRunner
 from harness.sampling import SamplingParams, sample_token
 from harness.scheduler import Scheduler
-from harness.sequence import RequestOutput, Sequence
+from harness.sequence import RequestOutput, Sequence, TokenEvent
+from zoo import checks
 from zoo.tokenizer import ByteTokenizer
+
+
+STATS_WINDOW = 4096  # decode steps whose figures are kept one by one (for medians); totals cover every step
 
 
 @dataclass
 class DecodeStats:
-    """What every decode step cost, for throughput and MBU."""
+    """What decode steps cost, for throughput and MBU: totals over every step, and the newest STATS_WINDOW
+    steps one by one, so a long-running engine's memory stays flat."""
 
-    seconds: list[float] = field(default_factory=list)
-    batch_sizes: list[int] = field(default_factory=list)
-    kv_bytes: list[int] = field(default_factory=list)  # analytic cache bytes the step had to read (zoo.cache_read_bytes)
+    steps: int = 0
+    total_seconds: float = 0.0
+    total_tokens: int = 0
+    seconds: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    batch_sizes: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))
+    kv_bytes: deque = field(default_factory=lambda: deque(maxlen=STATS_WINDOW))  # analytic cache bytes read (zoo.cache_read_bytes)
+
+    def record(self, seconds: float, batch_size: int, kv_bytes: int) -> None:
+        self.steps += 1
+        self.total_seconds += seconds
+        self.total_tokens += batch_size
+        self.seconds.append(seconds)
+        self.batch_sizes.append(batch_size)
+        self.kv_bytes.append(kv_bytes)
 
     @property
     def tokens_per_second(self) -> float:
-        return sum(self.batch_sizes) / sum(self.seconds) if self.seconds else 0.0
+        return self.total_tokens / self.total_seconds if self.total_seconds else 0.0
+
+
+class Exclusive:
+    """Refuses a second caller while one is inside: the engine is not thread-safe, and says so instead of
+    corrupting its queues and caches."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            raise RuntimeError("Engine is not thread-safe: another call (step, generate, add_request or abort) is "
+                               "already running on this engine; serialise calls or use one engine per thread")
+
+    def __exit__(self, *exc):
+        self.lock.release()
 
 
 def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, block_size: int,
@@ -43,8 +77,6 @@ def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, bl
     groups = cache_groups(specs)
     needs = [peak_blocks(max_seq_len, block_size, g.window) for g in groups]
     if num_blocks is not None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         return max_batch, [num_blocks] * len(groups)
     if budget is None:
         return max_batch, [max_batch * need for need in needs]
@@ -83,15 +115,22 @@ class Engine:
         if not config.causal:  # each position sees later ones: a new token would change every cached key
             raise ValueError(f"{config.name!r} is a masked diffusion LM (non-causal); the engine decodes causal models "
                              f"one token at a time; use harness.DiffusionSampler")
-        max_seq_len = config.max_seq_len if max_seq_len is None else max_seq_len
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if kv_cache not in LAYOUTS:
-            raise ValueError(f"unknown kv_cache {kv_cache!r}; allowed: {', '.join(LAYOUTS)}")
-        if not 1 <= max_seq_len <= config.max_seq_len:
-            raise ValueError(f"max_seq_len must be in [1, {config.max_seq_len}] (the model's max_seq_len), got {max_seq_len}")
-        if block_size < 1 or block_size & (block_size - 1):
+        max_batch = checks.integer("max_batch", max_batch, minimum=1)
+        max_seq_len = checks.integer("max_seq_len (the model's max_seq_len at most)",
+                                     config.max_seq_len if max_seq_len is None else max_seq_len, 1, config.max_seq_len)
+        checks.choice("kv_cache", kv_cache, LAYOUTS)
+        block_size = checks.integer("block_size", block_size, minimum=1)
+        if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {block_size}")
+        num_blocks = checks.optional_integer("num_blocks", num_blocks, minimum=1)
+        cache_budget_bytes = checks.optional_integer("cache_budget_bytes", cache_budget_bytes, minimum=1)
+        checks.boolean("compile", compile)
+        if num_blocks is not None and kv_cache != "paged":
+            raise ValueError(f"num_blocks={num_blocks} sizes a paged pool, but kv_cache={kv_cache!r}; the contiguous "
+                             f"layout is sized by max_batch or cache_budget_bytes")
+        if num_blocks is not None and cache_budget_bytes is not None:
+            raise ValueError(f"give num_blocks ({num_blocks}) or cache_budget_bytes ({cache_budget_bytes}), not both: "
+                             f"each sizes the paged pool")
         param = next(model.parameters())
         self.model, self.device, self.dtype = model.eval(), param.device, param.dtype
         self.max_seq_len, self.kv_cache = max_seq_len, kv_cache
@@ -105,25 +144,39 @@ class Engine:
         self.scheduler = Scheduler(max_batch, self.block_managers)
         self.runner = ModelRunner(model, self.pool, self.block_managers, self.device, max_seq_len, compile)
         self.tokenizer = ByteTokenizer()
-        self.ids = itertools.count()
+        self.requests_added = 0  # request ids are 0, 1, 2, ... in order of arrival
+        self.unfinished: dict[int, Sequence] = {}  # waiting or running, by request id
         self.decode_stats = DecodeStats()
+        self.exclusive = Exclusive()
 
     # ---- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt: "str | list[int]", params: SamplingParams | None = None) -> int:
-        """Validate and queue one request; a bad one raises here and leaves the queue as it was."""
-        seq = self.make_sequence(prompt, params or SamplingParams())
-        self.scheduler.add(seq)
-        return seq.request_id
+        """Validate and queue one request; a bad one raises here and leaves the queue as it was. Returns its id."""
+        with self.exclusive:
+            return self.queue(self.make_sequence(prompt, params)).request_id
 
-    def make_sequence(self, prompt, params: SamplingParams) -> Sequence:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    def queue(self, seq: Sequence) -> Sequence:
+        seq.request_id = self.requests_added
+        self.requests_added += 1
+        self.unfinished[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def make_sequence(self, prompt, params: SamplingParams | None) -> Sequence:
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a harness.SamplingParams, got {type(params).__name__}")
         vocab = self.model.config.vocab_size
-        if not ids:
-            raise ValueError("empty prompt: a request needs at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id(s) {bad[:5]} out of vocabulary: ids must lie in [0, {vocab})")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt: a request needs at least one token")
+            prompt = self.tokenizer.encode(prompt)
+        ids = checks.token_ids("prompt", prompt, vocab)
+        bad_stops = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids {bad_stops} out of vocabulary (they could never fire): ids must lie in "
+                             f"[0, {vocab})")
         if len(ids) + params.max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens={params.max_new_tokens} exceeds "
                              f"max_seq_len={self.max_seq_len}")
@@ -131,7 +184,7 @@ class Engine:
         if not params.greedy:
             generator = torch.Generator(self.device)
             generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
-        seq = Sequence(next(self.ids), ids, params, generator)
+        seq = Sequence(-1, ids, params, generator)  # its id is given when it is queued
         for manager in self.block_managers:
             needed = manager.peak_blocks(seq.max_length)
             if needed > manager.num_blocks:
@@ -142,34 +195,80 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """End a waiting or running request now; its cache blocks and batch slot are free when this returns.
+        Returns its output so far (finish_reason "abort"), or None if it had already finished."""
+        with self.exclusive:
+            checks.integer("request_id", request_id, minimum=0)
+            if request_id >= self.requests_added:
+                raise ValueError(f"unknown request_id {request_id}: this engine has issued ids 0 to "
+                                 f"{self.requests_added - 1}" if self.requests_added else
+                                 f"unknown request_id {request_id}: this engine has no requests yet")
+            seq = self.unfinished.pop(request_id, None)
+            if seq is None:
+                return None
+            self.scheduler.abort(seq, "abort")
+            return RequestOutput.of(seq)
+
     # ---- stepping -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Admit what fits, prefill it, then one decode token for every running request. Returns finished requests."""
-        finished = []
+        """Admit what fits, prefill it, then one decode token for every running request. Returns the requests
+        that ended in this step, failed ones included (finish_reason "error")."""
+        return [event.finished for event in self.step_tokens() if event.finished is not None]
+
+    def step_tokens(self) -> list[TokenEvent]:
+        """One step, as events: each request's new token, with its output on the event that ends it."""
+        with self.exclusive:
+            return self.run_step()
+
+    def stream(self) -> Iterator[TokenEvent]:
+        """Step until every queued request has ended, yielding each token as it is produced. Between events a
+        caller may add_request (joins the next step) or abort (ends it before the next step)."""
+        while self.has_unfinished():
+            yield from self.step_tokens()
+
+    def run_step(self) -> list[TokenEvent]:
+        """A request that raises while it is prefilled or sampled ends alone with finish_reason "error"; the
+        batched decode forward cannot tell whose row broke it, so its failure ends that step's batch."""
+        events: list[TokenEvent] = []
         for seq in self.scheduler.admit():
-            self.emit([seq], self.runner.prefill(seq).unsqueeze(0), finished)
+            try:
+                logits = self.runner.prefill(seq)
+            except Exception as error:  # noqa: BLE001 - any failure ends this request only
+                self.fail(seq, error, events)
+                continue
+            self.emit([seq], logits.unsqueeze(0), events)
         running = list(self.scheduler.running)
         if running:
             start = time.perf_counter()
-            logits = self.runner.decode(running)
+            try:
+                logits = self.runner.decode(running)
+            except Exception as error:  # noqa: BLE001
+                for seq in running:
+                    self.fail(seq, error, events)
+                return events
             kv_bytes = sum(self.pool.read_bytes(s.cached) for s in running)
-            self.emit(running, logits, finished)
-            self.decode_stats.seconds.append(time.perf_counter() - start)
-            self.decode_stats.batch_sizes.append(len(running))
-            self.decode_stats.kv_bytes.append(kv_bytes)
-        return finished
+            self.emit(running, logits, events)
+            self.decode_stats.record(time.perf_counter() - start, len(running), kv_bytes)
+        return events
 
-    def emit(self, seqs: list[Sequence], logits: torch.Tensor, finished: list[RequestOutput]) -> None:
+    def emit(self, seqs: list[Sequence], logits: torch.Tensor, events: list[TokenEvent]) -> None:
         """Sample one token per sequence from logits [B, vocab]; finish the sequences that are done."""
         tokens = logits.argmax(dim=-1).tolist()  # every greedy row without a penalty, in one call
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
         now = time.perf_counter()
-        for seq, row, token in zip(seqs, logits, tokens):
-            if not seq.params.greedy or seq.params.repetition_penalty != 1.0:
-                token = sample_token(row, seq.params, seq.all_ids, seq.generator)
-            self.append_token(seq, token, now, row, finished)
+        for seq, row, token, ok in zip(seqs, logits, tokens, finite):
+            try:
+                if not ok:
+                    raise FloatingPointError("the model produced non-finite logits for this request")
+                if not seq.params.greedy or seq.params.repetition_penalty != 1.0:
+                    token = sample_token(row, seq.params, seq.all_ids, seq.generator)
+                events.append(self.append_token(seq, token, now, row))
+            except Exception as error:  # noqa: BLE001 - a failing request must not take the batch with it
+                self.fail(seq, error, events)
 
-    def append_token(self, seq: Sequence, token: int, now: float, logits: torch.Tensor, finished: list[RequestOutput]) -> None:
+    def append_token(self, seq: Sequence, token: int, now: float, logits: torch.Tensor) -> TokenEvent:
         seq.token_times.append(now)
         seq.output_ids.append(token)
         if seq.params.return_logits:
@@ -179,26 +278,42 @@ class Engine:
         elif len(seq.output_ids) >= seq.params.max_new_tokens:
             reason = "length"
         else:
-            return
+            return TokenEvent(seq.request_id, token)
+        return TokenEvent(seq.request_id, token, self.finish(seq, reason))
+
+    def finish(self, seq: Sequence, reason: str) -> RequestOutput:
         self.scheduler.finish(seq, reason)
-        finished.append(RequestOutput.of(seq))
+        self.unfinished.pop(seq.request_id, None)
+        return RequestOutput.of(seq)
+
+    def fail(self, seq: Sequence, error: Exception, events: list[TokenEvent]) -> None:
+        seq.error = f"{type(error).__name__}: {error}"
+        events.append(TokenEvent(seq.request_id, None, self.finish(seq, "error")))
 
     def generate(self, prompts, params: "SamplingParams | list[SamplingParams] | None" = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order. All prompts are validated before any work."""
-        if isinstance(prompts, str):
-            prompts = [prompts]  # one text is one prompt, not a list of one-character prompts
-        params = params or SamplingParams()
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params_list)]
-        for seq in seqs:
-            self.scheduler.add(seq)
-        done: dict[int, RequestOutput] = {}
-        while self.has_unfinished():
-            for out in self.step():
-                done[out.request_id] = out
-        return [done[s.request_id] for s in seqs if s.request_id in done]
+        """Run every prompt to completion; one output per prompt, in prompt order (a failed one has
+        finish_reason "error"). All prompts are validated before any work. Refused while requests queued with
+        add_request are unfinished, whose outputs it would otherwise swallow: drain those with step() or stream()."""
+        with self.exclusive:
+            if self.has_unfinished():
+                raise RuntimeError(f"generate() needs an idle engine: {len(self.unfinished)} request(s) queued with "
+                                   f"add_request are unfinished; drain them with step() or stream(), or abort them")
+            if isinstance(prompts, str):
+                prompts = [prompts]  # one text is one prompt, not a list of one-character prompts
+            if not isinstance(prompts, (list, tuple)):
+                raise ValueError(f"prompts must be a list of prompts (texts or token id lists), got {type(prompts).__name__}")
+            params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+            seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params_list)]
+            for seq in seqs:
+                self.queue(seq)
+            done: dict[int, RequestOutput] = {}
+            while self.has_unfinished():
+                for event in self.run_step():
+                    if event.finished is not None:
+                        done[event.request_id] = event.finished
+            return [done[s.request_id] for s in seqs]
 
     # ---- memory ---------------------------------------------------------------------------------
 

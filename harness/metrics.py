@@ -8,13 +8,15 @@ import torch
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    ttft: float  # seconds from arrival to the first token
+    ttft: float  # seconds from arrival to the first token; NaN for a request that ended without one
     itl: list[float]  # seconds between consecutive tokens
     tpot: float  # (e2e - ttft) / (n_out - 1); 0 for a one-token output
     e2e: float
 
     @classmethod
     def of(cls, arrival: float, token_times: list[float]) -> "RequestMetrics":
+        if not token_times:  # aborted or failed before its first token
+            return cls(float("nan"), [], 0.0, float("nan"))
         ttft = token_times[0] - arrival
         e2e = token_times[-1] - arrival
         itl = [b - a for a, b in zip(token_times, token_times[1:])]
@@ -32,12 +34,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(outputs, duration: float) -> dict[str, float]:
-    """Aggregate metrics over finished requests, keyed by vLLM's benchmark names (times in ms)."""
+    """Aggregate metrics over finished requests, keyed by vLLM's benchmark names (times in ms); a request that
+    ended without a token has no latencies to add."""
+    answered = [o for o in outputs if o.token_ids]
     series = {
-        "TTFT": [o.metrics.ttft for o in outputs],
+        "TTFT": [o.metrics.ttft for o in answered],
         "TPOT": [o.metrics.tpot for o in outputs if len(o.token_ids) > 1],
         "ITL": [gap for o in outputs for gap in o.metrics.itl],
-        "E2EL": [o.metrics.e2e for o in outputs],
+        "E2EL": [o.metrics.e2e for o in answered],
     }
     summary = {}
     for name, values in series.items():

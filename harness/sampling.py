@@ -3,6 +3,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zoo import checks
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -16,17 +18,24 @@ class SamplingParams:
     return_logits: bool = False  # keep the logits each token was sampled from (tests, oracles)
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        """Types and ranges, checked once here; stop ids are checked against the vocabulary by the engine."""
+        stop = self.stop_token_ids
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, (list, tuple, set, frozenset, range)):
+            raise ValueError(f"stop_token_ids must be a list or tuple of integer token ids, got {stop!r} "
+                             f"({type(stop).__name__})")
+        checked = {
+            "max_new_tokens": checks.integer("max_new_tokens", self.max_new_tokens, minimum=1),
+            "temperature": checks.real("temperature (0 = greedy)", self.temperature, minimum=0),
+            "top_k": checks.integer("top_k (0 = off)", self.top_k, minimum=0),
+            "top_p": checks.real("top_p", self.top_p, minimum=0, maximum=1, open_min=True),
+            "repetition_penalty": checks.real("repetition_penalty (1 = off)", self.repetition_penalty, minimum=0,
+                                              open_min=True),
+            "seed": checks.optional_integer("seed", self.seed, minimum=0, maximum=2**64 - 1),
+            "stop_token_ids": tuple(checks.integer("stop_token_ids[]", t, minimum=0) for t in stop),
+            "return_logits": checks.boolean("return_logits", self.return_logits),
+        }
+        for name, value in checked.items():  # normalised: numpy ints become ints, ints given as reals become floats
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
@@ -34,10 +43,12 @@ class SamplingParams:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """logits: [V]; seen: token ids already in the sequence. Positive logits are divided, negative multiplied."""
+    """logits: [V]; seen: token ids already in the sequence. Positive logits are divided, negative multiplied;
+    an extreme penalty saturates at the dtype's largest finite value instead of overflowing to inf."""
     picked = logits[seen]
     logits = logits.clone()
-    logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    limit = torch.finfo(logits.dtype).max
+    logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty).clamp(-limit, limit)
     return logits
 
 
@@ -56,16 +67,24 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     probs = sorted_logits.softmax(-1)
     mass_before = probs.cumsum(-1) - probs
     drop_sorted = mass_before >= p
+    drop_sorted[..., 0] = False  # the top token always survives, however small p is
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, history: list[int], generator: torch.Generator | None) -> int:
-    """logits: [V] for one sequence; history: prompt and generated ids so far."""
-    logits = logits.float()
+    """logits: [V] for one sequence; history: prompt and generated ids so far.
+
+    Works relative to the largest logit, so no setting overflows: a temperature so small that every other token's
+    scaled logit underflows leaves only the top token(s), i.e. greedy. Float64, so that settings like 1e-300 keep
+    their value instead of rounding to 0 or inf. Logits that are not finite are an error."""
+    logits = logits.double()
+    if not bool(torch.isfinite(logits).all()):
+        raise FloatingPointError(f"the model produced {int((~torch.isfinite(logits)).sum())} non-finite logit(s)")
     if params.repetition_penalty != 1.0 and history:
         logits = apply_repetition_penalty(logits, torch.tensor(sorted(set(history)), device=logits.device), params.repetition_penalty)
     if params.greedy:
         return int(logits.argmax())
-    logits = top_p_filter(top_k_filter(logits / params.temperature, params.top_k), params.top_p)
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+    shifted = (logits - logits.max()) / params.temperature  # <= 0, the top token(s) exactly 0: softmax is safe
+    shifted = top_p_filter(top_k_filter(shifted, params.top_k), params.top_p)
+    return int(torch.multinomial(shifted.softmax(-1), 1, generator=generator))

@@ -39,5 +39,13 @@ class Scheduler:
         for manager in self.block_managers:
             manager.release(seq)
 
+    def abort(self, seq: Sequence, reason: str) -> None:
+        """End a request wherever it is: a waiting one leaves the queue, a running one frees its slot and blocks."""
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, reason
+        elif seq.status is Status.RUNNING:
+            self.finish(seq, reason)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

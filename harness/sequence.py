@@ -26,6 +26,7 @@ class Sequence:
     slot: int = -1  # contiguous layout: the cache row this sequence owns
     cached: int = 0  # tokens whose K/V are in the cache
     finish_reason: str = ""
+    error: str = ""  # why the request failed (finish_reason "error")
     logits: list[torch.Tensor] = field(default_factory=list)
     arrival: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
@@ -45,11 +46,21 @@ class RequestOutput:
     request_id: int
     prompt_ids: list[int]
     token_ids: list[int]
-    finish_reason: str  # "length" | "stop"
+    finish_reason: str  # "length" | "stop" | "abort" | "error"
     metrics: RequestMetrics
     logits: list[torch.Tensor]  # filled when SamplingParams.return_logits
+    error: str = ""  # the exception that ended the request, when finish_reason is "error"
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
-        return cls(seq.request_id, seq.prompt_ids, seq.output_ids, seq.finish_reason,
-                   RequestMetrics.of(seq.arrival, seq.token_times), seq.logits)
+        return cls(seq.request_id, seq.prompt_ids, list(seq.output_ids), seq.finish_reason,
+                   RequestMetrics.of(seq.arrival, seq.token_times), seq.logits, seq.error)
+
+
+@dataclass
+class TokenEvent:
+    """One request's progress in one engine step: a new token, and its output if the request ended."""
+
+    request_id: int
+    token_id: int | None  # None when the request ended without a new token (it failed)
+    finished: RequestOutput | None = None

@@ -155,7 +155,7 @@ def test_generate_validates_all_prompts_before_any_work(model, kv_cache):
     with pytest.raises(ValueError, match=r"\[999\] out of vocabulary"):
         engine.generate([[1, 2, 3], [4, 5], [6, 999], [7]], SamplingParams(max_new_tokens=5, temperature=0))
     assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.decode_stats.batch_sizes == [] and engine.decode_stats.seconds == []
+    assert engine.decode_stats.steps == 0 and not engine.decode_stats.seconds
     assert len(engine.scheduler.free_slots) == 4
     assert all(bm.used == 0 and bm.promised == 0 for bm in engine.block_managers)
     # and the engine still works afterwards

@@ -214,4 +214,4 @@ def test_shared_caches_are_owned_once_but_read_by_every_layer():
     engine = Engine(cla, max_batch=1, max_seq_len=32)
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0))
     # MBU's byte count: three decode steps after a 3-token prompt attend over 4, 5 and 6 keys in all 4 layers
-    assert engine.decode_stats.kv_bytes == [zoo.cache_read_bytes(cla, seq_len=n) for n in (4, 5, 6)]
+    assert list(engine.decode_stats.kv_bytes) == [zoo.cache_read_bytes(cla, seq_len=n) for n in (4, 5, 6)]

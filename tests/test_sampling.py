@@ -169,7 +169,8 @@ def test_stop_token_ends_request_with_reason_stop(engine_model):
     assert full.finish_reason == "length" and len(full.token_ids) == 30
     stop = full.token_ids[10]
     first = full.token_ids.index(stop)
-    out = engine.generate([prompt], SamplingParams(max_new_tokens=30, temperature=1.0, seed=7, stop_token_ids=[stop, 10_000]))[0]
+    never = next(t for t in range(engine_model.config.vocab_size) if t not in full.token_ids)  # a stop id that never fires
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=30, temperature=1.0, seed=7, stop_token_ids=[stop, never]))[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == full.token_ids[: first + 1]  # ends at the first stop token, which is returned
     assert not engine.has_unfinished()

@@ -13,7 +13,7 @@ def describe_range(minimum=None, maximum=None, open_min: bool = False, open_max:
         return f"{'>' if open_min else '>='} {minimum}"
     if maximum is not None:
         return f"{'<' if open_max else '<='} {maximum}"
-    return "any value"
+    return ""
 
 
 def is_integer(value) -> bool:
@@ -23,8 +23,8 @@ def is_integer(value) -> bool:
 def integer(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
     """An int (numpy ints too) within [minimum, maximum]."""
     if not is_integer(value):
-        raise ValueError(f"{name} must be an integer {describe_range(minimum, maximum)}, got {value!r} "
-                         f"({type(value).__name__})")
+        raise ValueError(f"{name} must be an integer {describe_range(minimum, maximum)}".rstrip()
+                         + f", got {value!r} ({type(value).__name__})")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise ValueError(f"{name} must be {describe_range(minimum, maximum)}, got {value}")
     return int(value)
@@ -39,12 +39,15 @@ def real(name: str, value, minimum: float | None = None, maximum: float | None =
     """A finite real number within the range (open or closed at each end)."""
     allowed = describe_range(minimum, maximum, open_min, open_max)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a finite number {allowed}, got {value!r} ({type(value).__name__})")
-    value = float(value)
+        raise ValueError(f"{name} must be a finite number {allowed}".rstrip() + f", got {value!r} ({type(value).__name__})")
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(f"{name} must be a finite number {allowed}".rstrip() + f", got {value}") from None
     too_low = minimum is not None and (value <= minimum if open_min else value < minimum)
     too_high = maximum is not None and (value >= maximum if open_max else value > maximum)
     if not math.isfinite(value) or too_low or too_high:
-        raise ValueError(f"{name} must be a finite number {allowed}, got {value}")
+        raise ValueError(f"{name} must be a finite number {allowed}".rstrip() + f", got {value}")
     return value
 
 
