@@ -46,8 +46,7 @@ def test_a_request_failing_mid_step_ends_alone(model, helpers, kv_cache, monkeyp
         return real_sample(logits, p, history, generator)
 
     monkeypatch.setattr(harness.engine, "sample_token", sampler_that_fails_on_the_third_token)
-    engine = Engine(model, max_batch=6, max_seq_len=64, kv_cache=kv_cache,
-                    num_blocks=12 if kv_cache == "paged" else None, block_size=4)
+    engine = Engine(model, max_batch=21, max_seq_len=64, kv_cache=kv_cache, block_size=4)  # all 21 run at once
     outputs = engine.generate(prompts, params)
     assert [o.request_id for o in outputs] == list(range(21))
     failed = outputs[bad]
