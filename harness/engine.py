@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.block_manager import BlockManager, peak_blocks
-from harness.cache_pool import LAYOUTS, CachePool, cache_groups
+from harness.block_manager import BlockManager
+from harness.cache_pool import LAYOUTS, CachePool, size_cache
 from harness.model_runner import ModelRunner
 from harness.sampling import SamplingParams, sample_token
 from harness.scheduler import Scheduler
@@ -59,45 +59,6 @@ class Exclusive:
 
     def __exit__(self, *exc):
         self.lock.release()
-
-
-def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, block_size: int,
-               num_blocks: int | None, budget: int | None) -> tuple[int, list[int]]:
-    """(max_batch, blocks per cache group) the cache can serve; a budget that cannot hold one full-length request
-    is an error. A paged budget is split between groups in proportion to what one request needs of each."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    if kv_cache == "contiguous":
-        per_row = sum(spec.bytes(max_seq_len, dtype) for spec in specs)
-        if budget is not None:
-            if budget < per_row:
-                raise ValueError(f"cache budget {budget} B is too small for one request: one contiguous row of "
-                                 f"max_seq_len={max_seq_len} needs {per_row} B")
-            max_batch = min(max_batch, budget // per_row)
-        return max_batch, []
-    groups = cache_groups(specs)
-    needs = [peak_blocks(max_seq_len, block_size, g.window) for g in groups]
-    if num_blocks is not None:
-        return max_batch, [num_blocks] * len(groups)
-    if budget is None:
-        return max_batch, [max_batch * need for need in needs]
-    block_bytes = [element_size * block_size * g.token_elements for g in groups]
-    per_request = sum(need * b for need, b in zip(needs, block_bytes))
-    state_bytes = sum(spec.state_bytes(dtype) for spec in specs)
-    if state_bytes:
-        # every batch slot holds a state row: as many slots as fit beside one request's blocks
-        slots = (budget - per_request) // state_bytes
-        if slots < 1:
-            raise ValueError(f"cache budget {budget} B is too small for one request: its state needs {state_bytes} B "
-                             f"and its {block_size}-token blocks {per_request} B")
-        max_batch = min(max_batch, slots)
-        budget -= max_batch * state_bytes
-    if not groups:
-        return max_batch, []
-    blocks = [budget * need // per_request for need in needs]
-    if any(n < need for n, need in zip(blocks, needs)):
-        raise ValueError(f"cache budget {budget} B is too small for one request: one of max_seq_len={max_seq_len} "
-                         f"needs {per_request} B of {block_size}-token blocks")
-    return max_batch, blocks
 
 
 class Engine:
