@@ -3,13 +3,16 @@ valid and invalid. Whether an input is valid is decided here by a rule of this f
 test): an invalid one raises ValueError before any work, a valid one runs to "length" or "stop", and an engine that
 saw any mix still gives a fresh engine's greedy tokens."""
 import math
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from harness import Engine, SamplingParams
 
@@ -17,8 +20,9 @@ VOCAB = 512  # the tiny preset's
 MODEL_MAX_SEQ_LEN = 64
 REFERENCE_NEW_TOKENS = 4
 # Derandomized (the seed comes from each test's source) and no example database: every CI run tries the same
-# examples and writes no files.
-PROPERTY = settings(deadline=None, database=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+# examples. Hypothesis' caches and failure patches go to the temp directory, not into the checkout.
+set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "archzoo-hypothesis")
+PROPERTY = settings(deadline=None, database=None, derandomize=True)
 
 
 # ---- the validity rule, written from the documented contract ----------------------------------------------
@@ -29,33 +33,35 @@ def is_integer(value) -> bool:
     return (type(value) is int) or isinstance(value, np.integer)
 
 
-def finite_real(value) -> float | None:
-    """The value as a float if it is a finite real number (int, float or numpy number, not bool), else None."""
-    if not (is_integer(value) or isinstance(value, (float, np.floating))):
+def real_sign(value) -> int | None:
+    """-1, 0 or 1 for a finite real number (int, float or numpy number, not bool), None for anything else. A float's
+    sign is read from its IEEE bits: exact even where the process flushes subnormals to zero."""
+    if is_integer(value):
+        try:
+            float(value)
+        except OverflowError:  # an int beyond any float
+            return None
+        return int(value > 0) - int(value < 0)
+    if not isinstance(value, (float, np.floating)) or not math.isfinite(value):
         return None
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond any float
-        return None
-    return number if math.isfinite(number) else None
-
-
-def in_range(value, low: float, high: float) -> bool:
-    return value is not None and low <= value <= high
+    raw = np.array(value)
+    bits, sign_bit = int.from_bytes(raw.tobytes(), "little"), 8 * raw.itemsize - 1
+    if bits & ((1 << sign_bit) - 1) == 0:
+        return 0
+    return -1 if bits >> sign_bit else 1
 
 
 def params_are_valid(kwargs: dict) -> bool:
     """SamplingParams' documented types and ranges; a missing key takes its default."""
-    stop = kwargs.get("stop_token_ids", ())
-    top_p = finite_real(kwargs.get("top_p", 1.0))
-    penalty = finite_real(kwargs.get("repetition_penalty", 1.0))
-    seed = kwargs.get("seed")
+    max_new_tokens, top_k = kwargs.get("max_new_tokens", 64), kwargs.get("top_k", 0)
+    temperature, top_p = kwargs.get("temperature", 1.0), kwargs.get("top_p", 1.0)
+    seed, stop = kwargs.get("seed"), kwargs.get("stop_token_ids", ())
     return all([
-        is_integer(kwargs.get("max_new_tokens", 64)) and kwargs.get("max_new_tokens", 64) >= 1,
-        in_range(finite_real(kwargs.get("temperature", 1.0)), 0, math.inf),
-        is_integer(kwargs.get("top_k", 0)) and kwargs.get("top_k", 0) >= 0,
-        top_p is not None and 0 < top_p <= 1,
-        penalty is not None and penalty > 0,
+        is_integer(max_new_tokens) and max_new_tokens >= 1,
+        real_sign(temperature) in (0, 1),
+        is_integer(top_k) and top_k >= 0,
+        real_sign(top_p) == 1 and float(top_p) <= 1,
+        real_sign(kwargs.get("repetition_penalty", 1.0)) == 1,
         seed is None or (is_integer(seed) and 0 <= seed <= 2**64 - 1),
         isinstance(stop, (list, tuple, set, frozenset, range)) and all(is_integer(t) and t >= 0 for t in stop),
         type(kwargs.get("return_logits", False)) is bool,
@@ -145,67 +151,119 @@ def integers(low: int, high: int) -> st.SearchStrategy:
     return st.one_of(st.integers(low, high), st.integers(low, high).map(np.int64), as_int32)
 
 
+def grid(low: float, high: float) -> st.SearchStrategy:
+    """Floats from low to high in steps of 1/1024. Floats are built from integers and fixed values, not
+    st.floats(): Hypothesis' float draws assume the process keeps subnormals."""
+    return st.integers(round(low * 1024), round(high * 1024)).map(lambda n: n / 1024)
+
+
 HUGE_INTEGERS = st.sampled_from([2**63, 2**64, 10**30, 10**400, -(10**400)])  # 10**400: beyond any float
-SPECIAL_FLOATS = st.sampled_from([0.0, -0.0, 1e-300, 5e-324, 1e300, 1.7976931348623157e308, math.nan, math.inf,
-                                  -math.inf, 1.0, 0.5])
-FLOATS = st.one_of(SPECIAL_FLOATS, st.floats(), st.floats(width=32).map(np.float32), SPECIAL_FLOATS.map(np.float64))
+EDGE_FLOATS = st.sampled_from([0.0, -0.0, 5e-324, -5e-324, 1e-300, 2e-308, 0.5, 1.0, 1 + 2**-52, 1e300,
+                               1.7976931348623157e308, math.nan, math.inf, -math.inf])
+EDGE_FLOAT32S = st.sampled_from([0.0, 1e-45, -1e-45, 0.5, 1.0, 3e38, math.nan, math.inf, -math.inf]).map(np.float32)
+FLOATS = st.one_of(EDGE_FLOATS, grid(-4, 4), EDGE_FLOATS.map(np.float64), EDGE_FLOAT32S, grid(-2, 2).map(np.float32))
 JUNK = st.one_of(st.booleans(), st.just(np.bool_(True)), st.none(), st.text(max_size=3), st.binary(max_size=2),
-                 st.lists(st.integers(0, 3), max_size=2), st.complex_numbers(max_magnitude=2), st.just({}))
-UNIT_FLOATS = st.floats(0, 1)  # where top_p and temperature mostly live
+                 st.lists(st.integers(0, 3), max_size=2), st.just(1 + 1j), st.just({}))
+NOT_AN_INTEGER = st.one_of(HUGE_INTEGERS, FLOATS, JUNK)  # HUGE_INTEGERS: integers, but beyond every range here
 
 
-def any_real(typical: st.SearchStrategy) -> st.SearchStrategy:
-    return st.one_of(typical, typical, FLOATS, integers(-3, 3), HUGE_INTEGERS, JUNK)
+def either(*kinds: st.SearchStrategy) -> st.SearchStrategy:
+    """A value of one of the kinds, each kind as likely as the others (st.one_of draws some branches far less)."""
+    return st.sampled_from(kinds).flatmap(lambda kind: kind)
 
 
-STOP_ID = st.one_of(integers(0, VOCAB - 1), integers(-3, VOCAB + 3), HUGE_INTEGERS, FLOATS, JUNK)
-HASHABLE_STOP_ID = st.one_of(integers(0, VOCAB - 1), integers(-3, VOCAB + 3), HUGE_INTEGERS, FLOATS, st.text(max_size=2))
-STOP_IDS = st.one_of(
-    st.lists(STOP_ID, max_size=6), st.lists(STOP_ID, max_size=4).map(tuple), st.lists(HASHABLE_STOP_ID, max_size=4).map(set),
-    st.lists(integers(0, VOCAB - 1), max_size=4).map(frozenset),
-    st.builds(range, st.integers(-2, VOCAB + 8), st.integers(-2, VOCAB + 8)),  # big ranges make "stop" likely
-    STOP_ID,  # a bare id is not a list
+def mostly(valid: st.SearchStrategy, *invalid_kinds: st.SearchStrategy) -> st.SearchStrategy:
+    """Valid four times in five (a request is valid only if all its values are, and both kinds must be common), else
+    one of the invalid kinds."""
+    invalid = either(*invalid_kinds)
+    return st.integers(0, 4).flatmap(lambda pick: invalid if pick == 4 else valid)  # shrinks towards valid
+
+
+def real(low: float, high: float) -> st.SearchStrategy:
+    """Reals valid in [low, high] (where the parameter allows, tiny and huge ones too) and anything else."""
+    tiny_and_huge = st.sampled_from([5e-324, 2e-308, 1e-300, 1e300, 1.7976931348623157e308])
+    valid = either(grid(low, high), grid(low, high).map(np.float32), tiny_and_huge)
+    return mostly(valid, FLOATS, integers(-3, 3), HUGE_INTEGERS, JUNK)
+
+
+TOKEN = integers(0, VOCAB - 1)
+OUT_OF_VOCAB = st.one_of(integers(VOCAB, VOCAB + 3), st.sampled_from([2**63, 2**64, 10**30]))
+WRONG_TOKEN = st.one_of(integers(-3, -1), OUT_OF_VOCAB, FLOATS, JUNK)
+STOP_IDS = mostly(
+    either(st.integers(0, VOCAB).map(lambda first: range(first, VOCAB)),  # long ranges make "stop" likely
+           st.lists(TOKEN, max_size=6).map(tuple), st.lists(TOKEN, max_size=4).map(set),
+           st.lists(TOKEN, max_size=4).map(frozenset)),
+    # ids SamplingParams takes but the engine refuses: out of its vocabulary
+    st.builds(lambda ids, beyond: (*ids, beyond), st.lists(TOKEN, max_size=2), OUT_OF_VOCAB),
+    st.integers(0, VOCAB).map(lambda first: range(first, VOCAB + 1)),
+    st.one_of(st.builds(lambda ids, wrong: [*ids, wrong], st.lists(TOKEN, max_size=2), WRONG_TOKEN),
+              st.lists(st.one_of(TOKEN, FLOATS, st.text(max_size=2)), min_size=1, max_size=4).map(set),
+              st.builds(range, st.integers(-3, -1), st.integers(-2, VOCAB)),
+              TOKEN, JUNK),  # a bare id is not a list
 )
 SAMPLING_KWARGS = st.fixed_dictionaries(
-    {"max_new_tokens": st.one_of(integers(1, 6), integers(1, 6), integers(-3, 0), integers(65, 2**40), HUGE_INTEGERS,
-                                 FLOATS, JUNK)},
+    {"max_new_tokens": mostly(integers(1, 6), integers(-3, 0), integers(65, 2**40), NOT_AN_INTEGER)},
     optional={
-        "temperature": st.one_of(st.just(0.0), any_real(st.floats(0, 2))),
-        "top_k": st.one_of(integers(0, VOCAB + 8), integers(-3, 0), HUGE_INTEGERS, FLOATS, JUNK),
-        "top_p": any_real(UNIT_FLOATS),
-        "repetition_penalty": any_real(st.floats(0.1, 3)),
-        "seed": st.one_of(st.none(), integers(-3, 2**31), st.integers(0, 2**64 - 1).map(np.uint64), st.integers(0, 2**64 + 3),
-                          FLOATS, JUNK),
+        "temperature": st.one_of(st.just(0.0), real(0, 2)),  # 0 (greedy) half the time
+        "top_k": mostly(integers(0, VOCAB + 8), integers(-3, -1), NOT_AN_INTEGER),
+        "top_p": real(0, 1),
+        "repetition_penalty": real(0.1, 3),
+        "seed": mostly(st.one_of(st.none(), integers(0, 2**31), st.integers(0, 2**64 - 1).map(np.uint64)),
+                       integers(-3, -1), st.integers(2**64, 2**64 + 3), FLOATS, JUNK),
         "stop_token_ids": STOP_IDS,
-        "return_logits": st.one_of(st.booleans(), JUNK),
+        "return_logits": mostly(st.booleans(), JUNK),
     },
 )
 
-TOKEN = st.one_of(st.integers(0, VOCAB - 1), st.integers(0, VOCAB - 1), integers(0, VOCAB - 1))
-ANY_TOKEN = st.one_of(TOKEN, TOKEN, TOKEN, integers(-3, VOCAB + 3), HUGE_INTEGERS, FLOATS, JUNK)
-TENSOR_DTYPES = st.sampled_from([torch.int64, torch.int32, torch.uint8, torch.float32, torch.bool])
-PROMPTS = st.one_of(
-    st.lists(TOKEN, max_size=20), st.lists(TOKEN, min_size=40, max_size=70),  # long: over the pool or max_seq_len
-    st.lists(ANY_TOKEN, max_size=8), st.lists(ANY_TOKEN, max_size=8).map(tuple),
-    st.integers(0, VOCAB - 8).map(lambda first: range(first, first + 5)),
-    st.builds(range, st.integers(-2, VOCAB + 2), st.integers(-2, VOCAB + 2)),
-    st.text(max_size=12), st.sampled_from(["\ud800", "a\udfff"]),  # lone surrogates: no UTF-8 bytes
-    st.builds(lambda ids, dtype: torch.tensor(ids).to(dtype), st.lists(st.integers(0, 255), max_size=8), TENSOR_DTYPES),
-    st.lists(st.integers(0, 9), min_size=2, max_size=4).map(lambda ids: torch.tensor([ids])),  # 2-D
-    HUGE_INTEGERS, FLOATS, JUNK,
+
+def tensors(ids: st.SearchStrategy, dtypes: list) -> st.SearchStrategy:
+    return st.builds(lambda values, dtype: torch.tensor(values).to(dtype), ids, st.sampled_from(dtypes))
+
+
+PROMPTS = mostly(
+    either(st.lists(TOKEN, min_size=1, max_size=20), st.lists(TOKEN, min_size=1, max_size=8).map(tuple),
+           st.integers(0, VOCAB - 8).map(lambda first: range(first, first + 5)), st.text(min_size=1, max_size=12),
+           tensors(st.lists(st.integers(0, 255), min_size=1, max_size=8), [torch.int64, torch.int32, torch.uint8])),
+    # lengths about the pool's and max_seq_len's edges once the new tokens are added
+    st.integers(40, MODEL_MAX_SEQ_LEN + 2).flatmap(lambda n: st.lists(TOKEN, min_size=n, max_size=n)),
+    st.builds(lambda head, wrong, tail: [*head, wrong, *tail], st.lists(TOKEN, max_size=4), WRONG_TOKEN,
+              st.lists(TOKEN, max_size=3)),
+    st.sampled_from(["", [], (), range(0), "\ud800", "a\udfff"]),  # empty; lone surrogates have no UTF-8 bytes
+    st.builds(range, st.integers(-2, VOCAB + 2), st.integers(VOCAB - 4, VOCAB + 2)),
+    tensors(st.lists(st.integers(0, 9), max_size=4), [torch.float32, torch.bool, torch.int64]),  # int64: empty
+    st.lists(st.integers(0, 9), min_size=1, max_size=4).map(lambda ids: torch.tensor([ids])),  # 2-D
+    TOKEN, NOT_AN_INTEGER,  # not a sequence
 )
 REQUESTS = st.lists(st.tuples(PROMPTS, SAMPLING_KWARGS), min_size=1, max_size=5)
 
+
+@st.composite
+def requests_at_an_edge(draw) -> tuple:
+    """(kv_cache, limits, prompt length, max_new_tokens) with the request within two tokens of what max_seq_len or
+    the pool allows."""
+    kv_cache = draw(st.sampled_from(["contiguous", "paged"]))
+    limits = Limits(draw(st.integers(8, MODEL_MAX_SEQ_LEN)), draw(st.sampled_from([1, 2, 4, 8, 16])),
+                    draw(st.integers(1, 20)) if kv_cache == "paged" else None)
+    new = draw(st.integers(1, 6))
+    edges = [limits.max_seq_len - new]  # prompt + new tokens <= max_seq_len
+    if limits.num_blocks is not None:
+        edges.append(limits.num_blocks * limits.block_size - new + 1)  # prompt + new - 1 cached tokens fill the pool
+    length = draw(st.sampled_from(edges)) + draw(st.integers(-2, 2))
+    return kv_cache, limits, max(1, length), new
+
+
 ENGINE_KWARGS = st.fixed_dictionaries({}, optional={
-    "max_batch": st.one_of(integers(1, 4), integers(-2, 0), FLOATS, JUNK),  # no huge valid values: rows are allocated
-    "max_seq_len": st.one_of(st.none(), integers(1, MODEL_MAX_SEQ_LEN), integers(-2, 0), integers(65, 2**40),
-                             HUGE_INTEGERS, FLOATS, JUNK),
-    "kv_cache": st.one_of(st.sampled_from(["contiguous", "paged"]), st.sampled_from(["pages", "Paged", ""]), JUNK),
-    "block_size": st.one_of(st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128]), integers(-2, 130), FLOATS, JUNK),
-    "num_blocks": st.one_of(st.none(), integers(1, 64), integers(-2, 0), FLOATS, JUNK),
-    "cache_budget_bytes": st.one_of(st.none(), integers(1, 2**20), integers(-2, 0), FLOATS, JUNK),
+    # no huge valid max_batch, num_blocks or budget: the cache is allocated
+    "max_batch": mostly(integers(1, 4), integers(-2, 0), NOT_AN_INTEGER),
+    "max_seq_len": mostly(st.one_of(st.none(), integers(1, MODEL_MAX_SEQ_LEN)),
+                          integers(-2, 0), integers(MODEL_MAX_SEQ_LEN + 1, 2**40), NOT_AN_INTEGER),
+    "kv_cache": mostly(st.sampled_from(["contiguous", "paged"]), st.sampled_from(["pages", "Paged", "", None, 1])),
+    "block_size": mostly(st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128]), st.sampled_from([0, -4, 3, 6, 12, 100]),
+                         NOT_AN_INTEGER),
+    "num_blocks": mostly(st.one_of(st.none(), integers(1, 64)), integers(-2, 0), NOT_AN_INTEGER),
+    "cache_budget_bytes": mostly(st.one_of(st.none(), integers(1, 2**20)), integers(-2, 0), NOT_AN_INTEGER),
     # compile=True is valid, but compiling is too slow for examples
-    "compile": st.one_of(st.just(False), JUNK.filter(lambda value: value is not True)),
+    "compile": mostly(st.just(False), JUNK.filter(lambda value: value is not True)),
 })
 
 
@@ -279,7 +337,8 @@ def reference_prompt(helpers):
 @pytest.fixture(scope="module")
 def reference(model, reference_prompt, helpers):
     """A fresh engine's greedy tokens for the reference prompt, once per module."""
-    tokens = Engine(model).generate([reference_prompt], SamplingParams(REFERENCE_NEW_TOKENS, temperature=0.0))[0].token_ids
+    greedy = SamplingParams(REFERENCE_NEW_TOKENS, temperature=0.0)
+    tokens = Engine(model).generate([reference_prompt], greedy)[0].token_ids
     helpers.assert_not_constant(tokens, "reference")
     return tokens
 
@@ -305,8 +364,12 @@ def test_sampling_params_are_refused_exactly_when_invalid(kwargs):
             SamplingParams(**kwargs)
 
 
-@settings(PROPERTY, max_examples=60)
+@settings(PROPERTY, max_examples=200)
 @given(requests=REQUESTS, kv_cache=st.sampled_from(["contiguous", "paged"]))
+# subnormal settings are valid, also once the CPU kernels are loaded (loading them must not flush subnormals to zero)
+@example(requests=[([1, 2, 3], {"max_new_tokens": 2, "top_p": 5e-324}),
+                   ([4, 5], {"max_new_tokens": 2, "temperature": 5e-324, "repetition_penalty": 2e-308})],
+         kv_cache="paged")
 def test_a_mix_of_requests_is_refused_or_completed(model, reference_prompt, reference, requests, kv_cache):
     paged = kv_cache == "paged"
     limits = Limits(MODEL_MAX_SEQ_LEN, 4, 12 if paged else None)
@@ -315,7 +378,16 @@ def test_a_mix_of_requests_is_refused_or_completed(model, reference_prompt, refe
     assert_reference(engine, limits, reference_prompt, reference)
 
 
-@settings(PROPERTY, max_examples=60)
+@settings(PROPERTY, max_examples=200)
+@given(case=requests_at_an_edge())
+def test_a_request_is_taken_exactly_when_it_fits(model, case):
+    kv_cache, limits, length, max_new_tokens = case
+    engine = Engine(model, max_batch=1, max_seq_len=limits.max_seq_len, kv_cache=kv_cache,
+                    block_size=limits.block_size, num_blocks=limits.num_blocks)
+    run_mix(engine, [(list(range(length)), {"max_new_tokens": max_new_tokens, "temperature": 0.0})], limits)
+
+
+@settings(PROPERTY, max_examples=200)
 @given(kwargs=ENGINE_KWARGS, requests=st.lists(st.tuples(PROMPTS, SAMPLING_KWARGS), max_size=3))
 def test_engine_settings_are_refused_or_serve_requests(model, reference_prompt, reference, kwargs, requests):
     limits = engine_limits(kwargs, kv_bytes_per_token(model.config))
