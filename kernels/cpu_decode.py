@@ -20,7 +20,11 @@ import torch
 
 SOURCES = sorted((Path(__file__).with_name("cpu")).glob("*.c"))  # decode attention, Mamba's state update
 DISABLE_ENV = "ARCHZOO_CPU_KERNELS"  # "0": the engine's CPU decode runs the PyTorch references instead
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fno-strict-aliasing", "-shared", "-fPIC", "-std=c11"]
+# -ffast-math's parts, not the flag itself: with -ffast-math, GCC before 13 links crtfastmath.o even into a shared
+# library, and loading it switches the whole process to flush subnormals to zero (5e-324 becomes 0.0 in Python).
+FAST_MATH = ["-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math", "-fassociative-math", "-freciprocal-math",
+             "-ffinite-math-only", "-fno-rounding-math", "-fno-signaling-nans", "-fcx-limited-range"]
+FLAGS = ["-O3", "-march=native", *FAST_MATH, "-fopenmp", "-fno-strict-aliasing", "-shared", "-fPIC", "-std=c11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LAYOUTS = ("blocks", "rows")
 _MIN_KEYS_PER_SPLIT = 256  # a split's fixed cost (its query load, the merge) is small against 256 keys

@@ -116,3 +116,15 @@ def test_int64_lengths_and_a_sliced_table(paged_cache):
     actual = decode_attention(*args, wide.long(), cache.seq_lens.long(), "blocks", 0.2, 0, 32)
     expected = paged_decode_attention_ref(*args, cache.block_table, cache.seq_lens, 0.2)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_loading_the_kernels_keeps_subnormal_floats():
+    """The library must not switch the process to flush-to-zero (GCC < 13 links crtfastmath.o under -ffast-math):
+    afterwards 5e-324 would read as 0.0 everywhere, and a valid top_p=5e-324 would be refused."""
+    import subprocess
+    import sys
+
+    script = ("from kernels.cpu_decode import _library; import sys; tiny = 5e-324; "
+              "assert tiny * 1.0 > 0; assert _library() is not None; sys.exit(0 if tiny * 1.0 > 0 else 3)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"after loading the CPU kernels 5e-324 * 1.0 == 0.0: {result.stderr[-500:]}"
