@@ -24,8 +24,7 @@ import torch.nn.functional as F
 
 import zoo
 from harness.diffusion import masked_diffusion_loss
-
-IGNORE = -100
+from harness.recall.data import IGNORE_INDEX
 
 
 @dataclass
@@ -94,7 +93,7 @@ def labelled_logits(model, inputs: torch.Tensor, labels: torch.Tensor):
         logits = model.head(h[answers])
         logits[:, model.config.mask_token_id] = float("-inf")  # an answer is a token, never "still masked"
         return logits, tokens[answers], answers
-    mask = labels != IGNORE
+    mask = labels != IGNORE_INDEX
     h = model.hidden_states(inputs)
     return model.head(h[mask]), labels[mask], mask
 
@@ -102,11 +101,11 @@ def labelled_logits(model, inputs: torch.Tensor, labels: torch.Tensor):
 def diffusion_sequences(inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MQAR as a diffusion LM sees it: each answer in the slot after its query key (Zoology leaves that slot
     filler: the value never follows the query in the input). Returns tokens [B, L] and where the answers are."""
-    if (labels[:, -1] != IGNORE).any():
+    if (labels[:, -1] != IGNORE_INDEX).any():
         raise ValueError("a query at the last position has no slot after it for a diffusion LM's answer")
-    answers = F.pad(labels[:, :-1] != IGNORE, (1, 0))
+    answers = F.pad(labels[:, :-1] != IGNORE_INDEX, (1, 0))
     tokens = inputs.clone()
-    tokens[answers] = labels[labels != IGNORE]
+    tokens[answers] = labels[labels != IGNORE_INDEX]
     return tokens, answers
 
 
@@ -149,7 +148,7 @@ def test_set_items(test_sets) -> list[tuple[str, tuple[torch.Tensor, torch.Tenso
         return [(str(k), v) for k, v in test_sets.items()]
     items = []
     for inputs, labels in test_sets:
-        n = int((labels[0] != IGNORE).sum())
+        n = int((labels[0] != IGNORE_INDEX).sum())
         items.append((f"L={inputs.shape[1]},N={n}", (inputs, labels)))
     return items
 
