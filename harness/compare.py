@@ -63,9 +63,7 @@ class CompareSettings:
         checks.integer_list("contexts", self.contexts, minimum=1)
         checks.integer_list("batches", self.batches, minimum=1)
         checks.choice("kv_cache", self.kv_cache, LAYOUTS)
-        checks.integer("block_size", self.block_size, minimum=1)
-        if self.block_size & (self.block_size - 1):  # the engine's rule, checked before any model is built
-            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        checks.power_of_two("block_size", self.block_size)  # the engine's rule, checked before any model is built
         checks.integer("seed", self.seed, minimum=0, maximum=2**64 - 1)  # what torch.manual_seed takes
         checks.device("device", self.device)
         check_output_folder(self.out)

@@ -80,9 +80,7 @@ class Engine:
         max_seq_len = checks.integer("max_seq_len (the model's max_seq_len at most)",
                                      config.max_seq_len if max_seq_len is None else max_seq_len, 1, config.max_seq_len)
         checks.choice("kv_cache", kv_cache, LAYOUTS)
-        block_size = checks.integer("block_size", block_size, minimum=1)
-        if block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 1, got {block_size}")
+        block_size = checks.power_of_two("block_size", block_size)
         num_blocks = checks.optional_integer("num_blocks", num_blocks, minimum=1)
         cache_budget_bytes = checks.optional_integer("cache_budget_bytes", cache_budget_bytes, minimum=1)
         checks.boolean("compile", compile)
@@ -129,11 +127,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a harness.SamplingParams, got {type(params).__name__}")
         vocab = self.model.config.vocab_size
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("empty prompt: a request needs at least one token")
-            prompt = self.tokenizer.encode(prompt)
-        ids = checks.token_ids("prompt", prompt, vocab)
+        ids = checks.token_ids("prompt", self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt, vocab)
         bad_stops = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stops:
             raise ValueError(f"stop_token_ids {bad_stops} out of vocabulary (they could never fire): ids must lie in "

@@ -30,6 +30,13 @@ def integer(name: str, value, minimum: int | None = None, maximum: int | None = 
     return int(value)
 
 
+def power_of_two(name: str, value) -> int:
+    value = integer(name, value, minimum=1)
+    if value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= 1, got {value}")
+    return value
+
+
 def optional_integer(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int | None:
     return None if value is None else integer(name, value, minimum, maximum)
 
