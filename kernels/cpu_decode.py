@@ -3,7 +3,8 @@ Mamba's one-token state update (kernels/cpu/selective_state_update.c), compiled 
 runs on) and registered as a torch custom op, so `torch.compile` calls it without a graph break.
 
 Layouts (k and v 4-D, last dim contiguous):
-  "blocks": [num_blocks, block_size, kv_heads, dim], a sequence's keys found through its block-table row (paged);
+  "blocks": [num_blocks, block_size, kv_heads, dim], any strides (the engine's pools are head-major views), a
+            sequence's keys found through its block-table row (paged);
   "rows":   [slots, kv_heads, rows, dim], sequence b in row table[b, 0] (contiguous; a rolling window is `rows` wide).
 v None: the keys are MLA latent rows and the value is their first `value_dim` columns.
 """
@@ -107,9 +108,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
     values = k if v is None else v
     out = torch.empty(batch, heads, value_dim, dtype=q.dtype)
     threads = torch.get_num_threads()
-    # a paged block stores a position's KV heads side by side: an fp32 task reads them all, position by position
-    # (16-bit rows measured faster one KV head per task); a contiguous cache streams one KV head per task
-    kv_per_task = kv_heads if layout == "blocks" and q.dtype == torch.float32 else 1
+    # a paged task reads all KV heads of its blocks, tile by tile: a block's heads lie together (one stream per block,
+    # 1.1-1.3x faster than a task per head at 16 x 4096 keys); a contiguous cache streams one KV head per task
+    kv_per_task = kv_heads if layout == "blocks" else 1
     max_keys = table.shape[1] * block_size if window <= 0 else min(window, table.shape[1] * block_size)
     status = lib.decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1),

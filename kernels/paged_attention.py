@@ -1,7 +1,8 @@
 """Decode attention over a paged KV cache: one new query token per sequence.
 
 Layout: q [B, H, Dk]; k_pool [num_blocks, block_size, KVH, Dk]; v_pool [num_blocks, block_size,
-KVH, Dv]; block_table [B, max_blocks] (entry j = pool block holding positions j*block_size ..);
+KVH, Dv], any strides (the engine's pools are head-major views, see attention/kv_layouts.py);
+block_table [B, max_blocks] (entry j = pool block holding positions j*block_size ..);
 seq_lens [B] (valid keys per sequence, the current token included). Query head h reads KV head
 h // (H // KVH). Output [B, H, Dv] in q's dtype, softmax computed in fp32.
 
@@ -60,11 +61,11 @@ def paged_decode_attention_ref(
     positions = first[:, None] + torch.arange(span, device=q.device)  # [B, L], all < max_len
     valid = positions < seq_lens[:, None]
     pages = block_table.gather(1, positions // block_size).long()
-    # invalid positions may map to unused table entries (-1): point them at slot 0, masked below
-    slots = torch.where(valid, pages * block_size + positions % block_size, 0)
-    keys = k_pool.flatten(0, 1)[slots].float()  # [B, L, KVH, Dk]
+    # invalid positions may map to unused table entries (-1): point them at block 0, masked below
+    pages, offsets = torch.where(valid, pages, 0), positions % block_size
+    keys = k_pool[pages, offsets].float()  # [B, L, KVH, Dk]
     # zero the masked values: a never-written slot of a torch.empty pool may hold NaN
-    values = v_pool.flatten(0, 1)[slots].float().masked_fill(~valid[:, :, None, None], 0.0)
+    values = v_pool[pages, offsets].float().masked_fill(~valid[:, :, None, None], 0.0)
     queries = q.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads, -1)
     scores = torch.einsum("bkgd,blkd->bkgl", queries, keys) * scale
     probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(dim=-1)

@@ -1,8 +1,8 @@
 """Scatter new tokens' K/V into a paged KV cache.
 
-k [N, KVH, Dk], v [N, KVH, Dv]; k_pool/v_pool contiguous [num_blocks, block_size, KVH, D];
-slot_mapping [N], flat slot = block * block_size + offset, negative = skip (padding token).
-In a contiguous pool the flat slot is simply the token's row in pool.view(-1, KVH, D).
+k [N, KVH, Dk], v [N, KVH, Dv]; k_pool/v_pool [num_blocks, block_size, KVH, D], any strides with the last dim
+contiguous (the engine's pools are head-major views); slot_mapping [N], flat slot = block * block_size + offset,
+negative = skip (padding token).
 v = v_pool = None writes keys only: an MLA latent cache holds one row per token, [latent ; rope key].
 """
 
@@ -25,24 +25,30 @@ def _check_args(k, v, k_pool, v_pool, slot_mapping) -> None:
     if k_pool.shape[2:] != k.shape[1:] or v_pool.shape[2:] != v.shape[1:]:
         raise ValueError(f"tokens {tuple(k.shape)}/{tuple(v.shape)} do not fit pools "
                          f"{tuple(k_pool.shape)}/{tuple(v_pool.shape)}")
-    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
-        raise ValueError("k_pool and v_pool must be contiguous")
+    if k_pool.shape[:2] != v_pool.shape[:2]:
+        raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} differ in blocks")
+    if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
+        raise ValueError("k_pool and v_pool need their last dim contiguous")
 
 
 def write_paged_kv_ref(k, v, k_pool, v_pool, slot_mapping) -> None:
     _check_args(k, v, k_pool, v_pool, slot_mapping)
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_pool.view(-1, *k_pool.shape[2:])[slots] = k[keep].to(k_pool.dtype)
+    slots = slot_mapping[keep].long()
+    block_size = k_pool.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_pool[blocks, offsets] = k[keep].to(k_pool.dtype)
     if v is not None:
-        v_pool.view(-1, *v_pool.shape[2:])[slots] = v[keep].to(v_pool.dtype)
+        v_pool[blocks, offsets] = v[keep].to(v_pool.dtype)
 
 
 def _write_kernel(
     k_ptr, v_ptr, k_pool_ptr, v_pool_ptr, slot_mapping_ptr,
     stride_k_token, stride_k_head, stride_k_dim,
     stride_v_token, stride_v_head, stride_v_dim,
-    NUM_KV_HEADS: tl.constexpr, NUM_KV_HEADS_PAD: tl.constexpr,
+    stride_kp_block, stride_kp_pos, stride_kp_head,
+    stride_vp_block, stride_vp_pos, stride_vp_head,
+    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NUM_KV_HEADS_PAD: tl.constexpr,
     DIM_K: tl.constexpr, DIM_K_PAD: tl.constexpr, DIM_V: tl.constexpr, DIM_V_PAD: tl.constexpr,
     HAS_VALUES: tl.constexpr,
 ):
@@ -50,6 +56,7 @@ def _write_kernel(
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     keep = slot >= 0
     slot = tl.where(keep, slot, 0)  # never form a pointer before the pool, even a masked one
+    block, in_block = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     heads = tl.arange(0, NUM_KV_HEADS_PAD)
     head_ok = heads < tl.where(keep, NUM_KV_HEADS, 0)  # a skipped token writes no heads
 
@@ -57,7 +64,8 @@ def _write_kernel(
     mask_k = head_ok[:, None] & (dims_k < DIM_K)[None, :]
     new_k = tl.load(k_ptr + token * stride_k_token + heads[:, None] * stride_k_head + dims_k[None, :] * stride_k_dim,
                     mask=mask_k)
-    k_dest = k_pool_ptr + slot * (NUM_KV_HEADS * DIM_K) + heads[:, None] * DIM_K + dims_k[None, :]
+    k_dest = (k_pool_ptr + block * stride_kp_block + in_block * stride_kp_pos + heads[:, None] * stride_kp_head
+              + dims_k[None, :])
     tl.store(k_dest, new_k.to(k_pool_ptr.dtype.element_ty), mask=mask_k)
 
     if HAS_VALUES:
@@ -65,7 +73,8 @@ def _write_kernel(
         mask_v = head_ok[:, None] & (dims_v < DIM_V)[None, :]
         new_v = tl.load(v_ptr + token * stride_v_token + heads[:, None] * stride_v_head
                         + dims_v[None, :] * stride_v_dim, mask=mask_v)
-        v_dest = v_pool_ptr + slot * (NUM_KV_HEADS * DIM_V) + heads[:, None] * DIM_V + dims_v[None, :]
+        v_dest = (v_pool_ptr + block * stride_vp_block + in_block * stride_vp_pos + heads[:, None] * stride_vp_head
+                  + dims_v[None, :])
         tl.store(v_dest, new_v.to(v_pool_ptr.dtype.element_ty), mask=mask_v)
 
 
@@ -94,8 +103,8 @@ def write_paged_kv_triton(k, v, k_pool, v_pool, slot_mapping) -> None:
     v, v_pool = (v, v_pool) if has_values else (k, k_pool)
     dim_v = v.shape[2]
     _jitted_kernel()[(num_tokens,)](
-        k, v, k_pool, v_pool, slot_mapping, *k.stride(), *v.stride(),
-        NUM_KV_HEADS=num_kv_heads, NUM_KV_HEADS_PAD=_next_power_of_2(num_kv_heads),
+        k, v, k_pool, v_pool, slot_mapping, *k.stride(), *v.stride(), *k_pool.stride()[:3], *v_pool.stride()[:3],
+        BLOCK_SIZE=k_pool.shape[1], NUM_KV_HEADS=num_kv_heads, NUM_KV_HEADS_PAD=_next_power_of_2(num_kv_heads),
         DIM_K=dim_k, DIM_K_PAD=_next_power_of_2(dim_k),
         DIM_V=dim_v, DIM_V_PAD=_next_power_of_2(dim_v), HAS_VALUES=has_values,
     )

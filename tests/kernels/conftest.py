@@ -34,12 +34,15 @@ class PagedCache:
     seq_lens: torch.Tensor  # [B] int32
 
 
-def build_paged_cache(seq_lens, block_size, num_kv_heads, dim_k, dim_v, dtype, device, window=None) -> PagedCache:
+def build_paged_cache(seq_lens, block_size, num_kv_heads, dim_k, dim_v, dtype, device, window=None,
+                      head_major=False) -> PagedCache:
     """Random K/V for each sequence in shuffled pool blocks; every slot no sequence owns holds NaN,
     so a kernel that reads past a sequence's end or into a foreign block produces NaN.
 
     With a window, as the engine leaves it: blocks wholly before the window are back in the pool (table
     entry -1, contents NaN), and the positions before it in the first kept block hold NaN too.
+    head_major: the pools are stored [num_blocks, KVH, block_size, D] and handed over as transposed views, as the
+    engine keeps them.
     """
     generator = torch.Generator().manual_seed(sum(seq_lens) + block_size)
     blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
@@ -58,8 +61,10 @@ def build_paged_cache(seq_lens, block_size, num_kv_heads, dim_k, dim_v, dtype, d
             v_pool[block, :filled] = torch.randn(filled, num_kv_heads, dim_v, generator=generator)
             hidden = max(0, first_visible - entry * block_size)  # positions before the window in this block
             k_pool[block, :hidden] = v_pool[block, :hidden] = float("nan")
+    if head_major:
+        k_pool, v_pool = (pool.transpose(1, 2).contiguous().transpose(1, 2) for pool in (k_pool, v_pool))
     return PagedCache(
-        k_pool=k_pool.to(device, dtype),
+        k_pool=k_pool.to(device, dtype),  # .to keeps the strides
         v_pool=v_pool.to(device, dtype),
         block_table=block_table.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),

@@ -25,9 +25,11 @@ def query(batch, heads, dim, dtype, seed=0):
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS)
 @pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("splits", [0, 1, 3])
-def test_paged_matches_reference(paged_cache, dtype, layout, window, splits):
+@pytest.mark.parametrize("storage", ["position-major", "head-major"])
+def test_paged_matches_reference(paged_cache, dtype, layout, window, splits, storage):
     heads, kv_heads = HEAD_LAYOUTS[layout]
-    cache = paged_cache(SEQ_LENS, 16, kv_heads, 64, 64, dtype, "cpu", window=window)  # unowned slots hold NaN
+    cache = paged_cache(SEQ_LENS, 16, kv_heads, 64, 64, dtype, "cpu", window=window,  # unowned slots hold NaN
+                        head_major=storage == "head-major")
     q = query(len(SEQ_LENS), heads, 64, dtype)
     args = (q, cache.k_pool, cache.v_pool, cache.block_table, cache.seq_lens)
     actual = decode_attention(*args, "blocks", 0.125, window or 0, 64, splits)

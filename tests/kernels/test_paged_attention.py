@@ -57,9 +57,10 @@ def check_triton_against_reference(cache, q, num_splits=None, window=None):
 
 
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS)
-def test_reference_matches_naive_gather(paged_cache, layout):
+@pytest.mark.parametrize("storage", ["position-major", "head-major"])
+def test_reference_matches_naive_gather(paged_cache, layout, storage):
     num_heads, num_kv_heads = HEAD_LAYOUTS[layout]
-    cache = paged_cache(SEQ_LENS, 16, num_kv_heads, 32, 32, torch.float32, "cpu")
+    cache = paged_cache(SEQ_LENS, 16, num_kv_heads, 32, 32, torch.float32, "cpu", head_major=storage == "head-major")
     q = make_query(len(SEQ_LENS), num_heads, 32, torch.float32, "cpu")
     args = (q, cache.k_pool, cache.v_pool, cache.block_table, cache.seq_lens, 0.3)
     torch.testing.assert_close(paged_decode_attention_ref(*args), naive_decode_attention(*args).float())
@@ -71,6 +72,13 @@ def test_triton_matches_reference(force_triton, device, paged_cache, layout, dty
     num_heads, num_kv_heads = HEAD_LAYOUTS[layout]
     cache = paged_cache(SEQ_LENS, 16, num_kv_heads, 32, 32, dtype, device)
     check_triton_against_reference(cache, make_query(len(SEQ_LENS), num_heads, 32, dtype, device))
+
+
+def test_triton_reads_a_head_major_pool(force_triton, device, paged_cache):
+    """The engine's pools are head-major views: the kernel follows their strides."""
+    cache = paged_cache(SEQ_LENS, 16, 4, 32, 32, torch.float32, device, head_major=True)
+    assert cache.k_pool.stride(2) > cache.k_pool.stride(1)
+    check_triton_against_reference(cache, make_query(len(SEQ_LENS), 12, 32, torch.float32, device))
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 32])

@@ -7,10 +7,13 @@ NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS = 5, 8, 2
 SLOTS = [17, 3, -1, 39, 8, -1, 0]  # out of order, across blocks, with skipped (padding) tokens
 
 
-def make_pools(dim_k, dim_v, dtype, device):
+def make_pools(dim_k, dim_v, dtype, device, head_major=False):
+    """head_major: stored [blocks, heads, positions, dim] and seen transposed, as the engine keeps its pools."""
     generator = torch.Generator().manual_seed(1)
     k_pool = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, dim_k, generator=generator)
     v_pool = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, dim_v, generator=generator)
+    if head_major:
+        k_pool, v_pool = (pool.transpose(1, 2).contiguous().transpose(1, 2) for pool in (k_pool, v_pool))
     return k_pool.to(device, dtype), v_pool.to(device, dtype)
 
 
@@ -21,8 +24,9 @@ def make_tokens(dim_k, dim_v, dtype, device):
     return fused[..., :dim_k], fused[..., dim_k:]
 
 
-def test_reference_writes_each_token_to_its_slot():
-    k_pool, v_pool = make_pools(4, 4, torch.float32, "cpu")
+@pytest.mark.parametrize("head_major", [False, True], ids=["position-major", "head-major"])
+def test_reference_writes_each_token_to_its_slot(head_major):
+    k_pool, v_pool = make_pools(4, 4, torch.float32, "cpu", head_major)
     original_k, original_v = k_pool.clone(), v_pool.clone()
     k, v = make_tokens(4, 4, torch.float32, "cpu")
     write_paged_kv_ref(k, v, k_pool, v_pool, torch.tensor(SLOTS))
@@ -37,12 +41,13 @@ def test_reference_writes_each_token_to_its_slot():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("dim_k,dim_v", [(16, 16), (24, 20)])
-def test_triton_matches_reference(force_triton, device, dtype, dim_k, dim_v):
+@pytest.mark.parametrize("head_major", [False, True], ids=["position-major", "head-major"])
+def test_triton_matches_reference(force_triton, device, dtype, dim_k, dim_v, head_major):
     k, v = make_tokens(dim_k, dim_v, dtype, device)
     slot_mapping = torch.tensor(SLOTS, device=device)
     expected_k, expected_v = make_pools(dim_k, dim_v, dtype, device)
     write_paged_kv_ref(k, v, expected_k, expected_v, slot_mapping)
-    k_pool, v_pool = make_pools(dim_k, dim_v, dtype, device)
+    k_pool, v_pool = make_pools(dim_k, dim_v, dtype, device, head_major)
     write_paged_kv_triton(k, v, k_pool, v_pool, slot_mapping)
     assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)
 
