@@ -10,6 +10,8 @@ from __future__ import annotations  # keeps the `tl.constexpr` annotations inert
 
 import functools
 
+import torch
+
 from .dispatch import use_triton
 
 tl = None  # triton.language, bound by _jitted_kernel() on the first Triton call
@@ -110,8 +112,16 @@ def write_paged_kv_triton(k, v, k_pool, v_pool, slot_mapping) -> None:
     )
 
 
+@torch.library.custom_op("archzoo::write_paged_kv", mutates_args=("k_pool", "v_pool"))
+def _write_paged_kv_op(k: torch.Tensor, v: torch.Tensor | None, k_pool: torch.Tensor, v_pool: torch.Tensor | None,
+                       slot_mapping: torch.Tensor) -> None:
+    """The reference as one opaque op: its skip mask has a data-dependent size, which would break a compiled
+    decode step's graph at every layer (and then recompile the rest per layer)."""
+    write_paged_kv_ref(k, v, k_pool, v_pool, slot_mapping)
+
+
 def write_paged_kv(k, v, k_pool, v_pool, slot_mapping) -> None:
     if use_triton(k, v, k_pool, v_pool, slot_mapping):
         write_paged_kv_triton(k, v, k_pool, v_pool, slot_mapping)
     else:
-        write_paged_kv_ref(k, v, k_pool, v_pool, slot_mapping)
+        _write_paged_kv_op(k, v, k_pool, v_pool, slot_mapping)

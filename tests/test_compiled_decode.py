@@ -1,7 +1,9 @@
 """Engine(compile=True): the fixed-shape compiled decode step gives what the eager step gives."""
 import pytest
+import torch
 
 from harness import Engine
+from zoo.registry import architectures, is_causal
 
 
 @pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
@@ -44,3 +46,21 @@ def test_compiled_decode_compiles_once_across_context_lengths(helpers, kv_cache)
     for length in (9, 17, 40):  # contexts that cross block boundaries, decoded one after another
         engine.generate(helpers.make_prompts([length], model.config.vocab_size), helpers.greedy(6))
     assert counters["stats"]["unique_graphs"] == compiled
+
+
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
+@pytest.mark.parametrize("arch", [name for name in architectures() if is_causal(name)])
+def test_decode_step_traces_as_one_graph(helpers, arch, kv_cache):
+    """A graph break inside the layer loop makes dynamo compile each layer's frame on its own, guarded on that
+    layer's weights: past its recompile limit (8) the remaining layers run eager, and the compiled step is slower."""
+    model = helpers.random_model(arch)
+    engine = Engine(model, max_batch=2, max_seq_len=40, kv_cache=kv_cache, block_size=8)
+    calls = []
+    engine.runner.decode_forward = lambda *args: calls.append(args) or model(*args)  # the step's real arguments
+    engine.generate(helpers.make_prompts([5, 11], model.config.vocab_size), helpers.greedy(2))
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        explained = torch._dynamo.explain(model)(*calls[0])
+    torch._dynamo.reset()
+    assert explained.graph_break_count == 0, [str(reason.reason) for reason in explained.break_reasons]
+    assert explained.graph_count == 1
