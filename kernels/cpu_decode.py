@@ -1,5 +1,6 @@
-"""CPU decode kernels: attention that reads every cache layout in place (kernels/cpu/decode_attention.c) and
-Mamba's one-token state update (kernels/cpu/selective_state_update.c), compiled at first use with the machine's C compiler (like inductor and Triton, so -march=native fits the CPU it
+"""CPU kernels: decode attention that reads every cache layout in place (kernels/cpu/decode_attention.c),
+Mamba's one-token state update (kernels/cpu/selective_state_update.c) and its prompt scan
+(kernels/cpu/selective_scan.c), compiled at first use with the machine's C compiler (like inductor and Triton, so -march=native fits the CPU it
 runs on) and registered as a torch custom op, so `torch.compile` calls it without a graph break.
 
 Layouts (k and v 4-D, last dim contiguous):
@@ -15,6 +16,7 @@ import os
 import subprocess
 import sysconfig
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -47,6 +49,8 @@ def _library() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
+        warnings.warn(f"archzoo's CPU kernels need a C compiler and {compiler!r} does not run; CPU decode runs the "
+                      "PyTorch references instead, far slower", RuntimeWarning, stacklevel=2)
         return None
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + version).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels_{key}.so"
@@ -55,7 +59,10 @@ def _library() -> ctypes.CDLL | None:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], capture_output=True)
-            if result.returncode:
+            if result.returncode:  # said aloud: every CPU step would silently run the references, many times slower
+                errors = [line for line in result.stderr.decode(errors="replace").splitlines() if "error" in line]
+                warnings.warn(f"archzoo's CPU kernels did not build with {compiler} ({'; '.join(errors[:3]) or 'no message'}); "
+                              "CPU decode runs the PyTorch references instead, far slower", RuntimeWarning, stacklevel=2)
                 return None
             os.replace(built, target)  # atomic: a concurrent build never loads a half-written file
     # torch has loaded its libgomp.so.1 already: the kernel's OpenMP needs resolve to it (one thread pool)
@@ -68,6 +75,8 @@ def _library() -> ctypes.CDLL | None:
     lib.selective_state_update.argtypes = ([ptr, i64, i64, i64, i64, i32] + [ptr, i64, i64, i64] * 2 + [ptr, i64, i64]
                                            + [ptr, i64, i64, i64] * 3 + [ptr, i64, i64] + [ptr, i64, i64, i64]
                                            + [ptr, i32, i32, i32, i32, i32, i32, i32])
+    lib.selective_scan.restype = ctypes.c_int
+    lib.selective_scan.argtypes = [ptr] * 7 + [i32] * 5
     return lib
 
 
@@ -181,6 +190,33 @@ def _state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: tor
 @_state_update.register_fake
 def _(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
     return x.new_empty(x.shape, dtype=torch.float32)
+
+
+def selective_scan_fits(channels: int, dstate: int) -> bool:
+    return channels % 8 == 0 and 1 <= dstate <= 1024
+
+
+@torch.library.custom_op("archzoo::selective_scan", mutates_args=())
+def selective_scan_cpu(dt: torch.Tensor, A: torch.Tensor, dtx: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ssm/scan.py's scan_forward without saved states, on kernels/cpu/selective_scan.c: dt, dtx [b, T, d], A [d, n],
+    B, C [b, T, n], h0 [b, d, n], all fp32. Returns y [b, T, d] and the final state [b, d, n]."""
+    batch, length, channels = dt.shape
+    dt, A, dtx, B, C = (t.contiguous() for t in (dt, A, dtx, B, C))
+    state = h0.clone(memory_format=torch.contiguous_format)
+    y = torch.empty(batch, length, channels, dtype=torch.float32)
+    status = _library().selective_scan(dt.data_ptr(), dtx.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(),
+                                       state.data_ptr(), y.data_ptr(), batch, length, channels, state.shape[-1],
+                                       torch.get_num_threads())
+    if status:
+        raise ValueError(f"selective_scan: {channels} channels (a multiple of 8) and d_state {state.shape[-1]} "
+                         "(1..1024) are beyond the CPU kernel")
+    return y, state
+
+
+@selective_scan_cpu.register_fake
+def _(dt, A, dtx, B, C, h0):
+    return dt.new_empty(dt.shape), h0.new_empty(h0.shape)
 
 
 def selective_state_update_cpu(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):

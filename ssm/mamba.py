@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.cache_spec import CacheBatch, CacheSpec
-from kernels import Linear, selective_state_update
+from kernels import Linear, cpu_decode, selective_state_update
+from kernels.dispatch import use_cpu_kernel
 from ssm.scan import SelectiveScan, scan_forward
 
 def selective_scan(x, dt, A, B, C, D, z, state, last=None):
@@ -37,6 +38,8 @@ def selective_scan(x, dt, A, B, C, D, z, state, last=None):
     dtx = dt * x
     if torch.is_grad_enabled() and any(v.requires_grad for v in (x, dt, A, B, C, state)):
         ys, h = SelectiveScan.apply(dt, A, dtx, B, C, state.to(dtype))
+    elif dtype == torch.float32 and use_cpu_kernel(x) and cpu_decode.selective_scan_fits(*A.shape):
+        ys, h = cpu_decode.selective_scan_cpu(dt, A, dtx, B, C, state.to(dtype))
     else:
         ys, h, _ = scan_forward(dt, A, dtx, B, C, state.to(dtype), keep_states=False)
     y = (ys + x * D.to(dtype)) * F.silu(z.to(dtype))

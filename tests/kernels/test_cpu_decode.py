@@ -130,3 +130,18 @@ def test_loading_the_kernels_keeps_subnormal_floats():
               "assert tiny * 1.0 > 0; assert _library() is not None; sys.exit(0 if tiny * 1.0 > 0 else 3)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"after loading the CPU kernels 5e-324 * 1.0 == 0.0: {result.stderr[-500:]}"
+
+
+@pytest.mark.parametrize("compiler_script", ["exit 1", 'case "$1" in --version) echo fake-cc 1.0;; *) echo "x.c:1: error: no" >&2; exit 1;; esac'],
+                         ids=["no compiler", "build fails"])
+def test_a_missing_build_is_said_aloud(tmp_path, monkeypatch, compiler_script):
+    """Without the kernels every CPU step runs the references, many times slower: that must not pass unnoticed."""
+    from kernels import cpu_decode
+
+    compiler = tmp_path / "cc"
+    compiler.write_text(f"#!/bin/sh\n{compiler_script}\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="references instead"):
+        assert cpu_decode._library.__wrapped__() is None
