@@ -17,52 +17,27 @@ from pathlib import Path
 import torch
 
 import zoo
+from harness.cache_pool import LAYOUTS
 from harness.decode_probe import decode_probe
 from harness.results import ResultStore
+from roofline import DTYPES, ints, names, validate  # the same axes, checked the same way
 
 CELL_KEY = ("arch", "preset", "batch", "context", "kv_cache", "dtype", "block_size")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def comma_list(kind):
-    def parse(text: str) -> list:
-        try:
-            return [kind(part) for part in text.split(",") if part]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
-    return parse
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--archs", type=comma_list(str), default=["gqa", "mqa", "mamba2"], help="default: gqa,mqa,mamba2")
-    p.add_argument("--batches", type=comma_list(int), default=[1, 16], help="default: 1,16")
-    p.add_argument("--contexts", type=comma_list(int), default=[4096], help="default: 4096")
-    p.add_argument("--layouts", type=comma_list(str), default=["contiguous", "paged"], help="default: contiguous,paged")
-    p.add_argument("--dtypes", type=comma_list(str), default=["float32"], help="default: float32")
+    p.add_argument("--archs", type=names, default=["gqa", "mqa", "mamba2"], help="default: gqa,mqa,mamba2")
+    p.add_argument("--batches", type=ints, default=[1, 16], help="default: 1,16")
+    p.add_argument("--contexts", type=ints, default=[4096], help="default: 4096")
+    p.add_argument("--layouts", type=names, default=list(LAYOUTS), help=f"default: {','.join(LAYOUTS)}")
+    p.add_argument("--dtypes", type=names, default=["float32"], help="default: float32")
     p.add_argument("--preset", default="base", choices=list(zoo.PRESETS), help="default: base")
     p.add_argument("--block-size", type=int, default=16, help="paged block size (default: 16)")
-    p.add_argument("--pairs", type=int, default=7, help="eager/compiled step pairs per cell (default: 7)")
+    p.add_argument("--steps", type=int, default=7, help="eager/compiled step pairs per cell (default: 7)")
     p.add_argument("--out", default="results/compile_vs_eager", help="results folder")
+    p.set_defaults(device="cpu")  # roofline.validate's device check; this A/B is the CPU question
     return p
-
-
-def validate(args) -> None:
-    """Every bad argument is named with what is allowed before any model is built."""
-    for arch in args.archs:
-        zoo.registry.check_architecture(arch)
-        if not zoo.is_causal(arch):
-            raise ValueError(f"architecture {arch!r} has no decode step; allowed: causal architectures (`zoo list`)")
-    for dtype in args.dtypes:
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
-    for layout in args.layouts:
-        if layout not in ("contiguous", "paged"):
-            raise ValueError(f"unknown layout {layout!r}; allowed: contiguous, paged")
-    if not (args.archs and args.batches and args.contexts and args.layouts and args.dtypes):
-        raise ValueError("every axis needs at least one value")
-    if min(args.batches) < 1 or min(args.contexts) < 1 or args.pairs < 1:
-        raise ValueError(f"batches, contexts and pairs must be >= 1, got {args.batches}, {args.contexts}, {args.pairs}")
 
 
 def measure(model, cell: dict, pairs: int) -> dict:
@@ -96,7 +71,7 @@ def main(argv=None) -> int:
             continue
         torch.manual_seed(0)
         model = zoo.build(cell["arch"], preset=args.preset).to(DTYPES[cell["dtype"]]).eval()
-        row = measure(model, cell, args.pairs)
+        row = measure(model, cell, args.steps)
         store.append(row)
         del model
         gc.collect()

@@ -1,11 +1,13 @@
 """benchmarks/compile_vs_eager.py on the tiny preset: one row per cell with both medians, resume, bad arguments."""
 import importlib.util
 import json
+import sys
 
 import pytest
 
 from tests.conftest import REPO_ROOT
 
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # it imports roofline.py beside it, as a script run there would
 spec = importlib.util.spec_from_file_location("compile_vs_eager", REPO_ROOT / "benchmarks" / "compile_vs_eager.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
@@ -13,7 +15,7 @@ spec.loader.exec_module(bench)
 
 def argv(tmp_path, *extra):
     return ["--preset", "tiny", "--archs", "gqa", "--batches", "2", "--contexts", "12", "--layouts", "paged",
-            "--pairs", "2", "--out", str(tmp_path), *extra]
+            "--steps", "2", "--out", str(tmp_path), *extra]
 
 
 def test_a_cell_row_and_resume(tmp_path, capsys):
@@ -29,8 +31,8 @@ def test_a_cell_row_and_resume(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--archs", "diffusion"], "no decode step"), (["--archs", "gpt5"], "gpt5"), (["--dtypes", "float8"], "float8"),
-    (["--layouts", "ring"], "ring"), (["--pairs", "0"], "pairs"),
+    (["--archs", "diffusion"], "not causal"), (["--archs", "gpt5"], "gpt5"), (["--dtypes", "float8"], "float8"),
+    (["--layouts", "ring"], "ring"), (["--steps", "0"], "steps must be >= 1"),
 ])
 def test_bad_arguments_are_refused_before_any_work(tmp_path, capsys, extra, message):
     assert bench.main(argv(tmp_path, *extra)) == 2
