@@ -1,0 +1,213 @@
+"""Compiles every Triton kernel for real GPUs (A100: sm_80, H100: sm_90) on a CPU-only machine, at the sizes the
+models use, in fp32, fp16 and bf16, and reports each cubin's registers, shared and local memory (spills).
+
+Run as a script (`python tests/kernels/gpu_compile.py`), without TRITON_INTERPRET: in a process where the
+interpreter has run, triton's language functions stay patched for it and a real compile fails. It prints one JSON
+line per compiled kernel. tests/kernels/test_gpu_compile.py runs it once and checks the lines.
+
+Each case calls a kernel's launch wrapper with tensors of the wanted dtype while the wrapper's jitted kernels are
+swapped for recorders, so the exact arguments, constexprs and num_warps of every launch are captured without running
+anything. Each captured launch is then compiled with `triton.compile` for a `GPUTarget`, and the bundled cuobjdump
+reads the cubin's resource usage.
+"""
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import JITFunction
+
+from kernels import linear_attention, mla_attention, paged_attention, paged_write
+
+ssu = importlib.import_module("kernels.selective_state_update")  # the package exports a function of that name
+
+TARGETS = {"sm_80": 80, "sm_90": 90}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
+                 torch.int64: "*i64"}
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+class Recorder:
+    """Stands in for a jitted kernel: `kernel[grid](*args, **kwargs)` is logged, not run."""
+
+    def __init__(self, jitted, launches: list):
+        self.fn, self.launches = jitted.fn, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
+
+
+def record(module, call) -> list:
+    """The launches `call` makes through `module`'s jitted kernels (mla's tuple holds paged_attention's merge)."""
+    launches = []
+    name = "_jitted_kernels" if hasattr(module, "_jitted_kernels") else "_jitted_kernel"
+    real = getattr(module, name)
+    recorded = real()
+    wrapped = (tuple(Recorder(k, launches) for k in recorded) if isinstance(recorded, tuple)
+               else Recorder(recorded, launches))
+    setattr(module, name, lambda: wrapped)
+    try:
+        call()
+    finally:
+        setattr(module, name, real)
+    if not launches:
+        raise RuntimeError(f"{module.__name__}: the wrapper launched nothing")
+    return launches
+
+
+def signature(fn: JITFunction, args, kwargs) -> tuple[dict, dict, dict]:
+    bound = dict(zip(fn.arg_names, args)) | {k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
+    types, constants = {}, {}
+    for param in fn.params:
+        value = bound[param.name]
+        if param.is_constexpr:
+            types[param.name], constants[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            types[param.name] = POINTER_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            types[param.name] = "i1"
+        elif isinstance(value, int):
+            types[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            types[param.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {param.name} of type {type(value).__name__}")
+    return types, constants, {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}
+
+
+def resource_usage(cubin: bytes, folder: Path) -> dict[str, int]:
+    path = folder / "kernel.cubin"
+    path.write_bytes(cubin)
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    report = subprocess.run([tool, "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    usage = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", report))
+    if not usage:
+        raise RuntimeError(f"cuobjdump printed no resource usage:\n{report}")
+    return {k: int(v) for k, v in usage.items()}
+
+
+def compile_launches(launches, cc: int, folder: Path) -> list[tuple[str, dict]]:
+    results = []
+    for fn, args, kwargs in launches:
+        jitted = JITFunction(fn)
+        types, constants, options = signature(jitted, args, kwargs)
+        source = triton.compiler.ASTSource(fn=jitted, signature=types, constexprs=constants)
+        target = GPUTarget("cuda", cc, 32)
+        backend = triton.compiler.make_backend(target)
+        compiled = triton.compile(source, target=target, options=backend.parse_options(options).__dict__)
+        results.append((fn.__name__, resource_usage(compiled.asm["cubin"], folder)))
+    return results
+
+
+def paged_case(dtype, window=None, head_dim=128, heads=(32, 8)):
+    def call():
+        blocks, block_size = 64, 16
+        q = torch.empty(4, heads[0], head_dim, dtype=dtype)
+        pool = torch.empty(blocks, heads[1], block_size, head_dim, dtype=dtype).transpose(1, 2)  # the engine's layout
+        table = torch.zeros(4, 16, dtype=torch.int32)
+        paged_attention.paged_decode_attention_triton(q, pool, pool, table, torch.full((4,), 200, dtype=torch.int32),
+                                                      0.1, window=window)
+    return paged_attention, call
+
+
+def mla_case(dtype):
+    def call():  # DeepSeek-V2's latent: 512 + 64 rope columns, 128 heads
+        q = torch.empty(2, 128, 576, dtype=dtype)
+        pool = torch.empty(32, 16, 576, dtype=dtype)
+        mla_attention.mla_decode_attention_triton(q, pool, torch.zeros(2, 8, dtype=torch.int32),
+                                                  torch.full((2,), 100, dtype=torch.int32), 0.1, 512)
+    return mla_attention, call
+
+
+def write_case(dtype, keys_only=False):
+    def call():
+        k = torch.empty(6, 8, 576 if keys_only else 128, dtype=dtype)
+        pool = torch.empty(16, 8 if not keys_only else 1, 16, k.shape[-1], dtype=dtype).transpose(1, 2)
+        if keys_only:
+            paged_write.write_paged_kv_triton(k[:, :1], None, pool, None, torch.arange(6))
+        else:
+            paged_write.write_paged_kv_triton(k, k, pool, pool, torch.arange(6))
+    return paged_write, call
+
+
+def state_update_case(dtype, mamba2: bool):
+    def call():
+        if mamba2:  # 80 heads x 64, d_state 128, one group
+            state = torch.empty(2, 80, 64, 128, dtype=dtype)
+            x = torch.empty(2, 80, 64, dtype=dtype)
+            A = torch.empty(80, 64, 128)
+            B = C = torch.empty(2, 1, 128, dtype=dtype)
+            D, bias = torch.empty(80, 64), torch.empty(80, 64)
+        else:  # Mamba-1: d_inner 1536, d_state 16
+            state = torch.empty(2, 1536, 16, dtype=dtype)
+            x = torch.empty(2, 1536, dtype=dtype)
+            A = torch.empty(1536, 16)
+            B = C = torch.empty(2, 16, dtype=dtype)
+            D, bias = torch.empty(1536), torch.empty(1536)
+        ssu.selective_state_update_triton(state, x, x, A, B, C, D=D, z=x, dt_bias=bias, dt_softplus=True)
+    return ssu, call
+
+
+def linear_step_case(dtype):
+    def call():
+        q = torch.empty(4, 16, 128, dtype=dtype)
+        state, normalizer = torch.empty(4, 16, 128, 128), torch.empty(4, 16, 128)
+        linear_attention.linear_attention_step_triton(q, q, q, state, normalizer)
+    return linear_attention, call
+
+
+def linear_chunked_case(dtype):
+    def call():
+        q = torch.empty(2, 16, 256, 128, dtype=dtype)
+        state, normalizer = torch.empty(2, 16, 128, 128), torch.empty(2, 16, 128)
+        linear_attention.linear_attention_chunked_triton(q, q, q, state, normalizer)
+    return linear_attention, call
+
+
+CASES = {
+    "paged": lambda dtype: paged_case(dtype),
+    "paged-window": lambda dtype: paged_case(dtype, window=128),
+    "paged-head64-mha": lambda dtype: paged_case(dtype, head_dim=64, heads=(12, 12)),
+    "mla": mla_case,
+    "write": lambda dtype: write_case(dtype),
+    "write-keys-only": lambda dtype: write_case(dtype, keys_only=True),
+    "mamba-state": lambda dtype: state_update_case(dtype, mamba2=False),
+    "mamba2-state": lambda dtype: state_update_case(dtype, mamba2=True),
+    "linear-step": linear_step_case,
+    "linear-chunked": linear_chunked_case,
+}
+
+
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("gpu_compile: run without TRITON_INTERPRET=1 (the interpreter's patches break a real compile)",
+              file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as folder:
+        for case, make in CASES.items():
+            for dtype_name, dtype in DTYPES.items():
+                module, call = make(dtype)
+                launches = record(module, call)
+                for target, cc in TARGETS.items():
+                    try:
+                        compiled = compile_launches(launches, cc, Path(folder))
+                    except Exception as error:  # reported as a line: one broken kernel does not hide the others
+                        compiled = [("(compile)", {"error": f"{type(error).__name__}: {str(error)[-400:]}"})]
+                    for kernel, usage in compiled:
+                        print(json.dumps({"case": case, "dtype": dtype_name, "target": target, "kernel": kernel,
+                                          **usage}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
