@@ -24,6 +24,7 @@ import functools
 import torch
 
 from .dispatch import use_triton
+from .tiles import padded
 
 tl = None  # triton.language, bound by _jitted_kernels() on the first Triton call
 
@@ -245,18 +246,13 @@ def _jitted_kernels():
     return triton.jit(_step_kernel), triton.jit(_chunked_kernel)
 
 
-def _padded(n: int, minimum: int = 16) -> int:
-    # tl.arange needs powers of two; tl.dot needs every dimension >= 16
-    return max(minimum, 1 << (n - 1).bit_length())
-
-
 def linear_attention_step_triton(q, k, v, state, normalizer, eps: float = 1e-6) -> torch.Tensor:
     _check_step_args(q, k, v, state, normalizer)
     step_kernel, _ = _jitted_kernels()
     batch, heads, dim_k = q.shape
     dim_v = v.shape[2]
-    block_k = min(64, _padded(dim_k))
-    block_v = min(64, _padded(dim_v))  # a 64 x 64 fp32 state tile: 32 registers a thread at 4 warps
+    block_k = min(64, padded(dim_k))
+    block_v = min(64, padded(dim_v))  # a 64 x 64 fp32 state tile: 32 registers a thread at 4 warps
     out = torch.empty(batch, heads, dim_v, dtype=q.dtype, device=q.device)
     step_kernel[(batch, heads)](
         q, k, v, state, normalizer, out, eps,
@@ -276,10 +272,10 @@ def linear_attention_chunked_triton(q, k, v, state=None, normalizer=None, chunk_
     _, chunked_kernel = _jitted_kernels()
     batch, heads, length, dim_k = q.shape
     dim_v = v.shape[3]
-    dim_k_pad = _padded(dim_k)
+    dim_k_pad = padded(dim_k)
     fitting = max(16, _TILE_ELEMENTS // dim_k_pad)  # the widest tile beside dk that stays in the budget
-    block_v = min(64, fitting, _padded(dim_v))
-    chunk = min(64, fitting, _padded(chunk_size))
+    block_v = min(64, fitting, padded(dim_v))
+    chunk = min(64, fitting, padded(chunk_size))
     out = torch.empty(batch, heads, length, dim_v, dtype=q.dtype, device=q.device)
     final_state = torch.empty(batch, heads, dim_k, dim_v, device=q.device,
                               dtype=torch.float32 if state is None else state.dtype)

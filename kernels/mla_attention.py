@@ -20,7 +20,8 @@ import torch
 
 from . import cpu_decode, paged_attention
 from .dispatch import use_cpu_kernel, use_triton
-from .paged_attention import _cdiv, _default_num_splits, _padded, _tile_shape
+from .paged_attention import _default_num_splits, _tile_shape
+from .tiles import cdiv, padded
 
 tl = None  # triton.language, bound by _jitted_kernels() on the first Triton call
 
@@ -147,14 +148,14 @@ def mla_decode_attention_triton(
     split_kernel, merge_kernel = _jitted_kernels()
     batch, num_heads, width = q.shape
     block_size = latent_pool.shape[1]
-    head_tiles = _cdiv(num_heads, _HEADS_PER_PROGRAM)
+    head_tiles = cdiv(num_heads, _HEADS_PER_PROGRAM)
     # the table's capacity bounds the longest sequence without a device sync (as in paged_attention)
     max_len = block_table.shape[1] * block_size
     if num_splits is None:
         num_splits = _default_num_splits(max_len, batch * head_tiles, q.device)
-    value_pad, rest_pad = _padded(value_dim), _padded(width - value_dim)
-    keys_per_step, num_warps = _tile_shape(_padded(value_pad + rest_pad), latent_pool.element_size())
-    split_len = _cdiv(_cdiv(max_len, num_splits), keys_per_step) * keys_per_step
+    value_pad, rest_pad = padded(value_dim), padded(width - value_dim)
+    keys_per_step, num_warps = _tile_shape(padded(value_pad + rest_pad), latent_pool.element_size())
+    split_len = cdiv(cdiv(max_len, num_splits), keys_per_step) * keys_per_step
 
     partial_out = torch.empty(batch, num_heads, num_splits, value_dim, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -171,7 +172,7 @@ def mla_decode_attention_triton(
     )
     merge_kernel[(batch, num_heads)](
         partial_out, partial_lse, out, *out.stride(),
-        NUM_SPLITS=num_splits, NUM_SPLITS_PAD=_padded(num_splits, minimum=1),
+        NUM_SPLITS=num_splits, NUM_SPLITS_PAD=padded(num_splits, minimum=1),
         DIM_V=value_dim, DIM_V_PAD=value_pad,
     )
     return out

@@ -24,6 +24,7 @@ import torch
 
 from . import cpu_decode
 from .dispatch import use_cpu_kernel, use_triton
+from .tiles import cdiv, padded
 
 tl = None  # triton.language, bound by _jitted_kernels() on the first Triton call
 
@@ -178,15 +179,6 @@ def _jitted_kernels():
     return triton.jit(_split_kernel), triton.jit(_merge_kernel)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _padded(n: int, minimum: int = 16) -> int:
-    # tl.arange needs powers of two; tl.dot needs every dimension >= 16
-    return max(minimum, 1 << (n - 1).bit_length())
-
-
 def _tile_shape(dim_pad: int, element_size: int) -> tuple[int, int]:
     """(keys per step, warps) that keep the K/V tiles in registers (no spills in ptxas for sm_90)."""
     tile_elements = 4096 if element_size <= 2 else 1024  # exact fp32 tl.dot needs more registers
@@ -195,8 +187,8 @@ def _tile_shape(dim_pad: int, element_size: int) -> tuple[int, int]:
 
 def _default_num_splits(max_len: int, programs_per_split: int, device: torch.device) -> int:
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    splits_to_fill_gpu = _cdiv(_PROGRAMS_PER_SM * sm_count, programs_per_split)
-    return max(1, min(_cdiv(max_len, _MIN_KEYS_PER_SPLIT), splits_to_fill_gpu, _MAX_SPLITS))
+    splits_to_fill_gpu = cdiv(_PROGRAMS_PER_SM * sm_count, programs_per_split)
+    return max(1, min(cdiv(max_len, _MIN_KEYS_PER_SPLIT), splits_to_fill_gpu, _MAX_SPLITS))
 
 
 def paged_decode_attention_triton(
@@ -213,9 +205,9 @@ def paged_decode_attention_triton(
     span = max_len if window is None else min(window, max_len)  # keys one sequence can see
     if num_splits is None:
         num_splits = _default_num_splits(span, batch * num_kv_heads, q.device)
-    dim_k_pad, dim_v_pad = _padded(dim_k), _padded(dim_v)
+    dim_k_pad, dim_v_pad = padded(dim_k), padded(dim_v)
     keys_per_step, num_warps = _tile_shape(max(dim_k_pad, dim_v_pad), k_pool.element_size())
-    split_len = _cdiv(_cdiv(span, num_splits), keys_per_step) * keys_per_step
+    split_len = cdiv(cdiv(span, num_splits), keys_per_step) * keys_per_step
 
     partial_out = torch.empty(batch, num_heads, num_splits, dim_v, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -224,13 +216,13 @@ def paged_decode_attention_triton(
         q, k_pool, v_pool, block_table, seq_lens, partial_out, partial_lse,
         scale, span, split_len,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *block_table.stride(),
-        GROUP=group, GROUP_PAD=_padded(group), DIM_K=dim_k, DIM_K_PAD=dim_k_pad,
+        GROUP=group, GROUP_PAD=padded(group), DIM_K=dim_k, DIM_K_PAD=dim_k_pad,
         DIM_V=dim_v, DIM_V_PAD=dim_v_pad, BLOCK_SIZE=block_size, KEYS_PER_STEP=keys_per_step,
         num_warps=num_warps,
     )
     merge_kernel[(batch, num_heads)](
         partial_out, partial_lse, out, *out.stride(),
-        NUM_SPLITS=num_splits, NUM_SPLITS_PAD=_padded(num_splits, minimum=1),
+        NUM_SPLITS=num_splits, NUM_SPLITS_PAD=padded(num_splits, minimum=1),
         DIM_V=dim_v, DIM_V_PAD=dim_v_pad,
     )
     return out

@@ -13,6 +13,7 @@ import functools
 import torch
 
 from .dispatch import use_triton
+from .tiles import padded
 
 tl = None  # triton.language, bound by _jitted_kernel() on the first Triton call
 
@@ -91,10 +92,6 @@ def _jitted_kernel():
     return triton.jit(_write_kernel)
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def write_paged_kv_triton(k, v, k_pool, v_pool, slot_mapping) -> None:
     _check_args(k, v, k_pool, v_pool, slot_mapping)
     num_tokens, num_kv_heads, dim_k = k.shape
@@ -106,9 +103,9 @@ def write_paged_kv_triton(k, v, k_pool, v_pool, slot_mapping) -> None:
     dim_v = v.shape[2]
     _jitted_kernel()[(num_tokens,)](
         k, v, k_pool, v_pool, slot_mapping, *k.stride(), *v.stride(), *k_pool.stride()[:3], *v_pool.stride()[:3],
-        BLOCK_SIZE=k_pool.shape[1], NUM_KV_HEADS=num_kv_heads, NUM_KV_HEADS_PAD=_next_power_of_2(num_kv_heads),
-        DIM_K=dim_k, DIM_K_PAD=_next_power_of_2(dim_k),
-        DIM_V=dim_v, DIM_V_PAD=_next_power_of_2(dim_v), HAS_VALUES=has_values,
+        BLOCK_SIZE=k_pool.shape[1], NUM_KV_HEADS=num_kv_heads, NUM_KV_HEADS_PAD=padded(num_kv_heads, minimum=1),
+        DIM_K=dim_k, DIM_K_PAD=padded(dim_k, minimum=1),
+        DIM_V=dim_v, DIM_V_PAD=padded(dim_v, minimum=1), HAS_VALUES=has_values,
     )
 
 

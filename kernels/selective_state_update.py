@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from . import cpu_decode
 from .dispatch import use_cpu_kernel, use_triton
+from .tiles import padded
 
 tl = None  # triton.language, bound by _jitted_kernels() on the first Triton call
 
@@ -153,17 +154,13 @@ def _jitted_kernels():
     return triton.jit(_update_kernel)
 
 
-def _padded(n: int, minimum: int = 1) -> int:
-    return max(minimum, 1 << (n - 1).bit_length())  # tl.arange needs powers of two
-
-
 def selective_state_update_triton(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
     out_shape = x.shape
     state, x, dt, A, B, C, D, z, dt_bias = _as_multihead(state, x, dt, A, B, C, D, z, dt_bias)
     update_kernel = _jitted_kernels()
     batch, num_heads, head_dim, dstate = state.shape
-    dstate_pad = _padded(dstate)
-    rows_per_program = min(_padded(head_dim), max(1, _TILE_ELEMENTS // dstate_pad))
+    dstate_pad = padded(dstate, minimum=1)
+    rows_per_program = min(padded(head_dim, minimum=1), max(1, _TILE_ELEMENTS // dstate_pad))
     out = torch.empty(batch, num_heads, head_dim, dtype=x.dtype, device=x.device)
 
     def strides(tensor, ndim):
