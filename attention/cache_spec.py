@@ -7,10 +7,6 @@ import torch
 CACHE_KINDS = ("kv", "latent", "shared", "state")
 
 
-def element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 @dataclass(frozen=True)
 class CacheSpec:
     """What one layer keeps per sequence; the engine allocates from this and `cache_bytes` sums it.
@@ -64,11 +60,11 @@ class CacheSpec:
 
     def state_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of the fixed per-sequence state for a model in `dtype`."""
-        return self.state_elements * element_size(self.state_dtype or dtype)
+        return self.state_elements * (self.state_dtype or dtype).itemsize
 
     def bytes(self, seq_len: int, dtype: torch.dtype) -> int:
         """Cache bytes one sequence of `seq_len` tokens holds in this layer, for a model in `dtype`."""
-        tokens = self.elements_per_token * self.tokens_held(seq_len) * element_size(dtype)
+        tokens = self.elements_per_token * self.tokens_held(seq_len) * dtype.itemsize
         return tokens + (self.state_bytes(dtype) if seq_len > 0 else 0)
 
     def tokens_held(self, seq_len: int) -> int:

@@ -37,7 +37,7 @@ class CachePool:
         """num_blocks: pool size of each cache group (paged layout)."""
         self.specs, self.layout, self.block_size = specs, layout, block_size
         self.dtype = dtype
-        self.element_size = torch.empty((), dtype=dtype).element_size()
+        self.element_size = dtype.itemsize
         self.groups = cache_groups(specs)
         self.layers = [None] * len(specs)
         for g, group in enumerate(self.groups):
@@ -69,7 +69,7 @@ def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, bl
                num_blocks: int | None, budget: int | None) -> tuple[int, list[int]]:
     """(max_batch, blocks per cache group) the cache can serve; a budget that cannot hold one full-length request
     is an error. A paged budget is split between groups in proportion to what one request needs of each."""
-    element_size = torch.empty((), dtype=dtype).element_size()
+    element_size = dtype.itemsize
     if kv_cache == "contiguous":
         per_row = sum(spec.bytes(max_seq_len, dtype) for spec in specs)
         if budget is not None:

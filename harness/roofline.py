@@ -10,7 +10,6 @@ from torch import nn
 
 import zoo
 from attention import specs_read
-from attention.cache_spec import element_size
 from harness.metrics import sync
 
 # FLOPs per state element per token for a recurrent ("state") layer: the update reads each element, decays it and
@@ -70,7 +69,7 @@ def decode_step_cost(model, batch: int, context: int, dtype: torch.dtype | None 
     if batch < 1 or context < 0:
         raise ValueError(f"batch must be >= 1 and context >= 0, got batch={batch}, context={context}")
     dtype = model_dtype(model, dtype)
-    size = element_size(dtype)
+    size = dtype.itemsize
     specs = model.cache_specs()
     weights = weight_elements(model)
     keys = context + 1
@@ -104,7 +103,7 @@ def prefill_cost(model, batch: int, prompt_len: int, dtype: torch.dtype | None =
             attention += prompt_len * attention_flops(own, read, 0)
         else:  # per (query, key) pair; MLA counted as its absorbed form (the expanded prefill does fewer)
             attention += attention_flops(own, read, causal_pairs(prompt_len, read.window))
-    return StepCost(weight_bytes=weights * element_size(dtype), cache_read_bytes=0,
+    return StepCost(weight_bytes=weights * dtype.itemsize, cache_read_bytes=0,
                     cache_write_bytes=zoo.cache_bytes(model, seq_len=prompt_len, batch=batch, dtype=dtype),
                     flops=batch * (2 * (weights - head) * prompt_len + 2 * head + attention))
 
