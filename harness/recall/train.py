@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import zoo
 from harness.diffusion import masked_diffusion_loss
-from harness.recall.data import IGNORE_INDEX
+from harness.recall.data import IGNORE_INDEX, accuracy
 
 
 @dataclass
@@ -119,27 +119,25 @@ def training_loss(model, inputs: torch.Tensor, labels: torch.Tensor, generator: 
 
 @torch.no_grad()
 def evaluate(model, inputs: torch.Tensor, labels: torch.Tensor, batch_size: int = 256, device: str = "cpu") -> dict:
-    """Argmax at labelled positions: per-example accuracy (mean over an example's queries, then over examples)
-    and per-token accuracy (over all queries)."""
+    """Argmax at labelled positions, scored by data.accuracy: per-example accuracy (mean over an example's
+    queries, then over examples) and per-token accuracy (over all queries); 0.0 for a set with no queries."""
     was_training = model.training
     model.eval()
-    example_acc, correct, total = [], 0, 0
+    predicted, expected = [], []
     for start in range(0, len(inputs), batch_size):
-        x = inputs[start:start + batch_size].to(device)
-        y = labels[start:start + batch_size].to(device)
-        logits, targets, mask = labelled_logits(model, x, y)
-        hits = torch.zeros(mask.shape, dtype=torch.float32, device=device)
-        hits[mask] = (logits.argmax(-1) == targets).float()
-        per_example = hits.sum(1) / mask.sum(1).clamp(min=1)
-        example_acc.append(per_example[mask.any(1)].cpu())
-        correct += int(hits.sum())
-        total += int(mask.sum())
+        logits, targets, mask = labelled_logits(model, inputs[start:start + batch_size].to(device),
+                                                labels[start:start + batch_size].to(device))
+        guess = torch.full(mask.shape, IGNORE_INDEX, dtype=torch.long, device=device)
+        answer = guess.clone()
+        guess[mask], answer[mask] = logits.argmax(-1), targets  # each answer where the model predicted it
+        predicted.append(guess.cpu())
+        expected.append(answer.cpu())
     model.train(was_training)
-    per_example = torch.cat(example_acc) if example_acc else torch.zeros(0)
-    return {
-        "accuracy": float(per_example.mean()) if len(per_example) else 0.0,
-        "token_accuracy": correct / total if total else 0.0,
-    }
+    if not predicted:
+        return {"accuracy": 0.0, "token_accuracy": 0.0}
+    scores = accuracy(torch.cat(predicted), torch.cat(expected))
+    return {"accuracy": 0.0 if math.isnan(scores["per_example"]) else scores["per_example"],
+            "token_accuracy": 0.0 if math.isnan(scores["per_token"]) else scores["per_token"]}
 
 
 def test_set_items(test_sets) -> list[tuple[str, tuple[torch.Tensor, torch.Tensor]]]:
