@@ -3,8 +3,8 @@ sliding window of keys, or reading the keys and values of an earlier layer (cros
 import torch
 from torch import nn
 
-from attention.cache_spec import CacheBatch, CacheSpec
-from attention.kv_layouts import fresh_attention
+from cache.spec import CacheBatch, CacheSpec
+from cache.layouts import fresh_attention
 from attention.rope import RotaryEmbedding, apply_rope
 from kernels import Linear
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.cache_spec import CacheBatch, CacheSpec
+from cache.spec import CacheBatch, CacheSpec
 from kernels import Linear, linear_attention_chunked, linear_attention_parallel_ref, linear_attention_step
 
 FEATURE_MAPS = ("elu", "taylor")

@@ -3,8 +3,8 @@ rotary key shared by all heads, so the cache holds only [latent ; rope key]. Wei
 import torch
 from torch import nn
 
-from attention.cache_spec import CacheBatch, CacheSpec
-from attention.kv_layouts import fresh_attention
+from cache.spec import CacheBatch, CacheSpec
+from cache.layouts import fresh_attention
 from attention.rope import RotaryEmbedding, apply_rope
 from attention.norm import RMSNorm
 from kernels import Linear

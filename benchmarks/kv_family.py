@@ -25,7 +25,7 @@ import time
 import torch
 
 import zoo
-from attention import specs_read
+from cache import specs_read
 from harness import Engine, SamplingParams
 from harness.metrics import measure_copy_bandwidth
 

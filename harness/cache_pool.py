@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention import CacheSpec, ContiguousKV, PagedKV, StateSlots, specs_read
+from cache import CacheSpec, ContiguousKV, PagedKV, StateSlots, specs_read
 from harness.block_manager import peak_blocks
 
 LAYOUTS = ("contiguous", "paged")

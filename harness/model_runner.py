@@ -1,7 +1,7 @@
 """Turns scheduled sequences into model calls: builds each step's CacheBatch and runs prefill or batched decode."""
 import torch
 
-from attention import CacheBatch
+from cache import CacheBatch
 from harness.block_manager import BlockManager
 from harness.cache_pool import CachePool
 from harness.sequence import Sequence

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zoo
-from attention import specs_read
+from cache import specs_read
 from harness.metrics import sync
 
 # FLOPs per state element per token for a recurrent ("state") layer: the update reads each element, decays it and

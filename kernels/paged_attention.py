@@ -1,7 +1,7 @@
 """Decode attention over a paged KV cache: one new query token per sequence.
 
 Layout: q [B, H, Dk]; k_pool [num_blocks, block_size, KVH, Dk]; v_pool [num_blocks, block_size,
-KVH, Dv], any strides (the engine's pools are head-major views, see attention/kv_layouts.py);
+KVH, Dv], any strides (the engine's pools are head-major views, see cache/layouts.py);
 block_table [B, max_blocks] (entry j = pool block holding positions j*block_size ..);
 seq_lens [B] (valid keys per sequence, the current token included). Query head h reads KV head
 h // (H // KVH). Output [B, H, Dv] in q's dtype, softmax computed in fp32.

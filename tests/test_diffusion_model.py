@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import zoo
-from attention import Attention, CacheBatch, CacheSpec, ContiguousKV, PagedKV
+from attention import Attention
+from cache import CacheBatch, CacheSpec, ContiguousKV, PagedKV
 from attention.rope import apply_rope
 from harness import Engine
 from harness.cache_pool import CachePool

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import zoo
-from attention import Attention, CacheBatch, ContiguousKV, MLAttention, PagedKV
+from attention import Attention, MLAttention
+from cache import CacheBatch, ContiguousKV, PagedKV
 from harness import Engine, SamplingParams
 
 DTYPE_SIZE = {torch.float32: 4, torch.bfloat16: 2}

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from attention.cache_spec import CacheBatch
+from cache.spec import CacheBatch
 from attention.linear_attention import LinearAttention, taylor_feature_map
-from attention.state_slots import StateSlots
+from cache.state_slots import StateSlots
 from kernels import linear_attention_chunked, linear_attention_step
 from kernels import linear_attention_parallel_ref as linear_attention_parallel
 

@@ -12,8 +12,8 @@ import ssm.mamba
 import zoo
 import zoo.hf
 import zoo.model
-from attention.cache_spec import CacheBatch
-from attention.state_slots import StateSlots
+from cache.spec import CacheBatch
+from cache.state_slots import StateSlots
 from harness import Engine, SamplingParams
 from ssm.mamba import Mamba
 from zoo.config import MixerSpec, ModelConfig

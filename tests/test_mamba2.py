@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Mamba2Config, Mamba2ForCausalLM
 
-from attention.cache_spec import CacheBatch
-from attention.state_slots import StateSlots
+from cache.spec import CacheBatch
+from cache.state_slots import StateSlots
 from harness import Engine, SamplingParams
 from kernels import FORCE_TRITON_ENV, selective_state_update
 from ssm.mamba2 import Mamba2, ssd_scan_ref

@@ -1,7 +1,7 @@
 """Analytic cache size of a model, from its layers' cache declarations (reference.md §2)."""
 import torch
 
-from attention import specs_read
+from cache import specs_read
 
 
 def cache_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | None = None) -> int:

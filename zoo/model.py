@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from attention import CallKV
+from cache import CallKV
 from zoo.config import ModelConfig
 from zoo.layers import make_mlp, make_norm
 from zoo.mixers import make_mixer

@@ -3,7 +3,7 @@ with one full forward, then run only the positions that change against the cache
 import torch
 
 import zoo
-from attention import CacheBatch
+from cache import CacheBatch
 from harness.cache_pool import CachePool
 
 CACHES = (None, "prefix", "dual")

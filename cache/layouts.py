@@ -3,7 +3,7 @@ sliding window), or a paged block pool; plus the hand-off an uncached forward us
 import torch
 import torch.nn.functional as F
 
-from attention.cache_spec import CacheBatch, CacheSpec
+from cache.spec import CacheBatch, CacheSpec
 from kernels import contiguous_decode_attention, mla_decode_attention, paged_decode_attention, write_paged_kv
 
 

@@ -1,7 +1,7 @@
 """Recurrent state the engine allocates per layer: one row per batch slot for each named state tensor."""
 import torch
 
-from attention.cache_spec import CacheBatch, CacheSpec
+from cache.spec import CacheBatch, CacheSpec
 
 
 class StateSlots:

@@ -1,0 +1,7 @@
+"""The cache contract: what a layer declares it stores and keeps, the views of engine memory a mixer reads and
+writes, and one step's batch layout. The ground floor under the mixers (attention/, ssm/) and the engine."""
+from cache.layouts import CallKV, ContiguousKV, PagedKV
+from cache.spec import CacheBatch, CacheSpec, specs_read
+from cache.state_slots import StateSlots
+
+__all__ = ["CacheBatch", "CacheSpec", "CallKV", "ContiguousKV", "PagedKV", "StateSlots", "specs_read"]
