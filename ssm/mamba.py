@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.cache_spec import CacheBatch, CacheSpec
+from cache.spec import CacheBatch, CacheSpec
 from kernels import Linear, cpu_decode, selective_state_update
 from kernels.dispatch import use_cpu_kernel
 from ssm.scan import SelectiveScan, scan_forward

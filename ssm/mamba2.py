@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention.cache_spec import CacheBatch, CacheSpec
+from cache.spec import CacheBatch, CacheSpec
 from kernels import Linear, selective_state_update
 
 
