@@ -1,10 +1,13 @@
 """Softmax attention with grouped KV heads: MHA (kv_heads = heads), GQA (a divisor), MQA (1); optionally over a
-sliding window of keys, or reading the keys and values of an earlier layer (cross-layer attention)."""
+bounded set of keys (a sliding window, attention sinks + a window, a local chunk), or reading the keys and values of
+an earlier layer (cross-layer attention)."""
 import torch
 from torch import nn
 
-from cache.spec import CacheBatch, CacheSpec
 from cache.layouts import fresh_attention
+from cache.retention import Retention
+from cache.spec import CacheBatch, CacheSpec
+from attention.reference import attention_reference
 from attention.rope import RotaryEmbedding, apply_rope
 from kernels import Linear
 
@@ -30,12 +33,16 @@ class Attention(nn.Module):
         rope_base: float = 10000.0,
         bias: bool = False,
         window: int | None = None,
+        sinks: int = 0,
+        chunk: int | None = None,
         kv_source: int | None = None,
         causal: bool = True,
     ):
         """window: each query sees the newest `window` keys, itself included (HF Mistral's sliding_window).
+        sinks: with a window, the first `sinks` positions stay visible to every query (StreamingLLM's attention sinks).
+        chunk: each query sees only the keys of its own `chunk`-aligned chunk (Llama 4's chunked local attention).
         kv_source: index of an earlier layer whose keys and values this layer reads instead of computing its own.
-        causal: False lets every query see the whole sequence (a masked diffusion LM); no window, no kv_source."""
+        causal: False lets every query see the whole sequence (a masked diffusion LM): every key kept, no kv_source."""
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         check_heads(n_heads, n_kv_heads)
@@ -45,14 +52,17 @@ class Attention(nn.Module):
             head_dim = d_model // n_heads
         if head_dim < 1:
             raise ValueError(f"head_dim must be >= 1, got {head_dim}")
-        if window is not None and window < 1:
-            raise ValueError(f"window must be >= 1 (keys each query sees, itself included), got {window}")
+        self.retention = Retention(sinks=sinks, window=window, chunk=chunk)  # checks the three
         if kv_source is not None and not 0 <= kv_source < layer_idx:
             raise ValueError(f"layer {layer_idx} can share keys and values only with an earlier layer, got kv_source={kv_source}")
-        if not causal and (window is not None or kv_source is not None):
-            raise ValueError(f"non-causal attention needs window=None and kv_source=None, "
-                             f"got window={window}, kv_source={kv_source}")
-        self.layer_idx, self.window, self.kv_source, self.causal = layer_idx, window, kv_source, causal
+        if kv_source is not None and not self.retention.keeps_all:
+            raise ValueError(f"a layer that reads another's cache (kv_source={kv_source}) keeps what its source keeps: "
+                             f"give it no window, sinks or chunk (got {self.retention.describe()})")
+        if not causal and (not self.retention.keeps_all or kv_source is not None):
+            raise ValueError(f"non-causal attention keeps every key and computes its own: window, sinks, chunk and "
+                             f"kv_source must be unset, got {self.retention.describe()}, kv_source={kv_source}")
+        self.layer_idx, self.kv_source, self.causal = layer_idx, kv_source, causal
+        self.window, self.sinks, self.chunk = window, sinks, chunk
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.q_proj = Linear(d_model, n_heads * head_dim, bias=bias)
@@ -60,14 +70,14 @@ class Attention(nn.Module):
             self.k_proj = Linear(d_model, n_kv_heads * head_dim, bias=bias)
             self.v_proj = Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.o_proj = Linear(n_heads * head_dim, d_model, bias=bias)
-        self.rope = RotaryEmbedding(head_dim, rope_base)
+        self.rope_base, self.rope = rope_base, RotaryEmbedding(head_dim, rope_base)
 
     def cache_spec(self) -> CacheSpec:
         if self.kv_source is not None:
             return CacheSpec(kind="shared", kv_heads=self.n_kv_heads, head_dim=self.head_dim, source=self.kv_source,
                              query_heads=self.n_heads)
         return CacheSpec(kind="kv", kv_heads=self.n_kv_heads, head_dim=self.head_dim, value_dim=self.head_dim,
-                         window=self.window, query_heads=self.n_heads)
+                         retention=self.retention, query_heads=self.n_heads)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None, cache=None, batch: CacheBatch | None = None):
         """x: [B, T, d_model]. Without a cache: causal attention over x. With one: write this step's K/V, then attend.
@@ -92,7 +102,11 @@ class Attention(nn.Module):
                 cache.write(k, v, batch)
             if batch is None or batch.is_prefill:
                 padding = None if self.causal or batch is None else batch.lengths
-                out = fresh_attention(q, k, v, positions, self.window, self.scale, self.causal, padding)
+                out = fresh_attention(q, k, v, positions, self.retention, self.scale, self.causal, padding)
             else:
                 out = cache.attend(q, batch, self.scale, causal=self.causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def reference(self, x: torch.Tensor, kv_from=None) -> torch.Tensor:
+        """The float64 oracle (attention/reference.py); kv_from = (source mixer, its input) for a layer that shares."""
+        return attention_reference(self, x, kv_from)

@@ -5,6 +5,8 @@ from torch import nn
 
 from cache.spec import CacheBatch, CacheSpec
 from cache.layouts import fresh_attention
+from cache.retention import FULL
+from attention.reference import mla_reference
 from attention.rope import RotaryEmbedding, apply_rope
 from attention.norm import RMSNorm
 from kernels import Linear
@@ -49,7 +51,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, norm_eps)
         self.kv_b_proj = Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = Linear(n_heads * v_head_dim, d_model, bias=False)
-        self.rope = RotaryEmbedding(qk_rope_head_dim, rope_base)
+        self.rope_base, self.rope = rope_base, RotaryEmbedding(qk_rope_head_dim, rope_base)
 
     def cache_spec(self) -> CacheSpec:
         return CacheSpec(kind="latent", kv_heads=1, head_dim=self.kv_lora_rank + self.rope_dim, value_dim=self.kv_lora_rank,
@@ -89,7 +91,7 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, self.n_heads, -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
-        return fresh_attention(q, k, v, positions, None, self.scale, self.causal, lengths)
+        return fresh_attention(q, k, v, positions, FULL, self.scale, self.causal, lengths)
 
     def absorbed(self, q_nope, q_rope, cache, batch: CacheBatch) -> torch.Tensor:
         w_uk, w_uv = self.up_projections()
@@ -97,3 +99,7 @@ class MLAttention(nn.Module):
         q = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk), q_rope], dim=-1)
         out_latent = cache.attend(q, batch, self.scale, value_dim=self.kv_lora_rank, causal=self.causal)  # [B, H, T, rank]
         return torch.einsum("bhtr,hvr->bhtv", out_latent, w_uv)  # W_UV applied after attention
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The float64 oracle: the uncached (non-absorbed) form written plainly (attention/reference.py)."""
+        return mla_reference(self, x)

@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from cache import Retention
 from kernels import (
     linear_attention_chunked_ref,
     linear_attention_chunked_triton,
@@ -117,16 +118,17 @@ def bench_attention(args, peak_gbs, window=None) -> None:
             k_pool, v_pool, block_table, seq_lens = paged_pools(batch, args, row_shape, dtype, count=2)
             q = torch.randn(batch, args.heads, args.head_dim, dtype=dtype, device="cuda")
             inputs = (q, k_pool, v_pool, block_table, seq_lens, args.head_dim**-0.5)
-            triton_out = paged_decode_attention_triton(*inputs, window=window)
-            ref_out = paged_decode_attention_ref(*inputs, window=window)
+            span = {} if window is None else dict(starts=Retention(window=window).span_starts(seq_lens), max_keys=window)
+            triton_out = paged_decode_attention_triton(*inputs, **span)
+            ref_out = paged_decode_attention_ref(*inputs, **span)
             max_err = (triton_out.float() - ref_out.float()).abs().max().item()
             if max_err > TOLERANCE[dtype]:
                 sys.exit(f"Triton attention differs from the reference by {max_err:.2e} (batch {batch}, {dtype_name})")
             # the kernel's unavoidable traffic: every visible cached K and V once, plus q and the output
             kv_bytes = batch * visible * args.kv_heads * 2 * args.head_dim * k_pool.element_size()
             nbytes = kv_bytes + 2 * q.nbytes + block_table.nbytes
-            triton_ms = median_ms(lambda: paged_decode_attention_triton(*inputs, window=window))
-            torch_ms = median_ms(lambda: paged_decode_attention_ref(*inputs, window=window))
+            triton_ms = median_ms(lambda: paged_decode_attention_triton(*inputs, **span))
+            torch_ms = median_ms(lambda: paged_decode_attention_ref(*inputs, **span))
             cells = timing_cells(triton_ms, torch_ms, nbytes, peak_gbs, max_err)
             print(row([str(batch), dtype_name, *cells]), flush=True)
             del k_pool, v_pool, inputs

@@ -1,25 +1,24 @@
-"""KV-cache layouts the engine allocates per attention layer: contiguous rows (a rolling buffer under a
-sliding window), or a paged block pool; plus the hand-off an uncached forward uses between shared layers."""
+"""KV-cache layouts the engine allocates per attention layer: contiguous rows (a ring buffer when the retention
+policy keeps fewer positions than max_len), or a paged block pool; plus the hand-off an uncached forward uses between
+shared layers. Which keys a query sees is the layer's retention policy's answer throughout."""
 import torch
 import torch.nn.functional as F
 
+from cache.retention import FULL, Retention
 from cache.spec import CacheBatch, CacheSpec
 from kernels import contiguous_decode_attention, mla_decode_attention, paged_decode_attention, write_paged_kv
 
 
-def visible_keys(key_positions: torch.Tensor, query_positions: torch.Tensor, window: int | None,
+def visible_keys(key_positions: torch.Tensor, query_positions: torch.Tensor, retention: Retention,
                  lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T, L] mask: a query sees keys at or before it, within the window (W keys including itself); -1 = empty.
+    """[B, T, L] mask: key L visible from query T under the retention policy; key position -1 = empty.
 
-    lengths [B] (a non-causal layer, which has no window): every query sees all keys before its row's length.
+    lengths [B] (a non-causal layer, which keeps everything): every query sees all keys before its row's length.
     """
     keys, queries = key_positions.unsqueeze(-2), query_positions.unsqueeze(-1)
     if lengths is not None:
         queries = (lengths.long() - 1)[:, None, None].expand_as(queries)  # as if each query were its row's newest
-    visible = (keys <= queries) & (keys >= 0)
-    if window is not None:
-        visible &= keys > queries - window
-    return visible
+    return retention.visible(keys, queries)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float):
@@ -32,9 +31,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
-def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int | None,
+def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, retention: Retention,
                     scale: float, causal: bool = True, lengths: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention over the keys of this call alone (no cache, or a prefill from 0): causal, optionally windowed;
+    """Attention over the keys of this call alone (no cache, or a prefill from 0): causal under the retention policy;
     or non-causal, where lengths [B] (optional) hides each row's right padding, the keys at or past its length."""
     gqa = k.shape[1] != q.shape[1]
     value_dim, width = v.shape[-1], max(v.shape[-1], q.shape[-1])
@@ -47,16 +46,23 @@ def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         if lengths is not None:
             padding = (torch.arange(k.shape[2], device=k.device) < lengths[:, None])[:, None, None]  # [B, 1, 1, L]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=padding, scale=scale, enable_gqa=gqa)
-    elif window is None or window >= t:
+    elif retention.capacity is None or t <= retention.capacity:  # no query here reaches past what the policy keeps
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        # queries in chunks of `window`, each against the keys its window can reach: O(T·W) work, not O(T²)
-        chunks = []
-        for start in range(0, t, window):
-            end, first_key = min(start + window, t), max(0, start - window + 1)
-            mask = visible_keys(positions[:, first_key:end], positions[:, start:end], window).unsqueeze(1)
-            chunks.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, first_key:end], v[:, :, first_key:end],
-                                                         attn_mask=mask, scale=scale, enable_gqa=gqa))
+        # queries in blocks of the window (or chunk), each against its sinks and the span its first query starts:
+        # O(T·W) work, not O(T²)
+        chunks, step = [], retention.chunk or retention.window
+        for start in range(0, t, step):
+            end, span = min(start + step, t), retention.span_start(start + 1)
+            sinks = min(retention.sinks, span)
+
+            def keys(x: torch.Tensor) -> torch.Tensor:  # [..., T, D] -> this block's sinks and span along dim -2
+                recent = x[..., span:end, :]
+                return recent if not sinks else torch.cat([x[..., :sinks, :], recent], dim=-2)
+
+            mask = visible_keys(keys(positions.unsqueeze(-1))[..., 0], positions[:, start:end], retention).unsqueeze(1)
+            chunks.append(F.scaled_dot_product_attention(q[:, :, start:end], keys(k), keys(v), attn_mask=mask,
+                                                         scale=scale, enable_gqa=gqa))
         out = torch.cat(chunks, dim=2)
     return out[..., :value_dim]
 
@@ -66,7 +72,7 @@ class KVTensors:
 
     def __init__(self, spec: CacheSpec, zeros):
         """zeros(dim): a zeroed tensor of this layout whose rows are `dim` wide."""
-        self.window = spec.window
+        self.retention = spec.retention
         self.k = zeros(spec.head_dim)
         self.v = zeros(spec.value_dim) if spec.kind == "kv" else None
 
@@ -85,47 +91,56 @@ class KVTensors:
 class ContiguousKV(KVTensors):
     """One row per batch slot, [slots, kv_heads, rows, dim], written in place (gpt-fast's static cache).
 
-    rows = max_len, or the window: then a rolling buffer where position p lives in row p mod window.
+    rows = max_len, or the retention's capacity when smaller: then a ring buffer where position p lives in row
+    retention.row(p), and a sequence's live keys are its first retention.rows_held(length) rows.
     """
 
     def __init__(self, spec: CacheSpec, max_batch: int, max_len: int, dtype, device):
-        self.rows = spec.tokens_held(max_len)
+        self.rows = spec.retention.rows(max_len)
         self.rolling = self.rows < max_len
         super().__init__(spec, lambda dim: torch.zeros(max_batch, spec.kv_heads, self.rows, dim, dtype=dtype, device=device))
 
     def write(self, k: torch.Tensor, v: torch.Tensor | None, batch: CacheBatch) -> None:
-        """k, v: [B, KVH, T, D] for the tokens at batch.positions; a rolling buffer keeps the last `rows` of them."""
-        positions = batch.positions[:, -self.rows:]
-        k = k[:, :, -self.rows:]
-        index = (batch.slots[:, None], slice(None), positions % self.rows if self.rolling else positions)
-        self.k[index] = k.transpose(1, 2)
+        """k, v: [B, KVH, T, D] for the tokens at batch.positions; a ring keeps those the newest query still sees."""
+        k = k.transpose(1, 2)  # [B, T, KVH, D]
+        v = None if v is None else v.transpose(1, 2)
+        rows = self.retention.row(batch.positions)
+        if self.rolling and k.shape[1] > 1:
+            # several tokens into a ring: only the kept ones, else two positions could land in one row
+            kept = self.retention.visible(batch.positions, (batch.lengths.long() - 1)[:, None])
+            seqs, steps = kept.nonzero(as_tuple=True)
+            index = (batch.slots[seqs], slice(None), rows[seqs, steps])
+            k, v = k[seqs, steps], None if v is None else v[seqs, steps]
+        else:
+            index = (batch.slots[:, None], slice(None), rows)
+        self.k[index] = k
         if self.v is not None:
-            self.v[index] = v[:, :, -self.rows:].transpose(1, 2)
+            self.v[index] = v
 
     def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None = None,
                causal: bool = True) -> torch.Tensor:
         """causal=False: each query sees every cached key of its row before batch.lengths, not only earlier ones."""
         if q.shape[2] == 1:
-            # one query per sequence sees every live row (a window never binds here: a rolling buffer holds just the
-            # window, unordered, which softmax does not mind; an unrolled one is at least max_len wide)
-            lengths = batch.lengths.clamp(max=self.rows) if self.rolling else batch.lengths
+            # one query per sequence sees every live row: a ring holds just the visible keys, unordered, which softmax
+            # does not mind; an unrolled buffer is at least max_len wide, so the policy never binds there
+            lengths = self.retention.rows_held(batch.lengths) if self.rolling else batch.lengths
             out = contiguous_decode_attention(q[:, :, 0], self.k, self.v, batch.slots, lengths, scale,
                                               value_dim or self.v.shape[-1], rows_read=min(batch.max_length, self.rows),
                                               slot_range=batch.slot_range)
             return out.unsqueeze(2)
         if self.rolling:
-            raise ValueError("a rolling-window cache attends one new token per sequence after its prefill")
+            raise ValueError("a ring-buffer cache attends one new token per sequence after its prefill")
         rows = batch.slots if batch.slot_range is None else batch.slot_range
         k = self.k[rows, :, : batch.max_length]
         v = None if self.v is None else self.v[rows, :, : batch.max_length]
         key_positions = torch.arange(batch.max_length, device=q.device).unsqueeze(0)
-        visible = visible_keys(key_positions, batch.positions, self.window, None if causal else batch.lengths)
+        visible = visible_keys(key_positions, batch.positions, self.retention, None if causal else batch.lengths)
         return self.attend_over(q, k, v, visible, scale, value_dim)
 
 
 class PagedKV(KVTensors):
     """A pool of fixed-size blocks, indexed [num_blocks, block_size, kv_heads, dim]; sequences own blocks via the
-    block table of this layer's cache group (vLLM). Under a window, blocks that leave it go back to the pool.
+    block table of this layer's cache group (vLLM). Blocks whose positions the retention drops go back to the pool.
 
     Stored head-major, [num_blocks, kv_heads, block_size, dim] (vLLM's CPU layout), seen through a transposed view:
     one KV head's rows in a block are then side by side, so decode reads whole runs of them instead of 128-byte
@@ -151,12 +166,14 @@ class PagedKV(KVTensors):
         if q.shape[2] == 1 and self.v is None:
             return mla_decode_attention(q[:, :, 0], self.k[:, :, 0], table, batch.lengths, scale, value_dim).unsqueeze(2)
         if q.shape[2] == 1:
-            out = paged_decode_attention(q[:, :, 0], self.k, self.v, table, batch.lengths, scale, window=self.window)
+            starts = None if self.retention.keeps_all else self.retention.span_starts(batch.lengths)
+            out = paged_decode_attention(q[:, :, 0], self.k, self.v, table, batch.lengths, scale, starts=starts,
+                                         sinks=self.retention.sinks, max_keys=self.retention.capacity)
             return out.unsqueeze(2)
         # Several new tokens on top of cached ones: gather the blocks, then mask.
         k, v = self.gather(table, batch.max_length)
         key_positions = torch.arange(batch.max_length, device=q.device).unsqueeze(0)
-        visible = visible_keys(key_positions, batch.positions, self.window, None if causal else batch.lengths)
+        visible = visible_keys(key_positions, batch.positions, self.retention, None if causal else batch.lengths)
         return self.attend_over(q, k, v, visible, scale, value_dim)
 
     def gather(self, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -185,4 +202,4 @@ class CallKV:
 
     def attend(self, q: torch.Tensor, batch, scale: float, value_dim: int | None = None) -> torch.Tensor:
         positions = torch.arange(q.shape[2], device=q.device).unsqueeze(0)
-        return fresh_attention(q, self.k, self.v, positions, None, scale)
+        return fresh_attention(q, self.k, self.v, positions, FULL, scale)

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cache.retention import FULL, Retention
+
 CACHE_KINDS = ("kv", "latent", "shared", "state")
 
 
@@ -16,7 +18,7 @@ class CacheSpec:
     kind "shared": no memory of its own; the layer reads layer `source`'s cache (cross-layer attention).
     kind "state": a fixed-size recurrent state per sequence, one tensor per (name, shape) in state_shapes
     (Mamba's conv and SSM states, linear attention's S and z), whatever the sequence's length.
-    window: keep only the newest `window` tokens (sliding-window attention).
+    retention: which positions the cache keeps and each query sees (all; the newest W; sinks + W; a chunk).
     query_heads: query heads that read this cache each token (attention FLOPs per key scale with it; 0 for states).
     """
 
@@ -24,7 +26,7 @@ class CacheSpec:
     kv_heads: int = 0
     head_dim: int = 0
     value_dim: int = 0
-    window: int | None = None
+    retention: Retention = FULL
     source: int | None = None
     query_heads: int = 0
     state_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
@@ -33,8 +35,8 @@ class CacheSpec:
     def __post_init__(self):
         if self.kind not in CACHE_KINDS:
             raise ValueError(f"unknown cache kind {self.kind!r}; allowed: {', '.join(CACHE_KINDS)}")
-        if self.window is not None and self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
+        if not isinstance(self.retention, Retention):
+            raise ValueError(f"retention must be a cache.Retention, got {self.retention!r}")
         if (self.kind == "shared") != (self.source is not None):
             raise ValueError("a 'shared' cache names its source layer, and only it does")
         if (self.kind == "state") != bool(self.state_shapes):
@@ -68,8 +70,8 @@ class CacheSpec:
         return tokens + (self.state_bytes(dtype) if seq_len > 0 else 0)
 
     def tokens_held(self, seq_len: int) -> int:
-        """Tokens of a `seq_len`-token sequence the cache keeps: all of them, or the last `window`."""
-        return seq_len if self.window is None else min(seq_len, self.window)
+        """Tokens of a `seq_len`-token sequence the cache keeps (its retention's answer)."""
+        return self.retention.tokens_held(seq_len)
 
     def elements(self, seq_len: int) -> int:
         """Cache elements one sequence of `seq_len` tokens holds in this layer (a state is there from the first token)."""
@@ -85,8 +87,8 @@ def specs_read(specs: list[CacheSpec]) -> list[CacheSpec]:
 class CacheBatch:
     """Where this step's tokens live in the caches; built by the engine once per step, shared by all layers.
 
-    The paged fields are per cache group (layers whose blocks live and die together: one group per window
-    size), so a layout reads `block_tables[its group]`.
+    The paged fields are per cache group (layers whose blocks live and die together: one group per retention
+    policy), so a layout reads `block_tables[its group]`.
     """
 
     positions: torch.Tensor  # [B, T] absolute position of each new token

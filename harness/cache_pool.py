@@ -1,31 +1,31 @@
 """The engine's cache memory: one layout per layer, allocated from the layers' cache declarations.
 
-Paged layers are grouped by window: a group's layers share block ids (one block table per sequence per group),
-so a sliding-window group can return blocks while a global group in the same model keeps them.
+Paged layers are grouped by retention policy: a group's layers share block ids (one block table per sequence per
+group), so a sliding-window group can return blocks while a global group in the same model keeps them.
 """
 from dataclasses import dataclass
 
 import torch
 
-from cache import CacheSpec, ContiguousKV, PagedKV, StateSlots, specs_read
-from harness.block_manager import peak_blocks
+from cache import CacheSpec, ContiguousKV, PagedKV, Retention, StateSlots, specs_read
 
 LAYOUTS = ("contiguous", "paged")
 
 
 @dataclass
 class CacheGroup:
-    window: int | None
+    retention: Retention
     layers: list[int]  # memory-owning layers whose blocks live and die together
     token_elements: int  # cache elements one token costs across those layers
 
 
 def cache_groups(specs: list[CacheSpec]) -> list[CacheGroup]:
-    """Layers with a per-token cache, grouped by window, in order of first appearance (state layers have no blocks)."""
-    groups: dict[int | None, CacheGroup] = {}
+    """Layers with a per-token cache, grouped by retention policy, in order of first appearance (state layers have
+    no blocks)."""
+    groups: dict[Retention, CacheGroup] = {}
     for i, spec in enumerate(specs):
         if spec.elements_per_token > 0:
-            group = groups.setdefault(spec.window, CacheGroup(spec.window, [], 0))
+            group = groups.setdefault(spec.retention, CacheGroup(spec.retention, [], 0))
             group.layers.append(i)
             group.token_elements += spec.elements_per_token
     return list(groups.values())
@@ -79,7 +79,7 @@ def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, bl
             max_batch = min(max_batch, budget // per_row)
         return max_batch, []
     groups = cache_groups(specs)
-    needs = [peak_blocks(max_seq_len, block_size, g.window) for g in groups]
+    needs = [g.retention.peak_blocks(max_seq_len, block_size) for g in groups]
     if num_blocks is not None:
         return max_batch, [num_blocks] * len(groups)
     if budget is None:

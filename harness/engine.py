@@ -68,7 +68,7 @@ class Engine:
         """kv_cache: "contiguous" ([slots, kv_heads, max_seq_len, head_dim] per layer) or "paged" (block pool).
 
         num_blocks / cache_budget_bytes size the paged pool (default: room for max_batch full-length sequences;
-        num_blocks is per cache group, i.e. per distinct sliding window in the model);
+        num_blocks is per cache group, i.e. per distinct retention policy in the model);
         for the contiguous layout a budget caps max_batch at the rows that fit.
         compile: torch.compile the decode step (fixed shapes; each new batch size compiles once).
         """
@@ -99,7 +99,7 @@ class Engine:
         self.max_batch = max_batch
         self.pool = CachePool(specs, kv_cache, max_batch, max_seq_len, block_size, num_blocks, self.dtype, self.device)
         # one block manager per cache group (paged layout only)
-        self.block_managers = [BlockManager(n, block_size, group.window) for n, group in zip(num_blocks, self.pool.groups)]
+        self.block_managers = [BlockManager(n, block_size, group.retention) for n, group in zip(num_blocks, self.pool.groups)]
         self.scheduler = Scheduler(max_batch, self.block_managers)
         self.runner = ModelRunner(model, self.pool, self.block_managers, self.device, max_seq_len, compile)
         self.tokenizer = ByteTokenizer()

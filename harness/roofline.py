@@ -65,7 +65,7 @@ def attention_flops(own, read, keys: int) -> int:
 
 def decode_step_cost(model, batch: int, context: int, dtype: torch.dtype | None = None) -> StepCost:
     """One decode step for `batch` sequences holding `context` tokens: it writes the new token's K/V (or rewrites
-    its state) and attends over context + 1 keys (the newest `window` of them under a sliding window)."""
+    its state) and attends over the keys of context + 1 its retention policy keeps."""
     if batch < 1 or context < 0:
         raise ValueError(f"batch must be >= 1 and context >= 0, got batch={batch}, context={context}")
     dtype = model_dtype(model, dtype)
@@ -79,13 +79,6 @@ def decode_step_cost(model, batch: int, context: int, dtype: torch.dtype | None 
                     cache_read_bytes=zoo.cache_read_bytes(model, seq_len=keys, batch=batch, dtype=dtype),
                     cache_write_bytes=batch * write,
                     flops=batch * (2 * weights + attention))
-
-
-def causal_pairs(tokens: int, window: int | None) -> int:
-    """(query, key) pairs a causal prefill of `tokens` tokens computes: key <= query, and query - key < window."""
-    if window is None or tokens <= window:
-        return tokens * (tokens + 1) // 2
-    return window * (window + 1) // 2 + (tokens - window) * window
 
 
 def prefill_cost(model, batch: int, prompt_len: int, dtype: torch.dtype | None = None) -> StepCost:
@@ -102,7 +95,7 @@ def prefill_cost(model, batch: int, prompt_len: int, dtype: torch.dtype | None =
         if read.kind == "state":
             attention += prompt_len * attention_flops(own, read, 0)
         else:  # per (query, key) pair; MLA counted as its absorbed form (the expanded prefill does fewer)
-            attention += attention_flops(own, read, causal_pairs(prompt_len, read.window))
+            attention += attention_flops(own, read, read.retention.causal_pairs(prompt_len))
     return StepCost(weight_bytes=weights * dtype.itemsize, cache_read_bytes=0,
                     cache_write_bytes=zoo.cache_bytes(model, seq_len=prompt_len, batch=batch, dtype=dtype),
                     flops=batch * (2 * (weights - head) * prompt_len + 2 * head + attention))

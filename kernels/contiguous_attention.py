@@ -2,8 +2,9 @@
 
 Layout: q [B, H, Dk]; k [slots, KVH, rows, Dk], v [slots, KVH, rows, Dv] or None (an MLA latent cache: the value
 is the first value_dim columns of each key row); slots [B] (the cache row of each sequence); seq_lens [B] (keys
-each sequence sees: rows 0 .. seq_lens-1 of its slot). Query head h reads KV head h // (H // KVH). A rolling
-sliding-window buffer is passed with seq_lens capped at its rows: softmax does not care in which row a key sits.
+each sequence sees: rows 0 .. seq_lens-1 of its slot). Query head h reads KV head h // (H // KVH). A ring
+buffer (a cache that keeps a bounded set of positions) is passed with seq_lens = its live rows, which are its first
+rows: softmax does not care in which row a key sits.
 Output [B, H, value_dim] in q's dtype.
 
 The reference is the oracle; the CPU path is the compiled kernel (kernels/cpu_decode.py), which reads only each

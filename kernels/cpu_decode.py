@@ -6,7 +6,7 @@ runs on) and registered as a torch custom op, so `torch.compile` calls it withou
 Layouts (k and v 4-D, last dim contiguous):
   "blocks": [num_blocks, block_size, kv_heads, dim], any strides (the engine's pools are head-major views), a
             sequence's keys found through its block-table row (paged);
-  "rows":   [slots, kv_heads, rows, dim], sequence b in row table[b, 0] (contiguous; a rolling window is `rows` wide).
+  "rows":   [slots, kv_heads, rows, dim], sequence b in row table[b, 0] (contiguous; a ring buffer is `rows` wide).
 v None: the keys are MLA latent rows and the value is their first `value_dim` columns.
 """
 import ctypes
@@ -69,8 +69,8 @@ def _library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     lib.decode_attention.restype = ctypes.c_int
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.decode_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64,
-                                     i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, ptr, i64, i64, i32, i32]
+    lib.decode_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr,
+                                     i64, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, ptr, i64, i64, i32, i32]
     lib.selective_state_update.restype = ctypes.c_int
     lib.selective_state_update.argtypes = ([ptr, i64, i64, i64, i64, i32] + [ptr, i64, i64, i64] * 2 + [ptr, i64, i64]
                                            + [ptr, i64, i64, i64] * 3 + [ptr, i64, i64] + [ptr, i64, i64, i64]
@@ -100,10 +100,11 @@ def _strides(x: torch.Tensor, layout: str) -> tuple[int, int, int]:
 
 @torch.library.custom_op("archzoo::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, table: torch.Tensor,
-                     seq_lens: torch.Tensor, layout: str, scale: float, window: int, value_dim: int,
-                     splits: int = 0) -> torch.Tensor:
-    """q [B, H, Dk] -> [B, H, value_dim]: each sequence's query over keys 0..seq_lens[b]-1 (window > 0: the newest
-    `window` of them). table: int32 [B, blocks] ("blocks") or [B, 1] ("rows"). See the module doc for layouts.
+                     seq_lens: torch.Tensor, layout: str, scale: float, value_dim: int, starts: torch.Tensor | None = None,
+                     sinks: int = 0, max_keys: int = 0, splits: int = 0) -> torch.Tensor:
+    """q [B, H, Dk] -> [B, H, value_dim]: each sequence's query over keys 0..seq_lens[b]-1, or with starts over
+    [0, min(sinks, starts[b])) and [starts[b], seq_lens[b]) (kernels/paged_attention.py); max_keys > 0 bounds how
+    many keys a query sees. table: int32 [B, blocks] ("blocks") or [B, 1] ("rows"). See the module doc for layouts.
     splits: key slices per (sequence, KV head), merged by log-sum-exp; 0 = enough to keep every thread busy."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown cache layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
@@ -111,6 +112,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
     q = q.contiguous()
     # the kernel reads int32 rows with unit stride: callers may hand int64 lengths or a sliced table
     table, seq_lens = table.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
+    starts = None if starts is None else starts.to(torch.int32).contiguous()
     batch, heads, dim_k = q.shape
     kv_heads = k.shape[2] if layout == "blocks" else k.shape[1]
     block_size = k.shape[1] if layout == "blocks" else k.shape[2]
@@ -120,13 +122,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
     # a paged task reads all KV heads of its blocks, tile by tile: a block's heads lie together (one stream per block,
     # 1.1-1.3x faster than a task per head at 16 x 4096 keys); a contiguous cache streams one KV head per task
     kv_per_task = kv_heads if layout == "blocks" else 1
-    max_keys = table.shape[1] * block_size if window <= 0 else min(window, table.shape[1] * block_size)
+    max_keys = table.shape[1] * block_size if max_keys <= 0 else min(max_keys, table.shape[1] * block_size)
     status = lib.decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1),
         k.data_ptr(), *_strides(k, layout),
         values.data_ptr(), *_strides(values, layout),
         table.data_ptr(), table.stride(0), block_size,
-        seq_lens.data_ptr(), window,
+        seq_lens.data_ptr(), None if starts is None else starts.data_ptr(), sinks,
         batch, heads, kv_heads, kv_per_task, dim_k, value_dim, scale,
         splits or _num_splits(batch * kv_heads // kv_per_task, max_keys, threads),
         out.data_ptr(), out.stride(0), out.stride(1), DTYPE_CODES[q.dtype], threads,
@@ -138,7 +140,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
 
 
 @decode_attention.register_fake
-def _(q, k, v, table, seq_lens, layout, scale, window, value_dim, splits=0):
+def _(q, k, v, table, seq_lens, layout, scale, value_dim, starts=None, sinks=0, max_keys=0, splits=0):
     return q.new_empty(q.shape[0], q.shape[1], value_dim)
 
 
@@ -148,19 +150,21 @@ def fits(q: torch.Tensor, cache: torch.Tensor, kv_heads: int, value_dim: int) ->
             and q.shape[1] % kv_heads == 0 and q.shape[1] // kv_heads <= 128 and max(q.shape[2], value_dim) <= 1024)
 
 
-def paged_decode_attention_cpu(q, k_pool, v_pool, block_table, seq_lens, scale: float, window: int | None = None):
+def paged_decode_attention_cpu(q, k_pool, v_pool, block_table, seq_lens, scale: float, starts=None, sinks: int = 0,
+                               max_keys: int | None = None):
     """The paged kernel's contract (kernels/paged_attention.py) on the CPU kernel."""
-    return decode_attention(q, k_pool, v_pool, block_table, seq_lens, "blocks", scale, window or 0, v_pool.shape[-1])
+    return decode_attention(q, k_pool, v_pool, block_table, seq_lens, "blocks", scale, v_pool.shape[-1], starts, sinks,
+                            max_keys or 0)
 
 
 def mla_decode_attention_cpu(q, latent_pool, block_table, seq_lens, scale: float, value_dim: int):
     """The MLA kernel's contract (kernels/mla_attention.py): latent_pool [num_blocks, block_size, W]."""
-    return decode_attention(q, latent_pool.unsqueeze(2), None, block_table, seq_lens, "blocks", scale, 0, value_dim)
+    return decode_attention(q, latent_pool.unsqueeze(2), None, block_table, seq_lens, "blocks", scale, value_dim)
 
 
 def contiguous_decode_attention_cpu(q, k, v, slots, seq_lens, scale: float, value_dim: int):
     """kernels/contiguous_attention.py's contract: k, v [slots, kv_heads, rows, dim], v None for a latent cache."""
-    return decode_attention(q, k, v, slots.to(torch.int32).unsqueeze(1), seq_lens, "rows", scale, 0, value_dim)
+    return decode_attention(q, k, v, slots.to(torch.int32).unsqueeze(1), seq_lens, "rows", scale, value_dim)
 
 
 def state_update_fits(state: torch.Tensor) -> bool:

@@ -6,9 +6,13 @@ block_table [B, max_blocks] (entry j = pool block holding positions j*block_size
 seq_lens [B] (valid keys per sequence, the current token included). Query head h reads KV head
 h // (H // KVH). Output [B, H, Dv] in q's dtype, softmax computed in fp32.
 
-Sliding window (HF Mistral's convention): the query at position seq_len-1 sees the `window` keys at
-positions seq_len-window .. seq_len-1. Keys before that are never read: the engine returns blocks
-that leave the window to the pool and sets their table entries to -1.
+Which keys a query sees (the cache's retention policy, reduced to what a kernel needs): the first
+`sinks` positions and the span from starts[b] to seq_lens[b] - 1, i.e. positions
+[0, min(sinks, starts[b])) and [starts[b], seq_lens[b]); starts None = 0 (every key). A sliding
+window W has starts = seq_len - W, attention sinks add sinks = S, chunked attention starts its span at
+its chunk. Keys outside are never read: the engine returns blocks that leave the span to the pool and
+sets their table entries to -1. max_keys bounds the keys any query sees (the policy's capacity; None:
+the block table's), which sizes the Triton splits without a device sync.
 
 The PyTorch reference is the CPU path and the oracle. The Triton kernel is split-K
 "flash-decoding": stage 1 gives each (sequence, KV head, split) program the whole GQA group of
@@ -33,7 +37,7 @@ _MAX_SPLITS = 16
 _PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep its memory pipe busy
 
 
-def _check_args(q, k_pool, v_pool, block_table, seq_lens, window) -> None:
+def _check_args(q, k_pool, v_pool, block_table, seq_lens, starts, sinks, max_keys) -> None:
     if q.dim() != 3 or k_pool.dim() != 4 or v_pool.dim() != 4:
         raise ValueError("expected q [B, H, D] and pools [num_blocks, block_size, KVH, D]")
     if k_pool.shape[:3] != v_pool.shape[:3]:
@@ -45,22 +49,34 @@ def _check_args(q, k_pool, v_pool, block_table, seq_lens, window) -> None:
         raise ValueError(f"query dim {q.shape[2]} != key dim {k_pool.shape[3]}")
     if block_table.dim() != 2 or block_table.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
         raise ValueError("expected block_table [B, max_blocks] and seq_lens [B]")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be at least 1 key, got {window}")
+    if starts is not None and starts.shape != seq_lens.shape:
+        raise ValueError(f"starts {tuple(starts.shape)} must be [B] like seq_lens {tuple(seq_lens.shape)}")
+    if sinks < 0:
+        raise ValueError(f"sinks must be >= 0 positions, got {sinks}")
+    if max_keys is not None and max_keys < 1:
+        raise ValueError(f"max_keys must be at least 1 key, got {max_keys}")
+
+
+def visible_positions(seq_lens, starts, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, L] positions each sequence reads, [B, L] which of them are real): its sinks, then its span."""
+    lengths = seq_lens.long()
+    starts = torch.zeros_like(lengths) if starts is None else starts.long()
+    sink_count = starts.clamp(max=sinks)
+    count = sink_count + lengths - starts
+    index = torch.arange(int(count.max()), device=seq_lens.device)[None, :]
+    positions = torch.where(index < sink_count[:, None], index, index - sink_count[:, None] + starts[:, None])
+    return positions, index < count[:, None]
 
 
 def paged_decode_attention_ref(
-    q, k_pool, v_pool, block_table, seq_lens, scale: float, window: int | None = None
+    q, k_pool, v_pool, block_table, seq_lens, scale: float, starts=None, sinks: int = 0, max_keys: int | None = None
 ) -> torch.Tensor:
-    _check_args(q, k_pool, v_pool, block_table, seq_lens, window)
+    _check_args(q, k_pool, v_pool, block_table, seq_lens, starts, sinks, max_keys)
     batch, num_heads, _ = q.shape
     block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
-    max_len = int(seq_lens.max())
-    span = max_len if window is None else min(window, max_len)
-    # each sequence gathers only its own window: earlier table entries may already be -1
-    first = (seq_lens.long() - span).clamp(min=0)
-    positions = first[:, None] + torch.arange(span, device=q.device)  # [B, L], all < max_len
-    valid = positions < seq_lens[:, None]
+    # each sequence gathers only the keys it sees: other table entries may already be -1
+    positions, valid = visible_positions(seq_lens, starts, sinks)
+    positions = torch.where(valid, positions, 0)
     pages = block_table.gather(1, positions // block_size).long()
     # invalid positions may map to unused table entries (-1): point them at block 0, masked below
     pages, offsets = torch.where(valid, pages, 0), positions % block_size
@@ -75,23 +91,26 @@ def paged_decode_attention_ref(
 
 
 def _split_kernel(
-    q_ptr, k_pool_ptr, v_pool_ptr, block_table_ptr, seq_lens_ptr, partial_out_ptr, partial_lse_ptr,
-    scale, window, split_len,
+    q_ptr, k_pool_ptr, v_pool_ptr, block_table_ptr, seq_lens_ptr, starts_ptr, partial_out_ptr, partial_lse_ptr,
+    scale, sinks, split_len,
     stride_q_seq, stride_q_head, stride_q_dim,
     stride_k_block, stride_k_pos, stride_k_head, stride_k_dim,
     stride_v_block, stride_v_pos, stride_v_head, stride_v_dim,
     stride_table_seq, stride_table_entry,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     DIM_K: tl.constexpr, DIM_K_PAD: tl.constexpr, DIM_V: tl.constexpr, DIM_V_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, KEYS_PER_STEP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KEYS_PER_STEP: tl.constexpr, HAS_STARTS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # the splits tile the window alone: blocks before it are never loaded (their table entries may be -1)
-    split_start = tl.maximum(seq_len - window, 0) + split * split_len
-    split_end = tl.minimum(split_start + split_len, seq_len)
+    span_start = tl.load(starts_ptr + seq) if HAS_STARTS else 0
+    sink_count = tl.minimum(span_start, sinks) if HAS_STARTS else 0
+    # the splits tile the visible keys alone, numbered 0.. (sinks first, then the span): blocks outside are never
+    # loaded (their table entries may be -1)
+    split_start = split * split_len
+    split_end = tl.minimum(split_start + split_len, sink_count + seq_len - span_start)
 
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
@@ -110,8 +129,9 @@ def _split_kernel(
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_V_PAD], tl.float32)
     for step_start in range(split_start, split_end, KEYS_PER_STEP):
-        positions = step_start + tl.arange(0, KEYS_PER_STEP)
-        pos_ok = positions < split_end
+        index = step_start + tl.arange(0, KEYS_PER_STEP)
+        pos_ok = index < split_end
+        positions = tl.where(index < sink_count, index, index - sink_count + span_start)
         block = tl.load(
             block_table_ptr + seq * stride_table_seq + (positions // BLOCK_SIZE) * stride_table_entry,
             mask=pos_ok, other=0,
@@ -159,7 +179,7 @@ def _merge_kernel(
     partial_rows = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
 
     lse = tl.load(partial_lse_ptr + partial_rows, mask=split_ok, other=float("-inf"))
-    # split 0 starts at the window's first key and seq_len >= 1, so it holds a key and the max is finite
+    # split 0 starts at the first visible key and seq_len >= 1, so it holds a key and the max is finite
     weights = tl.exp(lse - tl.max(lse, axis=0))
     partial_out = tl.load(partial_out_ptr + partial_rows[:, None] * DIM_V + dims[None, :],
                           mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
@@ -192,9 +212,10 @@ def _default_num_splits(max_len: int, programs_per_split: int, device: torch.dev
 
 
 def paged_decode_attention_triton(
-    q, k_pool, v_pool, block_table, seq_lens, scale: float, num_splits: int | None = None, window: int | None = None
+    q, k_pool, v_pool, block_table, seq_lens, scale: float, num_splits: int | None = None, starts=None,
+    sinks: int = 0, max_keys: int | None = None
 ) -> torch.Tensor:
-    _check_args(q, k_pool, v_pool, block_table, seq_lens, window)
+    _check_args(q, k_pool, v_pool, block_table, seq_lens, starts, sinks, max_keys)
     split_kernel, merge_kernel = _jitted_kernels()
     batch, num_heads, dim_k = q.shape
     block_size, num_kv_heads, dim_v = v_pool.shape[1], v_pool.shape[2], v_pool.shape[3]
@@ -202,7 +223,7 @@ def paged_decode_attention_triton(
     # the table's capacity bounds the longest sequence without a device sync (reading seq_lens would
     # need one); callers size the table to their longest sequence, so the bound is tight
     max_len = block_table.shape[1] * block_size
-    span = max_len if window is None else min(window, max_len)  # keys one sequence can see
+    span = max_len if max_keys is None else min(max_keys, max_len)  # keys one sequence can see
     if num_splits is None:
         num_splits = _default_num_splits(span, batch * num_kv_heads, q.device)
     dim_k_pad, dim_v_pad = padded(dim_k), padded(dim_v)
@@ -213,12 +234,12 @@ def paged_decode_attention_triton(
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(batch, num_heads, dim_v, dtype=q.dtype, device=q.device)
     split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_pool, v_pool, block_table, seq_lens, partial_out, partial_lse,
-        scale, span, split_len,
+        q, k_pool, v_pool, block_table, seq_lens, seq_lens if starts is None else starts, partial_out, partial_lse,
+        scale, sinks, split_len,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *block_table.stride(),
         GROUP=group, GROUP_PAD=padded(group), DIM_K=dim_k, DIM_K_PAD=dim_k_pad,
         DIM_V=dim_v, DIM_V_PAD=dim_v_pad, BLOCK_SIZE=block_size, KEYS_PER_STEP=keys_per_step,
-        num_warps=num_warps,
+        HAS_STARTS=starts is not None, num_warps=num_warps,
     )
     merge_kernel[(batch, num_heads)](
         partial_out, partial_lse, out, *out.stride(),
@@ -229,10 +250,11 @@ def paged_decode_attention_triton(
 
 
 def paged_decode_attention(
-    q, k_pool, v_pool, block_table, seq_lens, scale: float, window: int | None = None
+    q, k_pool, v_pool, block_table, seq_lens, scale: float, starts=None, sinks: int = 0, max_keys: int | None = None
 ) -> torch.Tensor:
+    args = (q, k_pool, v_pool, block_table, seq_lens, scale)
     if use_triton(q, k_pool, v_pool, block_table, seq_lens):
-        return paged_decode_attention_triton(q, k_pool, v_pool, block_table, seq_lens, scale, window=window)
+        return paged_decode_attention_triton(*args, starts=starts, sinks=sinks, max_keys=max_keys)
     if use_cpu_kernel(q, k_pool, v_pool) and cpu_decode.fits(q, k_pool, k_pool.shape[2], v_pool.shape[3]):
-        return cpu_decode.paged_decode_attention_cpu(q, k_pool, v_pool, block_table, seq_lens, scale, window=window)
-    return paged_decode_attention_ref(q, k_pool, v_pool, block_table, seq_lens, scale, window=window)
+        return cpu_decode.paged_decode_attention_cpu(*args, starts=starts, sinks=sinks, max_keys=max_keys)
+    return paged_decode_attention_ref(*args, starts=starts, sinks=sinks, max_keys=max_keys)

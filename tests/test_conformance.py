@@ -118,10 +118,12 @@ def test_paged_cache_bytes_track_analytic(model, arch_name, helpers):
         assert manager.num_blocks == max_batch * manager.peak_blocks(max_seq_len)
     assert engine.cache_bytes_allocated == (sum(m.num_blocks * b for m, b in zip(managers, block_bytes))
                                             + max_batch * pool.state_slot_bytes)
-    if all(m.window is None for m in managers):
+    if all(m.retention.keeps_all for m in managers):
         assert engine.cache_bytes_allocated == zoo.cache_bytes(model, seq_len=max_seq_len, batch=max_batch)
-    # a windowed sequence's blocks may be part-filled at both ends of its window, a full one's at its end only
-    waste = sum((1 if m.window is None else 2) * b for m, b in zip(managers, block_bytes))
+    # a bounded sequence's blocks may be part-filled at both ends of its span (and its last sink block), a full
+    # one's at its end only
+    edges = lambda r: 1 if r.keeps_all else 2 + bool(r.sinks)  # noqa: E731
+    waste = sum(edges(m.retention) * b for m, b in zip(managers, block_bytes))
 
     lengths, new_tokens = [1, 7, 8, 9, 30, 50], [20, 12, 1, 17, 25, 14]
     for prompt, n in zip(helpers.make_prompts(lengths, model.config.vocab_size, seed=5), new_tokens):

@@ -39,17 +39,24 @@ def test_diffusion_mixer_option():
     (MixerSpec("linear", {"n_heads": 2}), "'linear'"),
     (MixerSpec("mamba", {}), "'mamba'"),
     (MixerSpec("mamba2", {"head_dim": 8}), "'mamba2'"),
-    (MixerSpec("attention", {"n_heads": 2, "window": 4}), "'attention' with window=4"),
 ])
 def test_a_causal_only_mixer_cannot_build_a_non_causal_model(spec, named):
     config = ModelConfig(vocab_size=10, d_model=16, layers=[spec], causal=False, mask_token_id=9)
-    with pytest.raises(ValueError, match=rf"{named} \(layer 0\) runs only causally.*allowed: attention \(without window, kv_source\), mla"):
+    with pytest.raises(ValueError, match=rf"{named} \(layer 0\) runs only causally.*allowed: attention, mla"):
+        zoo.build(config)
+
+
+@pytest.mark.parametrize("params", [{"window": 4}, {"window": 4, "sinks": 2}, {"chunk": 8}])
+def test_a_bounded_attention_layer_cannot_be_non_causal(params):
+    config = ModelConfig(vocab_size=10, d_model=16, layers=[MixerSpec("attention", {"n_heads": 2, **params})],
+                         causal=False, mask_token_id=9)
+    with pytest.raises(ValueError, match="non-causal attention keeps every key.*must be unset"):
         zoo.build(config)
 
 
 def test_a_shared_cache_layer_cannot_be_non_causal():
     layers = [MixerSpec("attention", {"n_heads": 2}), MixerSpec("attention", {"n_heads": 2, "kv_source": 0})]
-    with pytest.raises(ValueError, match=r"kv_source=0 \(layer 1\) runs only causally"):
+    with pytest.raises(ValueError, match=r"non-causal attention keeps every key and computes its own.*kv_source=0"):
         zoo.build(ModelConfig(vocab_size=10, d_model=16, layers=layers, causal=False))
 
 

@@ -218,10 +218,10 @@ def test_family_config_mapped(family_pair):
     for spec in model.cache_specs():
         if c.model_type == "mistral":
             want = ("kv", c.num_key_value_heads, c.head_dim, c.sliding_window)
-            assert (spec.kind, spec.kv_heads, spec.head_dim, spec.window) == want
+            assert (spec.kind, spec.kv_heads, spec.head_dim, spec.retention.window) == want
         else:
             assert (spec.kind, spec.kv_heads, spec.value_dim) == ("latent", 1, c.kv_lora_rank)
-            assert spec.head_dim == c.kv_lora_rank + c.qk_rope_head_dim and spec.window is None
+            assert spec.head_dim == c.kv_lora_rank + c.qk_rope_head_dim and spec.retention.keeps_all
 
 
 def test_family_logits_match(family_pair):

@@ -113,10 +113,11 @@ def test_window_of_one_sees_only_itself():
     with torch.no_grad():
         own_value = attn.o_proj(attn.v_proj(x).repeat(1, 1, 2))  # each of the 2 query heads reads its KV head
         assert torch.allclose(attn(x), own_value, atol=1e-6)
-        attn.window = 7  # a window as long as the sequence is plain causal attention
-        wide = attn(x)
-        attn.window = None
-        assert torch.allclose(wide, attn(x), atol=1e-6)
+        same_weights = lambda **kw: Attention(d_model=16, layer_idx=0, n_heads=2, n_kv_heads=1, **kw).requires_grad_(False)  # noqa: E731
+        wide, full = same_weights(window=7), same_weights()  # a window as long as the sequence is plain causal attention
+        for other in (wide, full):
+            other.load_state_dict(attn.state_dict())
+        assert torch.allclose(wide(x), full(x), atol=1e-6)
 
 
 def test_sliding_window_contiguous_cache_stops_growing_at_the_window():
@@ -134,7 +135,7 @@ def test_sliding_window_paged_blocks_return_to_the_pool(helpers):
     model = helpers.random_model("hybrid", layers="swa,gqa", window=window)
     engine = Engine(model, max_batch=1, max_seq_len=96, kv_cache="paged", block_size=block_size)
     swa_blocks, full_blocks = engine.block_managers  # groups in layer order: the window first
-    assert (swa_blocks.window, full_blocks.window) == (window, None)
+    assert (swa_blocks.retention.window, full_blocks.retention.keeps_all) == (window, True)
     engine.add_request(helpers.make_prompts([21], 512)[0], helpers.greedy(70))
     held, returned = [], []
     while engine.has_unfinished():

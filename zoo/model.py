@@ -70,12 +70,13 @@ class DecoderLM(nn.Module):
 
 
 def check_shared_caches(specs) -> None:
-    """A layer may share only a full (unwindowed) KV cache of an earlier layer with its own head layout."""
+    """A layer may share only a full KV cache (one that keeps every position) of an earlier layer with its own head
+    layout."""
     for i, spec in enumerate(specs):
         if spec.kind != "shared":
             continue
         source = specs[spec.source]
-        if source.kind != "kv" or source.window is not None:
+        if source.kind != "kv" or not source.retention.keeps_all:
             raise ValueError(f"layer {i} shares the cache of layer {spec.source}, which is not a full KV cache ({source})")
         if (source.kv_heads, source.head_dim) != (spec.kv_heads, spec.head_dim):
             raise ValueError(f"layer {i} reads {spec.kv_heads} KV heads of dim {spec.head_dim} from layer {spec.source}, "

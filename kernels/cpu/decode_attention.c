@@ -86,19 +86,23 @@ static void prefetch_tile(const Cache *c, const int32_t *table_row, int kv0, int
     }
 }
 
-/* keys [start, end) of one sequence for the query heads of KV heads kv0 .. kv0 + kv_per_task (q: [those heads][dk]
- * fp32, pre-scaled). Writes the unnormalised partial output out[heads][dv] (sum of exp(score - max) * value) and each
- * head's max and sum. work: TILE * (dk + dv) floats for converting 16-bit rows. */
+/* An empty partial: no keys yet, so weight 0 in the merge. */
+static void reset_partial(int task_heads, int dv, float *out_task, float *max_task, float *sum_task) {
+    for (int h = 0; h < task_heads; h++) {
+        max_task[h] = -INFINITY;
+        sum_task[h] = 0.0f;
+        memset(out_task + (int64_t)h * dv, 0, sizeof(float) * dv);
+    }
+}
+
+/* Adds keys [start, end) of one sequence to the partial of the query heads of KV heads kv0 .. kv0 + kv_per_task
+ * (q: [those heads][dk] fp32, pre-scaled): the unnormalised output out[heads][dv] (sum of exp(score - max) * value)
+ * and each head's max and sum, kept by an online softmax. work: TILE * (dk + dv) floats for converting 16-bit rows. */
 static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int64_t start, int64_t end,
                          const float *q_task, float *out_task, float *max_task, float *sum_task, float *work) {
     float scores[MAX_HEADS][TILE];
     const float *krows[TILE], *vrows[TILE];
     const int dk = c->dk, dv = c->dv, group = c->heads / c->kv_heads;
-    for (int h = 0; h < group * c->kv_per_task; h++) {
-        max_task[h] = -INFINITY;
-        sum_task[h] = 0.0f;
-        memset(out_task + (int64_t)h * dv, 0, sizeof(float) * dv);
-    }
     for (int64_t first = start; first < end; first += TILE) {
         int n = (int)(end - first < TILE ? end - first : TILE);
         if (first + TILE < end) prefetch_tile(c, table_row, kv0, first + TILE, (int)(end - first - TILE < TILE ? end - first - TILE : TILE));
@@ -172,7 +176,7 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int6
 int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int64_t k_block, int64_t k_pos,
                      int64_t k_head, const void *v, int64_t v_block, int64_t v_pos, int64_t v_head,
                      const int32_t *table, int64_t table_stride, int64_t block_size, const int32_t *seq_lens,
-                     int64_t window, int batch, int heads, int kv_heads, int kv_per_task, int dk, int dv,
+                     const int32_t *starts, int64_t sinks, int batch, int heads, int kv_heads, int kv_per_task, int dk, int dv,
                      float scale, int splits, void *out, int64_t out_b, int64_t out_h, int dtype, int threads) {
     if (kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_HEADS || dk > MAX_DIM || dv > MAX_DIM ||
         splits < 1 || kv_per_task < 1 || kv_heads % kv_per_task)
@@ -199,21 +203,21 @@ int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < tasks; task++) {
         int split = (int)(task % splits), chunk = (int)(task / splits % chunks), b = (int)(task / splits / chunks);
-        int64_t len = seq_lens[b];
-        int64_t first = window > 0 && len > window ? len - window : 0;
-        int64_t per_split = (len - first + splits - 1) / splits;
-        int64_t start = first + split * per_split, end = start + per_split < len ? start + per_split : len;
+        /* the visible keys, numbered 0..count-1: the sinks [0, sink_count), then the span [span, len) */
+        int64_t len = seq_lens[b], span = starts ? starts[b] : 0, sink_count = sinks < span ? sinks : span;
+        int64_t count = sink_count + len - span, per_split = (count + splits - 1) / splits;
+        int64_t first = split * per_split, last = first + per_split < count ? first + per_split : count;
         float *m = partial_max + task * task_heads, *l = partial_sum + task * task_heads;
-        if (start < end) {
-            attend_split(&c, table + b * table_stride, chunk * kv_per_task, start, end,
-                         queries + ((int64_t)b * heads + chunk * task_heads) * dk, partial + task * task_heads * dv,
-                         m, l, workspace + omp_get_thread_num() * work_floats);
-        } else { /* an empty split (a short sequence): weight 0 in the merge */
-            for (int g = 0; g < task_heads; g++) {
-                m[g] = -INFINITY;
-                l[g] = 0.0f;
-            }
-        }
+        float *o = partial + task * task_heads * dv, *work = workspace + omp_get_thread_num() * work_floats;
+        const float *q_task = queries + ((int64_t)b * heads + chunk * task_heads) * dk;
+        reset_partial(task_heads, dv, o, m, l); /* an empty split (a short sequence) keeps weight 0 */
+        if (first < sink_count) /* the part of this split among the sinks */
+            attend_split(&c, table + b * table_stride, chunk * kv_per_task, first, last < sink_count ? last : sink_count,
+                         q_task, o, m, l, work);
+        if (last > sink_count) /* the part in the span */
+            attend_split(&c, table + b * table_stride, chunk * kv_per_task,
+                         span + (first > sink_count ? first : sink_count) - sink_count, span + last - sink_count,
+                         q_task, o, m, l, work);
     }
 
     /* merge each head's splits by their log-sum-exp; split 0 always holds a key (seq_lens >= 1) */

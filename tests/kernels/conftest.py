@@ -34,13 +34,13 @@ class PagedCache:
     seq_lens: torch.Tensor  # [B] int32
 
 
-def build_paged_cache(seq_lens, block_size, num_kv_heads, dim_k, dim_v, dtype, device, window=None,
+def build_paged_cache(seq_lens, block_size, num_kv_heads, dim_k, dim_v, dtype, device, retention=None,
                       head_major=False) -> PagedCache:
     """Random K/V for each sequence in shuffled pool blocks; every slot no sequence owns holds NaN,
     so a kernel that reads past a sequence's end or into a foreign block produces NaN.
 
-    With a window, as the engine leaves it: blocks wholly before the window are back in the pool (table
-    entry -1, contents NaN), and the positions before it in the first kept block hold NaN too.
+    With a retention policy (cache.Retention), as the engine leaves it: blocks wholly among the dropped positions
+    are back in the pool (table entry -1, contents NaN), and dropped positions in kept blocks hold NaN too.
     head_major: the pools are stored [num_blocks, KVH, block_size, D] and handed over as transposed views, as the
     engine keeps them.
     """
@@ -52,15 +52,17 @@ def build_paged_cache(seq_lens, block_size, num_kv_heads, dim_k, dim_v, dtype, d
     block_table = torch.full((len(seq_lens), max(blocks_per_seq) + 1), -1, dtype=torch.int32)
     shuffled_blocks = torch.randperm(num_blocks, generator=generator).tolist()
     for seq, (seq_len, num_seq_blocks) in enumerate(zip(seq_lens, blocks_per_seq)):
-        first_visible = 0 if window is None else max(0, seq_len - window)
-        for entry in range(first_visible // block_size, num_seq_blocks):
+        dead = range(0) if retention is None else retention.dead_blocks(seq_len, block_size)
+        lo, hi = (0, 0) if retention is None else retention.dropped(seq_len)
+        for entry in [e for e in range(num_seq_blocks) if e not in dead]:
             block = shuffled_blocks.pop()
             block_table[seq, entry] = block
             filled = min(block_size, seq_len - entry * block_size)
             k_pool[block, :filled] = torch.randn(filled, num_kv_heads, dim_k, generator=generator)
             v_pool[block, :filled] = torch.randn(filled, num_kv_heads, dim_v, generator=generator)
-            hidden = max(0, first_visible - entry * block_size)  # positions before the window in this block
-            k_pool[block, :hidden] = v_pool[block, :hidden] = float("nan")
+            first = entry * block_size  # dropped positions inside this kept block
+            hidden = slice(max(lo, first) - first, max(0, min(hi, first + block_size) - first))
+            k_pool[block, hidden] = v_pool[block, hidden] = float("nan")
     if head_major:
         k_pool, v_pool = (pool.transpose(1, 2).contiguous().transpose(1, 2) for pool in (k_pool, v_pool))
     return PagedCache(

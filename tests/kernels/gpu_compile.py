@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
-from kernels import linear_attention, mla_attention, paged_attention, paged_write
+from kernels import gated_delta, linear_attention, mla_attention, paged_attention, paged_write
 
 ssu = importlib.import_module("kernels.selective_state_update")  # the package exports a function of that name
 
@@ -107,14 +107,16 @@ def compile_launches(launches, cc: int, folder: Path) -> list[tuple[str, dict]]:
     return results
 
 
-def paged_case(dtype, window=None, head_dim=128, heads=(32, 8)):
+def paged_case(dtype, span=False, head_dim=128, heads=(32, 8)):
+    """span: the bounded-retention launch (per-sequence span starts, 4 sinks, 128 keys at most)."""
     def call():
         blocks, block_size = 64, 16
         q = torch.empty(4, heads[0], head_dim, dtype=dtype)
         pool = torch.empty(blocks, heads[1], block_size, head_dim, dtype=dtype).transpose(1, 2)  # the engine's layout
         table = torch.zeros(4, 16, dtype=torch.int32)
-        paged_attention.paged_decode_attention_triton(q, pool, pool, table, torch.full((4,), 200, dtype=torch.int32),
-                                                      0.1, window=window)
+        lengths = torch.full((4,), 200, dtype=torch.int32)
+        bounds = dict(starts=lengths - 124, sinks=4, max_keys=128) if span else {}
+        paged_attention.paged_decode_attention_triton(q, pool, pool, table, lengths, 0.1, **bounds)
     return paged_attention, call
 
 
@@ -172,9 +174,18 @@ def linear_chunked_case(dtype):
     return linear_attention, call
 
 
+def gated_delta_step_case(dtype):
+    def call():  # Qwen3-Next's Gated DeltaNet layers: 32 value heads, dk = dv = 128, fp32 state
+        q = torch.empty(4, 32, 128, dtype=dtype)
+        g, beta = torch.empty(4, 32), torch.empty(4, 32)
+        state = torch.empty(4, 32, 128, 128)
+        gated_delta.gated_delta_step_triton(q, q, q, g, beta, state)
+    return gated_delta, call
+
+
 CASES = {
     "paged": lambda dtype: paged_case(dtype),
-    "paged-window": lambda dtype: paged_case(dtype, window=128),
+    "paged-span": lambda dtype: paged_case(dtype, span=True),
     "paged-head64-mha": lambda dtype: paged_case(dtype, head_dim=64, heads=(12, 12)),
     "mla": mla_case,
     "write": lambda dtype: write_case(dtype),
@@ -183,6 +194,7 @@ CASES = {
     "mamba2-state": lambda dtype: state_update_case(dtype, mamba2=True),
     "linear-step": linear_step_case,
     "linear-chunked": linear_chunked_case,
+    "gated-delta-step": gated_delta_step_case,
 }
 
 

@@ -7,7 +7,9 @@ from kernels import (cpu_kernels_available, contiguous_decode_attention, contigu
                      use_cpu_kernel)
 from kernels.cpu_decode import decode_attention
 
-from test_paged_attention import naive_decode_attention  # noqa: E402 (pytest puts this folder on sys.path)
+from cache import Retention
+from spans import visible_span  # noqa: E402 (pytest puts this folder on sys.path)
+from test_paged_attention import naive_decode_attention  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C compiler on this machine")
 
@@ -23,20 +25,24 @@ def query(batch, heads, dim, dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", TOLERANCE)
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS)
-@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("retention", [None, Retention(window=5), Retention(window=40), Retention(sinks=4, window=40),
+                                       Retention(sinks=35, window=5), Retention(chunk=48)],
+                         ids=["all", "window5", "window40", "sinks4", "sinks35", "chunk48"])
 @pytest.mark.parametrize("splits", [0, 1, 3])
 @pytest.mark.parametrize("storage", ["position-major", "head-major"])
-def test_paged_matches_reference(paged_cache, dtype, layout, window, splits, storage):
+def test_paged_matches_reference(paged_cache, dtype, layout, retention, splits, storage):
     heads, kv_heads = HEAD_LAYOUTS[layout]
-    cache = paged_cache(SEQ_LENS, 16, kv_heads, 64, 64, dtype, "cpu", window=window,  # unowned slots hold NaN
+    cache = paged_cache(SEQ_LENS, 16, kv_heads, 64, 64, dtype, "cpu", retention=retention,  # unowned slots hold NaN
                         head_major=storage == "head-major")
     q = query(len(SEQ_LENS), heads, 64, dtype)
     args = (q, cache.k_pool, cache.v_pool, cache.block_table, cache.seq_lens)
-    actual = decode_attention(*args, "blocks", 0.125, window or 0, 64, splits)
-    expected = paged_decode_attention_ref(*args, 0.125, window=window)
+    span = visible_span(retention, cache.seq_lens)
+    actual = decode_attention(*args, "blocks", 0.125, 64, span.get("starts"), span.get("sinks", 0),
+                              span.get("max_keys") or 0, splits)
+    expected = paged_decode_attention_ref(*args, 0.125, **span)
     torch.testing.assert_close(actual, expected, **TOLERANCE[dtype])
     if dtype == torch.float32 and splits == 3:  # and the float64 loop, not only our other implementation
-        naive = naive_decode_attention(*args, 0.125, window=window)
+        naive = naive_decode_attention(*args, 0.125, retention=retention)
         torch.testing.assert_close(actual.double(), naive, atol=1e-5, rtol=1e-5)
 
 
@@ -105,7 +111,7 @@ def test_bad_layout_is_refused():
     q = torch.zeros(1, 2, 8)
     with pytest.raises(ValueError, match="unknown cache layout 'columns'"):
         decode_attention(q, torch.zeros(1, 2, 4, 8), None, torch.zeros(1, 1, dtype=torch.int32),
-                         torch.ones(1, dtype=torch.int32), "columns", 1.0, 0, 8)
+                         torch.ones(1, dtype=torch.int32), "columns", 1.0, 8)
 
 
 def test_int64_lengths_and_a_sliced_table(paged_cache):
@@ -115,7 +121,7 @@ def test_int64_lengths_and_a_sliced_table(paged_cache):
     wide = torch.cat([cache.block_table, torch.full_like(cache.block_table, -1)], dim=1)[:, ::2]  # strided view
     wide[:, : cache.block_table.shape[1]] = cache.block_table
     args = (q, cache.k_pool, cache.v_pool)
-    actual = decode_attention(*args, wide.long(), cache.seq_lens.long(), "blocks", 0.2, 0, 32)
+    actual = decode_attention(*args, wide.long(), cache.seq_lens.long(), "blocks", 0.2, 32)
     expected = paged_decode_attention_ref(*args, cache.block_table, cache.seq_lens, 0.2)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 

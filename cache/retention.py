@@ -1,0 +1,153 @@
+"""Which positions an attention layer keeps and which keys each query sees: one frozen policy that every consumer
+(cache bytes, masks, both cache layouts, the block manager, cache grouping, the decode kernels) asks.
+
+The keys a query at position q sees are always "the first `sinks` positions, plus one contiguous span ending at q":
+
+    all        span from 0                                 (full causal attention)
+    window W   span of the newest W keys, q included       (Mistral's sliding window)
+    sinks S+W  the first S positions + the newest W        (StreamingLLM, Xiao et al. 2023)
+    chunk C    span from the start of q's own C-aligned chunk (Llama 4's chunked local attention)
+
+so a kernel needs only `sinks` and each sequence's span start (`span_starts`), never the kind of policy.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Retention:
+    sinks: int = 0
+    window: int | None = None
+    chunk: int | None = None
+
+    def __post_init__(self):
+        for name in ("window", "chunk"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"retention {name} must be an integer >= 1 or None, got {value!r}")
+        if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or self.sinks < 0:
+            raise ValueError(f"retention sinks must be an integer >= 0, got {self.sinks!r}")
+        if self.sinks and self.window is None:
+            raise ValueError(f"sink tokens ({self.sinks}) are kept beside a window of newest keys: give window too")
+        if self.chunk is not None and (self.window is not None or self.sinks):
+            raise ValueError(f"chunked attention (chunk={self.chunk}) takes no window or sinks, got "
+                             f"window={self.window}, sinks={self.sinks}")
+
+    @property
+    def keeps_all(self) -> bool:
+        return self.window is None and self.chunk is None
+
+    @property
+    def capacity(self) -> int | None:
+        """Most keys any query sees (and a rolling buffer holds); None: unbounded."""
+        if self.chunk is not None:
+            return self.chunk
+        return None if self.window is None else self.sinks + self.window
+
+    def describe(self) -> str:
+        if self.chunk is not None:
+            return f"chunk {self.chunk}"
+        if self.window is None:
+            return "all"
+        return f"window {self.window}" if not self.sinks else f"{self.sinks} sinks + window {self.window}"
+
+    # ---- one sequence of n tokens ------------------------------------------------------------------------
+
+    def span_start(self, length: int) -> int:
+        """First position of the contiguous span the newest query (at length - 1) sees."""
+        if self.chunk is not None:
+            return max(0, length - 1) // self.chunk * self.chunk
+        return 0 if self.window is None else max(0, length - self.window)
+
+    def tokens_held(self, length: int) -> int:
+        """Keys the newest query of a `length`-token sequence sees: what its cache must hold (0 for no tokens)."""
+        if length <= 0:
+            return 0
+        start = self.span_start(length)
+        return min(self.sinks, start) + length - start
+
+    def dropped(self, length: int) -> tuple[int, int]:
+        """[lo, hi): positions no query at or after length - 1 will see again (they may leave the cache)."""
+        start = self.span_start(length)
+        return min(self.sinks, start), start
+
+    def rows(self, max_len: int) -> int:
+        """Rows of a contiguous buffer for sequences of up to `max_len` tokens: a ring when fewer than max_len."""
+        return max_len if self.capacity is None else min(max_len, self.capacity)
+
+    def row(self, positions):
+        """Ring-buffer row of each position (int or tensor). The rows a sequence of n tokens still needs are then
+        exactly rows 0 .. tokens_held(n) - 1, so a one-query decode reads the first tokens_held rows, unordered."""
+        if self.chunk is not None:
+            return positions % self.chunk
+        if self.window is None:
+            return positions
+        if not self.sinks:
+            return positions % self.window
+        recent = (positions - self.sinks) % self.window + self.sinks
+        if isinstance(positions, torch.Tensor):
+            return torch.where(positions < self.sinks, positions, recent)
+        return positions if positions < self.sinks else recent
+
+    def peak_blocks(self, max_length: int, block_size: int) -> int:
+        """Most `block_size`-token blocks a sequence of up to `max_length` tokens holds at once: the sink blocks,
+        plus a span of at most W (or C) keys, which touches at most (span - 1) // block_size + 2 blocks."""
+        whole = -(-max_length // block_size)
+        if self.keeps_all:
+            return whole
+        if self.chunk is not None and self.chunk % block_size == 0:
+            span_blocks = self.chunk // block_size  # chunks start on block boundaries
+        else:
+            span_blocks = ((self.chunk or self.window) - 1) // block_size + 2
+        return min(whole, -(-self.sinks // block_size) + span_blocks)
+
+    def dead_blocks(self, length: int, block_size: int) -> range:
+        """Logical blocks lying wholly inside the dropped positions of a `length`-token sequence: they can be freed."""
+        lo, hi = self.dropped(length)
+        return range(-(-lo // block_size), max(-(-lo // block_size), hi // block_size))
+
+    def causal_pairs(self, tokens: int) -> int:
+        """(query, key) pairs a causal prefill of `tokens` tokens computes: the sum of tokens_held(q + 1)."""
+        if self.chunk is not None:
+            full, rest = divmod(tokens, self.chunk)
+            return full * self.chunk * (self.chunk + 1) // 2 + rest * (rest + 1) // 2
+        cap = self.capacity
+        if cap is None or tokens <= cap:
+            return tokens * (tokens + 1) // 2
+        return cap * (cap + 1) // 2 + (tokens - cap) * cap
+
+    # ---- tensors: a batch of sequences ---------------------------------------------------------------------
+
+    def visible(self, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+        """Broadcast mask: key p is visible from query q (causal, p >= 0 marks a real key, then the policy)."""
+        keys, queries = key_positions, query_positions
+        visible = (keys <= queries) & (keys >= 0)
+        if self.chunk is not None:
+            return visible & (torch.div(keys, self.chunk, rounding_mode="floor")
+                              == torch.div(queries, self.chunk, rounding_mode="floor"))
+        if self.window is not None:
+            recent = keys > queries - self.window
+            return visible & (recent | (keys < self.sinks) if self.sinks else recent)
+        return visible
+
+    def span_starts(self, lengths: torch.Tensor) -> torch.Tensor:
+        """span_start of each sequence, as int32 [B] (what the paged decode kernels read)."""
+        lengths = lengths.long()
+        if self.chunk is not None:
+            starts = torch.div((lengths - 1).clamp_min(0), self.chunk, rounding_mode="floor") * self.chunk
+        elif self.window is not None:
+            starts = (lengths - self.window).clamp_min(0)
+        else:
+            starts = torch.zeros_like(lengths)
+        return starts.to(torch.int32)
+
+    def rows_held(self, lengths: torch.Tensor) -> torch.Tensor:
+        """tokens_held of each sequence (the live rows of its ring buffer)."""
+        if self.keeps_all:
+            return lengths
+        starts = self.span_starts(lengths).to(lengths.dtype)
+        return starts.clamp(max=self.sinks) + lengths - starts
+
+
+FULL = Retention()
