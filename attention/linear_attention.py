@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.reference import linear_attention_reference
 from cache.spec import CacheBatch, CacheSpec
 from kernels import Linear, linear_attention_chunked, linear_attention_parallel_ref, linear_attention_step
 
@@ -118,3 +119,7 @@ class LinearAttention(nn.Module):
             out, s, z = linear_attention_chunked(q, k, v, s, z, chunk_size=self.chunk_size, eps=self.eps)
         cache.write({"kv": s, "normalizer": z}, batch)
         return self.merge(out)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The float64 oracle: the recurrence, one token at a time (attention/reference.py)."""
+        return linear_attention_reference(self, x)

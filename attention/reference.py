@@ -33,20 +33,6 @@ def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * gain.detach().to(F64)
 
 
-def rope_base_of(mixer, rope_base: float | None) -> float:
-    """The RoPE base: given, else the mixer's `rope_base`, else recovered from its fp32 frequency table
-    (inv_freq[1] = base^(-2/d), the only place a mixer that does not store the base keeps it), rounded to 6
-    significant digits: fp32 keeps ~7, so a round base (10000, 500000) comes back exactly."""
-    if rope_base is not None:
-        return float(rope_base)
-    if getattr(mixer, "rope_base", None) is not None:
-        return float(mixer.rope_base)
-    inv_freq = mixer.rope.inv_freq.detach().to(F64)
-    if inv_freq.numel() < 2:  # head_dim 2: one frequency, 1.0, whatever the base
-        return 10000.0
-    return float(f"{float(inv_freq[1] ** (-inv_freq.numel())):.6g}")
-
-
 def rope(x: torch.Tensor, base: float) -> torch.Tensor:
     """Rotate-half RoPE (Su et al. 2021, GPT-NeoX / HF Llama layout) at positions 0 .. T-1.
 
@@ -112,7 +98,7 @@ def merge_heads(y: torch.Tensor) -> torch.Tensor:
     return y.transpose(1, 2).reshape(b, t, n * d)
 
 
-def attention_reference(mixer, x: torch.Tensor, kv_from=None, rope_base: float | None = None) -> torch.Tensor:
+def attention_reference(mixer, x: torch.Tensor, kv_from=None) -> torch.Tensor:
     """Softmax attention (Vaswani et al. 2017) with grouped KV heads (Ainslie et al. 2023) and RoPE, in float64.
 
     x: the layer's (normed) input [B, T, d_model]. kv_from = (source_mixer, source_x): a cross-layer attention
@@ -121,9 +107,9 @@ def attention_reference(mixer, x: torch.Tensor, kv_from=None, rope_base: float |
     mixer.causal False: every key visible."""
     x = x.detach().to(F64)
     n_heads, n_kv_heads, head_dim = mixer.n_heads, mixer.n_kv_heads, mixer.head_dim
-    base = rope_base_of(mixer, rope_base)
+    base = mixer.rope_base
     q = rope(heads(project(mixer.q_proj, x), n_heads), base)
-    if getattr(mixer, "kv_source", None) is not None:
+    if mixer.kv_source is not None:
         if kv_from is None:
             raise ValueError(f"layer {mixer.layer_idx} reads the keys of layer {mixer.kv_source}: pass "
                              f"kv_from=(source_mixer, source_input)")
@@ -134,13 +120,12 @@ def attention_reference(mixer, x: torch.Tensor, kv_from=None, rope_base: float |
     k = rope(heads(project(kv_mixer.k_proj, kv_x), n_kv_heads), base)
     v = heads(project(kv_mixer.v_proj, kv_x), n_kv_heads)
     assert q.shape[-1] == k.shape[-1] == head_dim
-    mask = visibility_mask(x.shape[1], getattr(mixer, "causal", True), getattr(mixer, "window", None),
-                           getattr(mixer, "sinks", 0) or 0, getattr(mixer, "chunk", None))
+    mask = visibility_mask(x.shape[1], mixer.causal, mixer.window, mixer.sinks, mixer.chunk)
     out = softmax_attention(q, k, v, mask, head_dim**-0.5, n_heads // n_kv_heads)
     return project(mixer.o_proj, merge_heads(out))
 
 
-def mla_reference(mixer, x: torch.Tensor, rope_base: float | None = None) -> torch.Tensor:
+def mla_reference(mixer, x: torch.Tensor) -> torch.Tensor:
     """Multi-head latent attention (DeepSeek-V2, Sec. 2.1), the expanded form, in float64.
 
         q        = W_UQ RMSNorm(W_DQ x)  (or W_Q x without q_lora)      split per head into [q_nope ; q_rope]
@@ -153,7 +138,7 @@ def mla_reference(mixer, x: torch.Tensor, rope_base: float | None = None) -> tor
     b, t, _ = x.shape
     n_heads, nope, rope_dim, v_dim, rank = (mixer.n_heads, mixer.nope_dim, mixer.rope_dim, mixer.v_head_dim,
                                             mixer.kv_lora_rank)
-    base = rope_base_of(mixer, rope_base)
+    base = mixer.rope_base
     if hasattr(mixer, "q_proj"):
         q = project(mixer.q_proj, x)
     else:
@@ -170,7 +155,7 @@ def mla_reference(mixer, x: torch.Tensor, rope_base: float | None = None) -> tor
     assert v.shape[-1] == v_dim
     k = torch.cat([k_nope, k_rope.expand(b, n_heads, t, rope_dim)], dim=-1)
     q = torch.cat([q_nope, q_rope], dim=-1)
-    mask = visibility_mask(t, getattr(mixer, "causal", True))
+    mask = visibility_mask(t, mixer.causal)
     out = softmax_attention(q, k, v, mask, (nope + rope_dim) ** -0.5, 1)
     return project(mixer.o_proj, merge_heads(out))
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cache.spec import CacheBatch, CacheSpec
+from ssm.reference import mamba_reference
 from kernels import Linear, cpu_decode, selective_state_update
 from kernels.dispatch import use_cpu_kernel
 from ssm.scan import SelectiveScan, scan_forward
@@ -193,3 +194,7 @@ class Mamba(nn.Module):
             delta_softplus=True, return_last_state=True,
         )
         return self.out_proj(y.transpose(1, 2)), {"conv": conv, "ssm": ssm}
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The float64 oracle: the recurrence, one token at a time (ssm/reference.py)."""
+        return mamba_reference(self, x)

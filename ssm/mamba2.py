@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cache.spec import CacheBatch, CacheSpec
+from ssm.reference import mamba2_reference
 from kernels import Linear, selective_state_update
 
 
@@ -144,6 +145,10 @@ class Mamba2(nn.Module):
                                    dt_softplus=True)
         y = self.norm(y.flatten(-2), z)
         return y, conv_state, ssm_state
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The float64 oracle: the recurrence, one token at a time (ssm/reference.py)."""
+        return mamba2_reference(self, x)
 
 
 def check_settings(d_model, d_state, d_conv, expand, head_dim, n_groups, chunk_size, dt_min, dt_max) -> None:

@@ -2,7 +2,7 @@
 (tests/test_reference_oracle.py).
 
     x = embed[tokens]
-    per block:  x = x + mixer_reference(norm(x))          (the mixer's own `reference` method when it has one)
+    per block:  x = x + mixer.reference(norm(x))          (every mixer's float64 oracle)
                 x = x + mlp(norm(x))                       (when the model has MLPs)
     logits = head(norm(x))
 
@@ -10,9 +10,6 @@ Everything in float64 from the model's weights; norms and MLPs are written here 
 by the model's config (norm: rmsnorm | layernorm, mlp: swiglu | gelu | none), not by calling the modules.
 """
 import torch
-
-from attention.reference import attention_reference, linear_attention_reference, mla_reference
-from ssm.reference import mamba2_reference, mamba_reference
 
 F64 = torch.float64
 
@@ -67,38 +64,13 @@ def mlp(config, module, x: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"no reference for mlp kind {config.mlp!r}")
 
 
-# Mixer class name -> its reference; a mixer with its own `reference` method is asked first.
-MIXER_REFERENCES = {
-    "Attention": attention_reference,
-    "MLAttention": mla_reference,
-    "LinearAttention": linear_attention_reference,
-    "Mamba": mamba_reference,
-    "Mamba2": mamba2_reference,
-}
-
-
-def mixer_reference(mixer, x: torch.Tensor, kv_from=None, rope_base: float | None = None) -> torch.Tensor:
-    """One mixer's float64 output for its (normed) input x [B, T, d_model].
-
-    First rule: the mixer's own `reference(x)` (kv_from passed only to a layer that shares another's keys); else the
-    reference registered for its class name. rope_base (the model's) goes to the attention references, which
-    otherwise read it from the mixer."""
-    own = getattr(mixer, "reference", None)
-    if callable(own):
-        out = own(x, kv_from=kv_from) if kv_from is not None else own(x)
-        return out.to(F64)
-    name = type(mixer).__name__
-    if name not in MIXER_REFERENCES:
-        raise NotImplementedError(f"no float64 reference for mixer {name} (layer {getattr(mixer, 'layer_idx', '?')}): "
-                                  f"give the class a reference(self, x) method or add it to MIXER_REFERENCES")
-    fn = MIXER_REFERENCES[name]
-    if fn is attention_reference:
-        return fn(mixer, x, kv_from=kv_from, rope_base=rope_base)
-    if fn is mla_reference:
-        return fn(mixer, x, rope_base=rope_base)
-    if kv_from is not None:
-        raise ValueError(f"mixer {name} cannot read another layer's keys")
-    return fn(mixer, x)
+def mixer_reference(mixer, x: torch.Tensor, kv_from=None) -> torch.Tensor:
+    """One mixer's float64 output for its (normed) input x [B, T, d_model]: its `reference` method, the mixer
+    contract's oracle hook (kv_from only for a layer that shares another's keys)."""
+    if not callable(getattr(mixer, "reference", None)):
+        raise NotImplementedError(f"layer {getattr(mixer, 'layer_idx', '?')}: mixer {type(mixer).__name__} has no "
+                                  f"reference(x) method, the float64 oracle every mixer ships")
+    return (mixer.reference(x) if kv_from is None else mixer.reference(x, kv_from=kv_from)).to(F64)
 
 
 @torch.no_grad()
@@ -116,7 +88,7 @@ def reference_forward(model, tokens: torch.Tensor) -> torch.Tensor:
         mixer_inputs.append(h)
         source = getattr(mixer, "kv_source", None)
         kv_from = None if source is None else (model.blocks[source].mixer, mixer_inputs[source])
-        x = x + mixer_reference(mixer, h, kv_from=kv_from, rope_base=config.rope_base)
+        x = x + mixer_reference(mixer, h, kv_from=kv_from)
         if block.mlp is not None:
             x = x + mlp(config, block.mlp, norm(config, block.mlp_norm, x))
     x = norm(config, model.norm, x)
