@@ -1,0 +1,178 @@
+"""Gated DeltaNet (Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks: Improving Mamba2 with Delta Rule"): linear
+attention whose fixed-size state is edited by the delta rule and decayed by a Mamba-2-style scalar gate per head.
+
+Per head h, with q_t, k_t in R^dk (L2-normalised, q also scaled by dk^-0.5) and v_t in R^dv:
+    g_t = -exp(A_log) · softplus(a_t + dt_bias) <= 0,   alpha_t = exp(g_t),   beta_t = sigmoid(b_t)
+    S_t = alpha_t S_{t-1} + beta_t k_t (v_t - alpha_t S_{t-1}^T k_t)^T          (S: [dk, dv])
+    o_t = S_t^T q_t
+q, k and v come through a short causal depthwise conv (width d_conv) and SiLU; the output is
+RMSNorm(o_t) · SiLU(gate_t) per head (norm before gate), then out_proj.
+
+Prefill and training run the chunked (WY/UT) form, decode one recurrent step (kernels/gated_delta.py). Per layer and
+sequence the cache holds the conv's last d_conv - 1 inputs and the state [n_heads, dk, dv], in fp32.
+
+Semantics (gate and decay parametrisation, L2 norm eps, norm-before-gate output) checked against transformers'
+Qwen3-Next layer (Qwen3NextGatedDeltaNet) and flash-linear-attention's GatedDeltaNet; the projections are laid out
+plainly (q, k, v, gate, b, a in one in_proj) rather than in Qwen3-Next's per-key-head interleaving.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cache.spec import CacheBatch, CacheSpec
+from kernels import Linear
+from kernels.gated_delta import gated_delta_chunked, gated_delta_step
+
+L2_EPS = 1e-6  # inside the square root, as fla's l2norm and Qwen3-Next's
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_EPS)
+
+
+class GatedHeadNorm(nn.Module):
+    """RMSNorm(o) · silu(gate) over each head's dv channels, one weight shared by the heads (norm before gate, as
+    Qwen3-Next's RMSNormGated and fla's FusedRMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        o = o.float()
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.float() * o * F.silu(gate.float())
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        layer_idx: int,
+        n_heads: int,
+        head_dim: int | None = None,
+        expand_v: int = 1,
+        d_conv: int = 4,
+        chunk_size: int = 64,
+        norm_eps: float = 1e-6,
+    ):
+        """head_dim: each head's key width dk (default d_model // n_heads); its value width is dv = head_dim * expand_v.
+        d_conv: width of the causal conv over q, k, v. chunk_size: tokens per chunk of the chunked (prefill) form."""
+        super().__init__()
+        if n_heads < 1:
+            raise ValueError(f"n_heads must be >= 1, got {n_heads}")
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim explicitly")
+            head_dim = d_model // n_heads
+        for name, value in (("head_dim", head_dim), ("expand_v", expand_v), ("d_conv", d_conv),
+                            ("chunk_size", chunk_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not norm_eps > 0:
+            raise ValueError(f"norm_eps must be > 0 (it keeps the output RMSNorm finite), got {norm_eps}")
+        self.layer_idx, self.n_heads, self.head_dim, self.value_dim = layer_idx, n_heads, head_dim, head_dim * expand_v
+        self.d_conv, self.chunk_size = d_conv, chunk_size
+        key_width, value_width = n_heads * head_dim, n_heads * self.value_dim
+        self.conv_dim = 2 * key_width + value_width  # channels through the conv: q, k, v
+        # in_proj rows: q, k, v (through the conv), the output gate, then b (-> beta) and a (-> decay) per head
+        self.in_proj = Linear(d_model, self.conv_dim + value_width + 2 * n_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, bias=False)
+        self.A_log = nn.Parameter(torch.empty(n_heads))
+        self.dt_bias = nn.Parameter(torch.empty(n_heads))
+        self.norm = GatedHeadNorm(self.value_dim, norm_eps)
+        self.out_proj = Linear(value_width, d_model, bias=False)
+        self.reset_decay_parameters()
+
+    @torch.no_grad()
+    def reset_decay_parameters(self, dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4) -> None:
+        """fla's init: A uniform in (0, 16] (from 0.01, as Qwen3-Next, so log A stays finite), dt log-uniform in
+        [dt_min, dt_max] stored through softplus^-1: decays alpha = exp(-A dt) start between ~0.2 and ~1."""
+        self.A_log.copy_(torch.empty(self.n_heads).uniform_(0.01, 16).log())
+        dt = torch.exp(torch.rand(self.n_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = dt.clamp(min=dt_init_floor)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) == dt
+        for p in (self.A_log, self.dt_bias):
+            p._no_weight_decay = True
+
+    def cache_spec(self) -> CacheSpec:
+        # fp32 whatever the model's dtype: S is a running, decayed sum that 16-bit floats stop resolving
+        return CacheSpec(kind="state", state_shapes=(("conv", (self.conv_dim, self.d_conv - 1)),
+                                                     ("ssm", (self.n_heads, self.head_dim, self.value_dim))),
+                         state_dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor, positions=None, cache=None, batch: CacheBatch | None = None) -> torch.Tensor:
+        """x: [B, T, d_model] -> [B, T, d_model]. Without a cache: the chunked form from a zero state. With one
+        (StateSlots): continue this batch's states (zeros on prefill), one recurrent step for a single decode token,
+        then write them back. Positions are unused: the state carries the order."""
+        b, t, _ = x.shape
+        qkv, gate, beta_logit, a = self.in_proj(x).split(
+            [self.conv_dim, self.n_heads * self.value_dim, self.n_heads, self.n_heads], dim=-1)
+        states = cache.read(batch) if cache is not None else None
+        history = qkv.new_zeros(b, self.conv_dim, self.d_conv - 1) if states is None else states["conv"]
+        qkv, history = self.conv(qkv, history)
+        q, k, v = self.heads(qkv)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay, <= 0
+        beta = torch.sigmoid(beta_logit.float())
+        if states is not None and t == 1 and not batch.is_prefill:
+            ssm = states["ssm"]  # updated in place by the step
+            o = gated_delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, 0], beta[:, 0], ssm).unsqueeze(2)
+        else:
+            o, ssm = gated_delta_chunked(q, k, v, g.transpose(1, 2), beta.transpose(1, 2),
+                                         None if states is None else states["ssm"], chunk_size=self.chunk_size)
+        if cache is not None:
+            cache.write({"conv": history, "ssm": ssm}, batch)
+        y = self.norm(o.transpose(1, 2), gate.unflatten(-1, (self.n_heads, self.value_dim)))
+        return self.out_proj(y.flatten(-2).to(x.dtype))
+
+    def conv(self, qkv: torch.Tensor, history: torch.Tensor):
+        """qkv [B, T, conv_dim] after the `history` [B, conv_dim, d_conv - 1] inputs before it -> silu(conv) [B, T,
+        conv_dim] and the last d_conv - 1 inputs, the next call's history."""
+        window = torch.cat([history.to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)
+        # not [..., -(d_conv - 1):], which with d_conv = 1 would keep everything instead of nothing
+        history = window[..., window.shape[-1] - (self.d_conv - 1):]
+        out = F.silu(F.conv1d(window, self.conv1d.weight, groups=self.conv_dim))
+        return out.transpose(1, 2), history
+
+    def heads(self, qkv: torch.Tensor):
+        """[B, T, conv_dim] -> q, k [B, H, T, dk] (L2-normalised, fp32) and v [B, H, T, dv]."""
+        key_width = self.n_heads * self.head_dim
+        q, k, v = qkv.split([key_width, key_width, self.n_heads * self.value_dim], dim=-1)
+        q, k = (l2_normalize(x.float().unflatten(-1, (self.n_heads, self.head_dim))).transpose(1, 2) for x in (q, k))
+        return q, k, v.unflatten(-1, (self.n_heads, self.value_dim)).transpose(1, 2)
+
+    @torch.no_grad()
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole layer step by step in float64, written for clarity: the oracle for forward()."""
+        f64 = torch.float64
+        H, dk, dv, width = self.n_heads, self.head_dim, self.value_dim, self.d_conv
+        projected = x.to(f64) @ self.in_proj.weight.to(f64).T
+        qkv, gate, beta_logit, a = projected.split([self.conv_dim, H * dv, H, H], dim=-1)
+        conv_weight = self.conv1d.weight.to(f64)[:, 0]  # [conv_dim, d_conv]; tap d_conv - 1 is the current input
+        A = torch.exp(self.A_log.to(f64))
+        batch, length, _ = x.shape
+        out = torch.zeros(batch, length, H, dv, dtype=f64, device=x.device)
+        for b in range(batch):
+            S = torch.zeros(H, dk, dv, dtype=f64, device=x.device)
+            for t in range(length):
+                # causal conv: inputs t - d_conv + 1 .. t, zeros before the sequence
+                mixed = sum(conv_weight[:, j] * qkv[b, t - (width - 1) + j] for j in range(width)
+                            if t - (width - 1) + j >= 0)
+                mixed = F.silu(mixed)
+                q, k, v = mixed.split([H * dk, H * dk, H * dv])
+                q, k, v = q.view(H, dk), k.view(H, dk), v.view(H, dv)
+                q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + L2_EPS) / math.sqrt(dk)
+                k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
+                alpha = torch.exp(-A * F.softplus(a[b, t] + self.dt_bias.to(f64)))  # [H]
+                beta = torch.sigmoid(beta_logit[b, t])
+                for h in range(H):
+                    recalled = alpha[h] * S[h].T @ k[h]  # what the decayed state returns for k
+                    S[h] = alpha[h] * S[h] + beta[h] * torch.outer(k[h], v[h] - recalled)
+                    o = S[h].T @ q[h]
+                    rms = torch.sqrt((o * o).mean() + self.norm.eps)
+                    z = gate[b, t, h * dv:(h + 1) * dv]
+                    out[b, t, h] = self.norm.weight.to(f64) * (o / rms) * z * torch.sigmoid(z)
+        return (out.flatten(-2) @ self.out_proj.weight.to(f64).T).to(x.dtype)
