@@ -34,6 +34,18 @@ def cmd_list(args) -> None:
         print(f"{name:<{width}}  {zoo.describe(name)}")
 
 
+def cmd_describe(args) -> None:
+    for field, value in zoo.details(args.arch).items():
+        if isinstance(value, dict):
+            print(f"{field}:")
+            for name, text in value.items():
+                print(f"  {name}: {text}")
+            if not value:
+                print("  (none)")
+        else:
+            print(f"{field}: {value}")
+
+
 def cmd_compare(args) -> None:
     settings = CompareSettings(archs=args.archs, preset=args.preset, contexts=args.contexts, batches=args.batches,
                                new_tokens=args.new_tokens, dtype=args.dtype, kv_cache=args.kv_cache,
@@ -99,6 +111,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zoo", description="archzoo: run LLM decoder architectures through one harness and compare them.")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the registered architectures, one line each").set_defaults(func=cmd_list)
+    d = sub.add_parser("describe", help="everything the registry says about one architecture: its settings with "
+                                        "types and defaults, causal or not, recall defaults, HF class")
+    d.add_argument("arch", help="a registered architecture (see `zoo list`)")
+    d.set_defaults(func=cmd_describe)
 
     c = sub.add_parser("compare", help="measure cache bytes, TTFT, TPOT, decode throughput, MBU and the roofline floor per architecture",
                        description="Run every architecture x context x batch cell through the same engine. Rows are "

@@ -26,7 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class CompareSettings:
-    archs: list[str] = field(default_factory=lambda: ["mha", "gqa", "mqa", "mla", "cla", "swa", "hybrid-1in6", "linear", "mamba", "mamba2"])
+    archs: list[str] = field(default_factory=zoo.compare_defaults)  # the registry entries marked compare_default
     preset: str = "small"
     contexts: list[int] = field(default_factory=lambda: [256, 1024, 2048])
     batches: list[int] = field(default_factory=lambda: [1, 2, 4])  # with 8 too the CPU default took 5.5 min, prefill-bound

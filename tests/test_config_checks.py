@@ -34,7 +34,10 @@ def test_size_overrides_are_integers_of_at_least_one(settings, message):
     ("linear", {"feature_dim": 0}, r"feature_dim must be >= 1, got 0"),
     ("mamba", {"expand": 1.5}, r"expand must be an integer >= 1, got 1.5"),
     ("mamba2", {"n_groups": 0}, r"n_groups must be >= 1, got 0"),
-    ("cla", {"share": 1.0}, r"share factor 1.0 must divide n_layers=2; allowed: \[1, 2\]"),
+    ("cla", {"share": 1.0}, r"share must be an integer >= 1, got 1.0 \(float\)"),
+    ("cla", {"share": 3}, r"share factor 3 must divide n_layers=2; allowed: \[1, 2\]"),
+    ("linear", {"feature_map": "relu"}, r"unknown feature_map 'relu'; allowed: elu, taylor"),
+    ("diffusion", {"mixer": "mamba"}, r"unknown mixer 'mamba'; allowed: mha, gqa, mqa, mla"),
 ])
 def test_architecture_settings_are_integers_of_at_least_one(arch, settings, message):
     with pytest.raises(ValueError, match=message):

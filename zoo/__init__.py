@@ -4,10 +4,12 @@ from zoo.config import MixerSpec, ModelConfig
 from zoo.hf import from_hf
 from zoo.model import DecoderLM
 from zoo.presets import PRESETS
-from zoo.registry import architectures, build, describe, is_causal, make_config
+from zoo.build import build
+from zoo.registry import architectures, compare_defaults, describe, details, is_causal, make_config
 from zoo.tokenizer import ByteTokenizer
 
 __all__ = [
     "ByteTokenizer", "DecoderLM", "MixerSpec", "ModelConfig", "PRESETS",
-    "architectures", "build", "cache_bytes", "cache_read_bytes", "decode_weight_bytes", "describe", "from_hf", "is_causal", "make_config", "parameter_bytes",
+    "architectures", "build", "cache_bytes", "cache_read_bytes", "compare_defaults", "decode_weight_bytes", "describe", "details",
+    "from_hf", "is_causal", "make_config", "parameter_bytes",
 ]

@@ -11,7 +11,7 @@ import torch
 from zoo.config import MixerSpec, ModelConfig
 from zoo.hf_mamba import mamba_config, mamba_names
 from zoo.hf_mamba2 import mamba2_config, mamba2_names
-from zoo.mixers import MIXERS
+from zoo.mixers import mixer_class
 from zoo.model import DecoderLM
 
 
@@ -205,7 +205,7 @@ def check_same_architecture(config: ModelConfig, hf_side: ModelConfig) -> None:
 
 def mixer_settings(spec: MixerSpec, config: ModelConfig) -> tuple:
     """A layer's mixer arguments with defaults filled in, as the mixer will see them."""
-    bound = inspect.signature(MIXERS[spec.kind]).bind_partial(**spec.params)
+    bound = inspect.signature(mixer_class(spec.kind, -1)).bind_partial(**spec.params)
     bound.apply_defaults()
     settings = {k: v for k, v in bound.arguments.items() if k not in ("d_model", "layer_idx")}
     if "rope_base" not in spec.params and "rope_base" in settings:

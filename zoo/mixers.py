@@ -1,4 +1,4 @@
-"""Sequence-mixer kinds a MixerSpec may name, and how a layer's mixer is constructed."""
+"""How a layer's mixer is constructed from its MixerSpec (the kinds and their classes come from the registry)."""
 import inspect
 import math
 import numbers
@@ -6,14 +6,10 @@ import typing
 
 from torch import nn
 
-from attention import Attention, LinearAttention, MLAttention
-from ssm import Mamba, Mamba2
+from cache.mixer import Mixer
 from zoo import checks
 from zoo.config import MixerSpec, ModelConfig
-
-MIXERS: dict[str, type[nn.Module]] = {
-    "attention": Attention, "mla": MLAttention, "linear": LinearAttention, "mamba": Mamba, "mamba2": Mamba2,
-}
+from zoo.registry import mixers
 
 # Model-wide settings a mixer receives when its constructor asks for them by name.
 SHARED_SETTINGS = ("rope_base",)
@@ -33,10 +29,15 @@ VALUE_TYPES = {
 }
 
 
+def mixer_class(kind: str, layer_idx: int) -> type[nn.Module]:
+    classes = mixers()
+    if kind not in classes:
+        raise ValueError(f"unknown mixer kind {kind!r} in layer {layer_idx}; allowed: {', '.join(classes)}")
+    return classes[kind]
+
+
 def make_mixer(spec: MixerSpec, config: ModelConfig, layer_idx: int) -> nn.Module:
-    if spec.kind not in MIXERS:
-        raise ValueError(f"unknown mixer kind {spec.kind!r} in layer {layer_idx}; allowed: {', '.join(MIXERS)}")
-    cls = MIXERS[spec.kind]
+    cls = mixer_class(spec.kind, layer_idx)
     accepted = inspect.signature(cls).parameters
     shared = {name: getattr(config, name) for name in SHARED_SETTINGS if name in accepted and name not in spec.params}
     unknown = sorted(set(spec.params) - set(accepted))
@@ -48,7 +49,12 @@ def make_mixer(spec: MixerSpec, config: ModelConfig, layer_idx: int) -> nn.Modul
     if not config.causal:
         check_non_causal(spec, layer_idx)
         shared["causal"] = False  # the mixer refuses what ties it to causal order (a window, a borrowed cache)
-    return cls(d_model=config.d_model, layer_idx=layer_idx, **shared, **spec.params)
+    mixer = cls(d_model=config.d_model, layer_idx=layer_idx, **shared, **spec.params)
+    if not isinstance(mixer, Mixer):  # a new mixer learns here what the contract asks of it
+        missing = [name for name in ("layer_idx", "cache_spec", "forward", "reference") if not hasattr(mixer, name)]
+        raise TypeError(f"mixer {cls.__name__} (kind {spec.kind!r}) does not meet the mixer contract "
+                        f"(cache/mixer.py): missing {missing}")
+    return mixer
 
 
 def check_param_types(spec: MixerSpec, cls: type, layer_idx: int) -> None:
@@ -68,7 +74,7 @@ def check_param_types(spec: MixerSpec, cls: type, layer_idx: int) -> None:
 
 def check_non_causal(spec: MixerSpec, layer_idx: int) -> None:
     """A mixer can attend both ways when its constructor takes `causal`; recurrent mixers are causal by nature."""
-    if "causal" not in inspect.signature(MIXERS[spec.kind]).parameters:
-        allowed = [kind for kind, cls in MIXERS.items() if "causal" in inspect.signature(cls).parameters]
+    if "causal" not in inspect.signature(mixers()[spec.kind]).parameters:
+        allowed = [kind for kind, cls in mixers().items() if "causal" in inspect.signature(cls).parameters]
         raise ValueError(f"mixer {spec.kind!r} (layer {layer_idx}) runs only causally, so it cannot be part of a "
                          f"non-causal model; allowed: {', '.join(allowed)}")

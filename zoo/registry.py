@@ -1,42 +1,96 @@
-"""The architecture registry: a name -> a function that lays out a model's layers from size settings."""
+"""The architecture registry: one entry per name says everything about it — how its layers are laid out, the
+settings it reads (with types and ranges: validation, `zoo describe`), its mixer class, causal or not, its MQAR
+(recall) defaults, whether `zoo compare` runs it by default, its HF class. Nothing elsewhere lists architectures."""
 from dataclasses import dataclass, fields
 from typing import Callable
 
+from torch import nn
+
+from attention import Attention, LinearAttention, MLAttention
+from ssm import Mamba, Mamba2
 from zoo import checks
 from zoo.config import MixerSpec, ModelConfig
-from zoo.model import DecoderLM
 from zoo.presets import Preset, preset_settings
 
 # ModelConfig fields a user may override besides the preset's sizes.
 CONFIG_OVERRIDES = ("mlp", "norm", "norm_eps", "rope_base", "tie_embeddings", "max_seq_len", "vocab_size", "d_model", "mlp_hidden")
 # Per-layer settings every architecture understands.
 ATTENTION_OVERRIDES = ("n_layers", "n_heads", "n_kv_heads", "head_dim")
-MLA_SETTINGS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+PRESET, ENTRY = "preset", "entry"  # markers for defaults that are not values (see Setting)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A setting some architectures read: what it means, its type and range. default None: the mixer's own default;
+    PRESET: the preset's window; ENTRY: the entry's own (a hybrid's pattern)."""
+
+    kind: type
+    help: str
+    minimum: int = 1
+    choices: Callable[[], tuple[str, ...]] | None = None  # allowed strings, asked when checked
+    default: object = None
+
+    def check(self, name: str, value):
+        if value is None and self.default in (None, ENTRY):
+            return None
+        if self.kind is int:
+            return checks.integer(name, value, minimum=self.minimum)
+        if self.choices is not None:
+            return checks.choice(name, value, self.choices())
+        return value
+
+    def describe(self) -> str:
+        if self.kind is int:
+            kind = f"integer >= {self.minimum}"
+        else:
+            kind = "one of " + ", ".join(self.choices()) if self.choices else self.kind.__name__
+        default = {None: "the mixer's", PRESET: "the preset's window", ENTRY: "the entry's"}.get(self.default, repr(self.default))
+        return f"{kind}; default {default}: {self.help}"
+
+
+@dataclass(frozen=True)
+class Mixer:
+    """The mixer class a kind name (MixerSpec.kind) builds."""
+
+    kind: str
+    cls: type[nn.Module]
 
 
 @dataclass(frozen=True)
 class Architecture:
     description: str
-    layers: Callable[[dict], list[MixerSpec]]  # size settings -> one MixerSpec per layer
-    settings: tuple[str, ...] = ()  # settings beyond the common ones that this architecture reads
+    layers: Callable[[dict], list[MixerSpec]]  # settings -> one MixerSpec per layer
+    settings: tuple[str, ...] = ()  # names in SETTINGS this architecture reads, beyond the common ones
+    mixer: Mixer | None = None  # the mixer its layers are made of; None: composed of other entries' layers
     in_patterns: bool = True  # may be a layer of a hybrid pattern (a per-layer mixer, not a cross-layer scheme)
+    hybrid: bool = False  # its layers are a pattern of other entries', so it reads their settings too
     causal: bool = True  # False: a masked diffusion LM (bidirectional, one extra vocabulary id for its mask token)
+    bidirectional: bool = False  # its layers can attend both ways: a backbone a masked diffusion LM may use
+    compare_default: bool = True  # `zoo compare` runs it when no --archs is given
+    recall: Callable[[int, int, int], dict] = lambda d_model, n_heads, seq_len: {}  # MQAR settings at this size
+    hf_class: str | None = None  # the transformers class zoo.from_hf converts to it
 
 
-def attention_params(s: dict, kv_heads: int) -> dict:
-    params = {"n_heads": s["n_heads"], "n_kv_heads": kv_heads}
-    if s.get("head_dim") is not None:
-        params["head_dim"] = s["head_dim"]
+def attention_params(settings: dict, kv_heads: int, *retention: str) -> dict:
+    """An attention layer's parameters, with the named retention settings (window, sinks, chunk) as given."""
+    params = {"n_heads": settings["n_heads"], "n_kv_heads": kv_heads, **{name: settings[name] for name in retention}}
+    if settings.get("head_dim") is not None:
+        params["head_dim"] = settings["head_dim"]
     return params
 
 
-def gqa_kv_heads(s: dict) -> int:
-    return s["n_kv_heads"] if s.get("n_kv_heads") is not None else s["gqa_kv_heads"]
+def gqa_kv_heads(settings: dict) -> int:
+    return settings["n_kv_heads"] if settings.get("n_kv_heads") is not None else settings["gqa_kv_heads"]
 
 
-def grouped_attention(kv_heads: Callable[[dict], int]) -> Callable[[dict], list[MixerSpec]]:
-    def layers(s: dict) -> list[MixerSpec]:
-        return [MixerSpec("attention", attention_params(s, kv_heads(s))) for _ in range(s["n_layers"])]
+def attention_layers(kv_heads: Callable[[dict], int], *retention: str) -> Callable[[dict], list[MixerSpec]]:
+    """Every layer softmax attention with these KV heads, keeping what the named retention settings say."""
+
+    def layers(settings: dict) -> list[MixerSpec]:
+        return [MixerSpec("attention", attention_params(settings, kv_heads(settings), *retention))
+                for _ in range(settings["n_layers"])]
 
     return layers
 
@@ -44,76 +98,65 @@ def grouped_attention(kv_heads: Callable[[dict], int]) -> Callable[[dict], list[
 def fixed_kv_heads(name: str, value: Callable[[dict], int]) -> Callable[[dict], int]:
     """KV heads fixed by the architecture; an explicit n_kv_heads that disagrees is an error, not ignored."""
 
-    def kv_heads(s: dict) -> int:
-        wanted = value(s)
-        if s.get("n_kv_heads") not in (None, wanted):
-            raise ValueError(f"{name} uses n_kv_heads={wanted} (n_heads={s['n_heads']}); got n_kv_heads={s['n_kv_heads']}; use 'gqa' to choose")
+    def kv_heads(settings: dict) -> int:
+        wanted = value(settings)
+        if settings.get("n_kv_heads") not in (None, wanted):
+            raise ValueError(f"{name} uses n_kv_heads={wanted} (n_heads={settings['n_heads']}); got "
+                             f"n_kv_heads={settings['n_kv_heads']}; use 'gqa' to choose")
         return wanted
 
     return kv_heads
 
 
-def sliding_window_layers(s: dict) -> list[MixerSpec]:
-    return [MixerSpec("attention", {**attention_params(s, gqa_kv_heads(s)), "window": s["window"]})
-            for _ in range(s["n_layers"])]
-
-
-def latent_attention_layers(s: dict) -> list[MixerSpec]:
+def latent_attention_layers(settings: dict) -> list[MixerSpec]:
     """MLA sized from the preset unless set: latent d_model/4, rope key half a head, nope and value a whole head."""
-    head_dim = s.get("head_dim") or s["d_model"] // s["n_heads"]
+    head_dim = settings.get("head_dim") or settings["d_model"] // settings["n_heads"]
     params = {
-        "n_heads": s["n_heads"],
-        "kv_lora_rank": s.get("kv_lora_rank") or s["d_model"] // 4,
-        "q_lora_rank": s.get("q_lora_rank"),
-        "qk_nope_head_dim": s.get("qk_nope_head_dim") or head_dim,
-        "qk_rope_head_dim": s.get("qk_rope_head_dim") or head_dim // 2,
-        "v_head_dim": s.get("v_head_dim") or head_dim,
+        "n_heads": settings["n_heads"],
+        "kv_lora_rank": settings.get("kv_lora_rank") or settings["d_model"] // 4,
+        "q_lora_rank": settings.get("q_lora_rank"),
+        "qk_nope_head_dim": settings.get("qk_nope_head_dim") or head_dim,
+        "qk_rope_head_dim": settings.get("qk_rope_head_dim") or head_dim // 2,
+        "v_head_dim": settings.get("v_head_dim") or head_dim,
     }
-    return [MixerSpec("mla", dict(params)) for _ in range(s["n_layers"])]
+    return [MixerSpec("mla", dict(params)) for _ in range(settings["n_layers"])]
 
 
-def cross_layer_layers(s: dict) -> list[MixerSpec]:
+def cross_layer_layers(settings: dict) -> list[MixerSpec]:
     """Groups of `share` consecutive layers: the first computes and caches K/V, the rest read it (Brandon et al.)."""
-    share, n_layers = s["share"], s["n_layers"]
-    if not checks.is_integer(share) or share < 1 or n_layers % share:
+    share, n_layers = settings["share"], settings["n_layers"]
+    if n_layers % share:  # share itself is an integer >= 1 by its declaration
         divisors = [k for k in range(1, n_layers + 1) if n_layers % k == 0]
         raise ValueError(f"share factor {share!r} must divide n_layers={n_layers}; allowed: {divisors}")
-    params = attention_params(s, gqa_kv_heads(s))
+    params = attention_params(settings, gqa_kv_heads(settings))
     return [MixerSpec("attention", dict(params) if i % share == 0 else {**params, "kv_source": i - i % share})
             for i in range(n_layers)]
 
 
-def optional(s: dict, names: tuple[str, ...]) -> dict:
-    """The settings among `names` a user gave; the mixer's own defaults fill the rest."""
-    return {name: s[name] for name in names if s.get(name) is not None}
+def mixer_layers(kind: str, names: tuple[str, ...], n_heads: bool = False) -> Callable[[dict], list[MixerSpec]]:
+    """Every layer one mixer kind, given the settings among `names` a user set (the mixer's defaults fill the rest)."""
 
+    def layers(settings: dict) -> list[MixerSpec]:
+        params = {name: settings[name] for name in names if settings.get(name) is not None}
+        if n_heads:
+            params["n_heads"] = settings["n_heads"]
+        return [MixerSpec(kind, dict(params)) for _ in range(settings["n_layers"])]
 
-def linear_attention_layers(s: dict) -> list[MixerSpec]:
-    params = {"n_heads": s["n_heads"], **optional(s, ("head_dim", "feature_map", "feature_dim"))}
-    return [MixerSpec("linear", dict(params)) for _ in range(s["n_layers"])]
-
-
-def mamba_layers(s: dict) -> list[MixerSpec]:
-    return [MixerSpec("mamba", optional(s, ("d_state", "d_conv", "expand"))) for _ in range(s["n_layers"])]
-
-
-def mamba2_layers(s: dict) -> list[MixerSpec]:
-    params = optional(s, ("d_state", "d_conv", "expand", "head_dim", "n_groups"))
-    return [MixerSpec("mamba2", dict(params)) for _ in range(s["n_layers"])]
+    return layers
 
 
 def pattern_layers(default: str) -> Callable[[dict], list[MixerSpec]]:
     """A hybrid: registry names per layer, repeated to fill n_layers so the model ends on the pattern's last layer."""
 
-    def layers(s: dict) -> list[MixerSpec]:
-        pattern = default if s.get("layers") is None else s["layers"]
+    def layers(settings: dict) -> list[MixerSpec]:
+        pattern = default if settings.get("layers") is None else settings["layers"]
         names = pattern_names(pattern)
         allowed = [n for n, a in ARCHITECTURES.items() if a.in_patterns]
         bad = [n for n in names if n not in allowed]
         if bad:
             raise ValueError(f"hybrid pattern {pattern!r} names unknown layer kind(s) {bad}; allowed: {', '.join(allowed)}")
-        n = s["n_layers"]
-        return [ARCHITECTURES[names[(i - n) % len(names)]].layers({**s, "n_layers": 1})[0] for i in range(n)]
+        n = settings["n_layers"]
+        return [ARCHITECTURES[names[(i - n) % len(names)]].layers({**settings, "n_layers": 1})[0] for i in range(n)]
 
     return layers
 
@@ -132,85 +175,145 @@ def pattern_names(pattern) -> list[str]:
     return names
 
 
-# Architectures whose layers can attend both ways: what a masked diffusion LM may be built from.
-NON_CAUSAL_BACKBONES = ("mha", "gqa", "mqa", "mla")
-
-
-def diffusion_layers(s: dict) -> list[MixerSpec]:
+def diffusion_layers(settings: dict) -> list[MixerSpec]:
     """The layers of the `mixer` architecture (default gqa); the model is made non-causal by make_config."""
-    mixer = s["mixer"]
-    if mixer not in NON_CAUSAL_BACKBONES:
-        raise ValueError(f"diffusion mixer {mixer!r} is not an architecture that can attend both ways; allowed: {', '.join(NON_CAUSAL_BACKBONES)}")
-    return ARCHITECTURES[mixer].layers(s)
+    return ARCHITECTURES[settings["mixer"]].layers(settings)
 
 
+def bidirectional_names() -> tuple[str, ...]:
+    return tuple(name for name, arch in ARCHITECTURES.items() if arch.bidirectional)
+
+
+# ---- MQAR (recall) defaults: what an architecture needs to be meaningful at (d_model, n_heads, seq_len) ----------
+
+def half_kv_heads(d_model: int, n_heads: int, seq_len: int) -> dict:
+    return {"n_kv_heads": max(1, n_heads // 2)}  # the tiny preset's ratio (4 query heads : 2 KV heads)
+
+
+def windowed(d_model: int, n_heads: int, seq_len: int) -> dict:
+    return {**half_kv_heads(d_model, n_heads, seq_len), "window": max(1, seq_len // 4)}  # smaller than L: it matters
+
+
+def mamba2_recall(d_model: int, n_heads: int, seq_len: int) -> dict:
+    d_inner = 2 * d_model  # expand 2 (the default); the mixer's default head_dim 64 must divide it
+    return {} if d_inner % 64 == 0 else {"head_dim": max(h for h in range(1, 65) if d_inner % h == 0)}
+
+
+# ---- the settings architectures read, and the architectures -------------------------------------------------------
+
+MLA_SETTINGS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 SSM_SETTINGS = ("d_state", "d_conv", "expand")
-HYBRID_SETTINGS = ("layers", "window", *MLA_SETTINGS, "feature_map", "feature_dim", *SSM_SETTINGS, "n_groups")
+
+SETTINGS: dict[str, Setting] = {
+    "window": Setting(int, "keys each query sees, itself included", default=PRESET),
+    "sinks": Setting(int, "first positions every query keeps seeing (StreamingLLM's attention sinks)", default=4),
+    "chunk": Setting(int, "tokens per local-attention chunk; a query sees only its own chunk", default=PRESET),
+    "share": Setting(int, "consecutive layers that share one KV cache (must divide n_layers)", default=2),
+    "layers": Setting(str, "hybrid pattern: comma-separated layer names, repeated to n_layers", default=ENTRY),
+    "mixer": Setting(str, "the bidirectional architecture the diffusion LM is made of", choices=bidirectional_names,
+                     default="gqa"),
+    "kv_lora_rank": Setting(int, "MLA latent width (default d_model / 4)"),
+    "q_lora_rank": Setting(int, "MLA query low-rank width (default: none)"),
+    "qk_nope_head_dim": Setting(int, "MLA per-head key/query width without RoPE (default head_dim)"),
+    "qk_rope_head_dim": Setting(int, "MLA shared RoPE key width (default head_dim / 2)"),
+    "v_head_dim": Setting(int, "MLA value width per head (default head_dim)"),
+    "feature_map": Setting(str, "linear attention feature map", choices=lambda: ("elu", "taylor")),
+    "feature_dim": Setting(int, "linear attention q/k width before the feature map"),
+    "d_state": Setting(int, "SSM state size per channel"),
+    "d_conv": Setting(int, "causal convolution width"),
+    "expand": Setting(int, "inner width / d_model"),
+    "n_groups": Setting(int, "Mamba-2 B/C groups"),
+}
+
+ATTENTION = Mixer("attention", Attention)
 
 ARCHITECTURES: dict[str, Architecture] = {
     "mha": Architecture(
         "multi-head attention: one KV head per query head (the full KV cache)",
-        grouped_attention(fixed_kv_heads("mha", lambda s: s["n_heads"])),
+        attention_layers(fixed_kv_heads("mha", lambda settings: settings["n_heads"])), mixer=ATTENTION,
+        bidirectional=True, hf_class="LlamaForCausalLM",
     ),
     "gqa": Architecture(
         "grouped-query attention: query heads share fewer KV heads (cache shrinks by n_heads/n_kv_heads)",
-        grouped_attention(gqa_kv_heads),
+        attention_layers(gqa_kv_heads), mixer=ATTENTION, bidirectional=True, recall=half_kv_heads,
+        hf_class="LlamaForCausalLM",
     ),
     "mqa": Architecture(
         "multi-query attention: all query heads share one KV head (smallest attention KV cache)",
-        grouped_attention(fixed_kv_heads("mqa", lambda s: 1)),
+        attention_layers(fixed_kv_heads("mqa", lambda settings: 1)), mixer=ATTENTION, bidirectional=True,
+        hf_class="LlamaForCausalLM",
     ),
     "mla": Architecture(
         "multi-head latent attention (DeepSeek-V2/V3): caches one latent + shared rope key per token; decode by weight absorption",
-        latent_attention_layers, MLA_SETTINGS,
+        latent_attention_layers, MLA_SETTINGS, mixer=Mixer("mla", MLAttention), bidirectional=True,
+        hf_class="DeepseekV3ForCausalLM",
     ),
     "cla": Architecture(
         "cross-layer attention: each group of `share` layers (default 2) caches one set of GQA keys/values",
-        cross_layer_layers, ("share",), in_patterns=False,
+        cross_layer_layers, ("share",), mixer=ATTENTION, in_patterns=False, recall=half_kv_heads,
     ),
     "swa": Architecture(
         "sliding-window GQA: each query sees the newest `window` keys; the cache stops growing at the window",
-        sliding_window_layers, ("window",),
+        attention_layers(gqa_kv_heads, "window"), ("window",), mixer=ATTENTION, recall=windowed,
+        hf_class="MistralForCausalLM",
     ),
     "linear": Architecture(
         "linear attention (Katharopoulos et al.): feature map elu+1 (or Based's taylor), a constant n_heads*(dk*dv + dk) state",
-        linear_attention_layers, ("feature_map", "feature_dim"),
+        mixer_layers("linear", ("head_dim", "feature_map", "feature_dim"), n_heads=True), ("feature_map", "feature_dim"),
+        mixer=Mixer("linear", LinearAttention),
     ),
     "mamba": Architecture(
         "Mamba (selective state space): depthwise conv + selective scan, a constant conv + SSM state per layer",
-        mamba_layers, SSM_SETTINGS,
+        mixer_layers("mamba", SSM_SETTINGS), SSM_SETTINGS, mixer=Mixer("mamba", Mamba), hf_class="MambaForCausalLM",
     ),
     "mamba2": Architecture(
         "Mamba-2 (SSD): multi-head scalar-decay state space model, chunked scan; a constant state per layer",
-        mamba2_layers, (*SSM_SETTINGS, "n_groups"),
+        mixer_layers("mamba2", (*SSM_SETTINGS, "head_dim", "n_groups")), (*SSM_SETTINGS, "n_groups"),
+        mixer=Mixer("mamba2", Mamba2), recall=mamba2_recall, hf_class="Mamba2ForCausalLM",
     ),
     "hybrid": Architecture(
         "any per-layer mix of registered mixers, layers='swa,swa,swa,gqa' (default 'swa,gqa'), repeated to n_layers",
-        pattern_layers("swa,gqa"), HYBRID_SETTINGS, in_patterns=False,
+        pattern_layers("swa,gqa"), ("layers",), in_patterns=False, hybrid=True, compare_default=False, recall=windowed,
     ),
     "hybrid-1in6": Architecture(
         "character.ai style: five sliding-window layers per global GQA layer",
-        pattern_layers("swa,swa,swa,swa,swa,gqa"), HYBRID_SETTINGS, in_patterns=False,
+        pattern_layers("swa,swa,swa,swa,swa,gqa"), ("layers",), in_patterns=False, hybrid=True, recall=windowed,
     ),
     "hybrid-3to1": Architecture(
         "sliding-window heavy: three sliding-window layers per global GQA layer",
-        pattern_layers("swa,swa,swa,gqa"), HYBRID_SETTINGS, in_patterns=False,
+        pattern_layers("swa,swa,swa,gqa"), ("layers",), in_patterns=False, hybrid=True, compare_default=False, recall=windowed,
     ),
     "diffusion": Architecture(
         "masked diffusion LM (LLaDA): a bidirectional decoder (mixer=gqa|mha|mqa|mla) that predicts masked tokens; "
         "vocab_size+1 ids, the last one the mask token",
-        diffusion_layers, ("mixer", *MLA_SETTINGS), in_patterns=False, causal=False,
+        diffusion_layers, ("mixer", *MLA_SETTINGS), in_patterns=False, causal=False, compare_default=False,
+        recall=half_kv_heads,
     ),
 }
-DEFAULT_SETTINGS = {"share": 2, "mixer": "gqa"}  # settings no preset sizes
-# Integer settings, each a size or count >= 1, checked before any layer is laid out; the optional ones may be None
-# (the default). share is checked with its divisors by cross_layer_layers.
-REQUIRED_INTEGERS = ("vocab_size", "d_model", "n_layers", "n_heads", "gqa_kv_heads", "max_seq_len", "window")
-OPTIONAL_INTEGERS = ("n_kv_heads", "head_dim", "mlp_hidden", *MLA_SETTINGS, "feature_dim", *SSM_SETTINGS, "n_groups")
+
+
+def mixers() -> dict[str, type[nn.Module]]:
+    """Mixer kind (MixerSpec.kind) -> its class, from the entries."""
+    found: dict[str, type[nn.Module]] = {}
+    for arch in ARCHITECTURES.values():
+        if arch.mixer is not None and found.setdefault(arch.mixer.kind, arch.mixer.cls) is not arch.mixer.cls:
+            raise ValueError(f"mixer kind {arch.mixer.kind!r} is registered with two classes")
+    return found
+
+
+def settings_of(arch: Architecture) -> tuple[str, ...]:
+    """The settings an architecture reads: its own, and for a hybrid those of every layer kind it may hold."""
+    if arch.hybrid:
+        return tuple(dict.fromkeys(name for a in ARCHITECTURES.values() if a.in_patterns for name in a.settings)) + arch.settings
+    return arch.settings
 
 
 def architectures() -> list[str]:
     return list(ARCHITECTURES)
+
+
+def compare_defaults() -> list[str]:
+    return [name for name, arch in ARCHITECTURES.items() if arch.compare_default]
 
 
 def is_causal(name: str) -> bool:
@@ -218,32 +321,58 @@ def is_causal(name: str) -> bool:
     return ARCHITECTURES[check_architecture(name)].causal
 
 
+def recall_settings(name: str, d_model: int, n_heads: int, seq_len: int) -> dict:
+    """The settings an architecture needs to be meaningful on MQAR at this size (its entry's recall defaults)."""
+    return ARCHITECTURES[check_architecture(name)].recall(d_model, n_heads, seq_len)
+
+
 def describe(name: str) -> str:
     return ARCHITECTURES[check_architecture(name)].description
+
+
+def details(name: str) -> dict:
+    """Everything the entry says, for `zoo describe`."""
+    arch = ARCHITECTURES[check_architecture(name)]
+    return {
+        "description": arch.description,
+        "mixer": arch.mixer.cls.__name__ if arch.mixer else "composed of other entries' layers",
+        "causal": arch.causal,
+        "settings": {setting: SETTINGS[setting].describe() for setting in settings_of(arch)},
+        "recall defaults at d_model 64, 1 head, L 64": arch.recall(64, 1, 64),
+        "in zoo compare by default": arch.compare_default,
+        "hybrid layer": arch.in_patterns,
+        "HF class": arch.hf_class or "none",
+    }
 
 
 def check_architecture(name: str) -> str:
     return checks.choice("architecture", name, ARCHITECTURES)
 
 
-def check_integer_settings(settings: dict) -> None:
-    """Integers as given (numpy ints become ints); a float, bool, string or size below 1 is an error here."""
-    for name in REQUIRED_INTEGERS:
+def check_settings(settings: dict, reads: tuple[str, ...]) -> None:
+    """Sizes as integers >= 1 (numpy ints become ints), then each architecture setting by its declaration."""
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "gqa_kv_heads", "max_seq_len"):
         settings[name] = checks.integer(name, settings[name], minimum=1)
-    for name in [n for n in OPTIONAL_INTEGERS if n in settings]:
-        settings[name] = checks.optional_integer(name, settings[name], minimum=1)
+    for name in ("n_kv_heads", "head_dim", "mlp_hidden"):
+        if name in settings:
+            settings[name] = checks.optional_integer(name, settings[name], minimum=1)
+    for name in reads:
+        if name in settings:
+            settings[name] = SETTINGS[name].check(name, settings[name])
 
 
 def make_config(name: str, preset: str = "small", **overrides) -> ModelConfig:
     arch = ARCHITECTURES[check_architecture(name)]
-    settings = {**DEFAULT_SETTINGS, **preset_settings(preset)}
-    sizes = {f.name for f in fields(Preset)} - {"window"}  # a window means something only where an architecture reads it
-    allowed = set(CONFIG_OVERRIDES) | set(ATTENTION_OVERRIDES) | sizes | set(arch.settings)
+    reads = settings_of(arch)
+    sizes = preset_settings(preset)
+    settings = {**sizes, **{n: SETTINGS[n].default for n in reads if SETTINGS[n].default not in (None, PRESET, ENTRY)}}
+    settings.update({n: sizes["window"] for n in reads if SETTINGS[n].default == PRESET})
+    allowed = set(CONFIG_OVERRIDES) | set(ATTENTION_OVERRIDES) | ({f.name for f in fields(Preset)} - {"window"}) | set(reads)
     unknown = sorted(set(overrides) - allowed)
     if unknown:
         raise ValueError(f"unknown setting(s) {unknown} for {name!r}; allowed: {sorted(allowed)}")
     settings.update(overrides)
-    check_integer_settings(settings)
+    check_settings(settings, reads)
     # a diffusion LM reserves the id after the data's vocabulary for its mask token, so every data id stays valid
     vocab_size = settings["vocab_size"] + (0 if arch.causal else 1)
     return ModelConfig(
@@ -261,12 +390,3 @@ def make_config(name: str, preset: str = "small", **overrides) -> ModelConfig:
         causal=arch.causal,
         mask_token_id=None if arch.causal else vocab_size - 1,
     )
-
-
-def build(arch: "str | ModelConfig", preset: str = "small", **overrides) -> DecoderLM:
-    """zoo.build("gqa", preset="small", n_kv_heads=2) or zoo.build(ModelConfig(...))."""
-    if isinstance(arch, ModelConfig):
-        if overrides:
-            raise ValueError("overrides apply to a registry name; edit the ModelConfig instead")
-        return DecoderLM(arch)
-    return DecoderLM(make_config(arch, preset, **overrides))

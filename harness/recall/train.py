@@ -46,26 +46,11 @@ class TrainConfig:
     overrides: dict | None = None  # extra zoo.build settings (replace the per-architecture defaults)
 
 
-def architecture_settings(arch: str, d_model: int, n_heads: int, seq_len: int) -> dict:
-    """Settings beyond the common ones a registered architecture needs to be meaningful on MQAR at this size."""
-    name = zoo.make_config(arch, preset="tiny", d_model=d_model, n_heads=n_heads, mlp="none").name  # validates arch
-    settings: dict = {}
-    if name in ("gqa", "cla", "swa", "hybrid", "hybrid-1in6", "hybrid-3to1", "diffusion"):
-        settings["n_kv_heads"] = max(1, n_heads // 2)  # the tiny preset's ratio (4 query heads : 2 KV heads)
-    if name in ("swa", "hybrid", "hybrid-1in6", "hybrid-3to1"):
-        settings["window"] = max(1, seq_len // 4)  # smaller than L, so the window matters
-    if name == "mamba2":
-        d_inner = 2 * d_model  # expand 2 (the default)
-        if d_inner % 64:  # the mixer's default head_dim is 64; else the largest divisor of d_inner up to 64
-            settings["head_dim"] = max(h for h in range(1, 65) if d_inner % h == 0)
-    return settings
-
-
 def recall_model_config(config: TrainConfig, vocab_size: int, seq_len: int) -> zoo.ModelConfig:
     # one 64-wide head at d_model 64 (as Zoology): reaches 0.99 on (64, 4) in ~900 steps; two 32-wide heads
     # plateaued at 0.95 after 2500
     n_heads = config.n_heads or max(1, config.d_model // 64)
-    settings = architecture_settings(config.arch, config.d_model, n_heads, seq_len)
+    settings = zoo.registry.recall_settings(config.arch, config.d_model, n_heads, seq_len)
     settings.update(config.overrides or {})
     return zoo.make_config(
         config.arch, preset="tiny", d_model=config.d_model, n_layers=config.n_layers, n_heads=n_heads, mlp="none",

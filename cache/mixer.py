@@ -1,0 +1,55 @@
+"""The mixer contract, written down: what every sequence mixer offers the model and the engine, and what the cache
+views the engine hands it offer the mixer. `zoo` checks each mixer it builds against `Mixer`.
+
+A mixer is an nn.Module constructed as cls(d_model=..., layer_idx=..., **its settings), whose settings are annotated
+int / float / bool / str constructor parameters (the registry validates them by those annotations). Taking a
+`causal: bool` parameter says it can also attend both ways (a masked diffusion LM's layers).
+"""
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from cache.spec import CacheBatch, CacheSpec
+
+
+@runtime_checkable
+class KVCacheView(Protocol):
+    """A per-token cache (cache/layouts.py: ContiguousKV, PagedKV): keys/values in, attention out. Which keys each
+    query sees is the layer's retention policy, applied by the view."""
+
+    def write(self, k: torch.Tensor, v: torch.Tensor | None, batch: CacheBatch) -> None: ...
+
+    def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None = None,
+               causal: bool = True) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class StateView(Protocol):
+    """A fixed-size recurrent state per sequence (cache/state_slots.py): read at the start of a step (zeros on a
+    prefill), written back at its end."""
+
+    def read(self, batch: CacheBatch) -> dict[str, torch.Tensor]: ...
+
+    def write(self, states: dict[str, torch.Tensor], batch: CacheBatch) -> None: ...
+
+
+@runtime_checkable
+class Mixer(Protocol):
+    layer_idx: int
+
+    def cache_spec(self) -> CacheSpec:
+        """What the layer stores per token or per sequence, and which positions it keeps: the engine allocates
+        from this declaration and zoo.cache_bytes sums it."""
+        ...
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: "KVCacheView | StateView | None" = None, batch: CacheBatch | None = None) -> torch.Tensor:
+        """x [B, T, d_model] -> [B, T, d_model]. Without a cache: the full causal (or bidirectional) forward from
+        nothing. With one: batch.step says what this call is (cache/spec.py STEP_KINDS) and the mixer reads and
+        writes its view accordingly."""
+        ...
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The oracle: the uncached forward as a naive float64 computation written for clarity, not speed (a plain
+        quadratic form or a step-by-step recurrence). Conformance holds forward() against it."""
+        ...
