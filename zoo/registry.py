@@ -257,6 +257,12 @@ ARCHITECTURES: dict[str, Architecture] = {
         attention_layers(gqa_kv_heads, "window"), ("window",), mixer=ATTENTION, recall=windowed,
         hf_class="MistralForCausalLM",
     ),
+    "sink": Architecture(
+        "attention sinks (StreamingLLM, Xiao et al. 2023): GQA where each query sees the first `sinks` tokens and the "
+        "newest `window`; the cache stops growing at sinks + window",
+        attention_layers(gqa_kv_heads, "window", "sinks"), ("window", "sinks"), mixer=ATTENTION,
+        compare_default=False, recall=windowed,
+    ),
     "linear": Architecture(
         "linear attention (Katharopoulos et al.): feature map elu+1 (or Based's taylor), a constant n_heads*(dk*dv + dk) state",
         mixer_layers("linear", ("head_dim", "feature_map", "feature_dim"), n_heads=True), ("feature_map", "feature_dim"),
