@@ -263,6 +263,12 @@ ARCHITECTURES: dict[str, Architecture] = {
         attention_layers(gqa_kv_heads, "window", "sinks"), ("window", "sinks"), mixer=ATTENTION,
         compare_default=False, recall=windowed,
     ),
+    "chunked": Architecture(
+        "chunked local attention (Llama 4): GQA where each query sees only the keys of its own `chunk`-token chunk; the "
+        "cache never holds more than one chunk",
+        attention_layers(gqa_kv_heads, "chunk"), ("chunk",), mixer=ATTENTION, compare_default=False,
+        recall=lambda d_model, n_heads, seq_len: {**half_kv_heads(d_model, n_heads, seq_len), "chunk": max(1, seq_len // 4)},
+    ),
     "linear": Architecture(
         "linear attention (Katharopoulos et al.): feature map elu+1 (or Based's taylor), a constant n_heads*(dk*dv + dk) state",
         mixer_layers("linear", ("head_dim", "feature_map", "feature_dim"), n_heads=True), ("feature_map", "feature_dim"),
@@ -288,6 +294,12 @@ ARCHITECTURES: dict[str, Architecture] = {
     "hybrid-3to1": Architecture(
         "sliding-window heavy: three sliding-window layers per global GQA layer",
         pattern_layers("swa,swa,swa,gqa"), ("layers",), in_patterns=False, hybrid=True, compare_default=False, recall=windowed,
+    ),
+    "hybrid-chunked": Architecture(
+        "Llama 4 style: three chunked local-attention layers per global GQA layer",
+        pattern_layers("chunked,chunked,chunked,gqa"), ("layers",), in_patterns=False, hybrid=True,
+        compare_default=False, recall=lambda d_model, n_heads, seq_len: {**windowed(d_model, n_heads, seq_len),
+                                                                         "chunk": max(1, seq_len // 4)},
     ),
     "diffusion": Architecture(
         "masked diffusion LM (LLaDA): a bidirectional decoder (mixer=gqa|mha|mqa|mla) that predicts masked tokens; "
