@@ -69,6 +69,7 @@ class Architecture:
     causal: bool = True  # False: a masked diffusion LM (bidirectional, one extra vocabulary id for its mask token)
     bidirectional: bool = False  # its layers can attend both ways: a backbone a masked diffusion LM may use
     compare_default: bool = True  # `zoo compare` runs it when no --archs is given
+    recall_default: bool = True  # `zoo recall` trains it when no --archs is given (its CPU default has a 15-min budget)
     recall: Callable[[int, int, int], dict] = lambda d_model, n_heads, seq_len: {}  # MQAR settings at this size
     hf_class: str | None = None  # the transformers class zoo.from_hf converts to it
 
@@ -261,12 +262,13 @@ ARCHITECTURES: dict[str, Architecture] = {
         "attention sinks (StreamingLLM, Xiao et al. 2023): GQA where each query sees the first `sinks` tokens and the "
         "newest `window`; the cache stops growing at sinks + window",
         attention_layers(gqa_kv_heads, "window", "sinks"), ("window", "sinks"), mixer=ATTENTION,
-        compare_default=False, recall=windowed,
+        compare_default=False, recall_default=False, recall=windowed,
     ),
     "chunked": Architecture(
         "chunked local attention (Llama 4): GQA where each query sees only the keys of its own `chunk`-token chunk; the "
         "cache never holds more than one chunk",
         attention_layers(gqa_kv_heads, "chunk"), ("chunk",), mixer=ATTENTION, compare_default=False,
+        recall_default=False,
         recall=lambda d_model, n_heads, seq_len: {**half_kv_heads(d_model, n_heads, seq_len), "chunk": max(1, seq_len // 4)},
     ),
     "linear": Architecture(
@@ -298,7 +300,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "hybrid-chunked": Architecture(
         "Llama 4 style: three chunked local-attention layers per global GQA layer",
         pattern_layers("chunked,chunked,chunked,gqa"), ("layers",), in_patterns=False, hybrid=True,
-        compare_default=False, recall=lambda d_model, n_heads, seq_len: {**windowed(d_model, n_heads, seq_len),
+        compare_default=False, recall_default=False, recall=lambda d_model, n_heads, seq_len: {**windowed(d_model, n_heads, seq_len),
                                                                          "chunk": max(1, seq_len // 4)},
     ),
     "diffusion": Architecture(
@@ -334,6 +336,10 @@ def compare_defaults() -> list[str]:
     return [name for name, arch in ARCHITECTURES.items() if arch.compare_default]
 
 
+def recall_defaults() -> list[str]:
+    return [name for name, arch in ARCHITECTURES.items() if arch.recall_default]
+
+
 def is_causal(name: str) -> bool:
     """Whether the architecture decodes left to right (the engine's models); False for a masked diffusion LM."""
     return ARCHITECTURES[check_architecture(name)].causal
@@ -358,6 +364,7 @@ def details(name: str) -> dict:
         "settings": {setting: SETTINGS[setting].describe() for setting in settings_of(arch)},
         "recall defaults at d_model 64, 1 head, L 64": arch.recall(64, 1, 64),
         "in zoo compare by default": arch.compare_default,
+        "in zoo recall by default": arch.recall_default,
         "hybrid layer": arch.in_patterns,
         "HF class": arch.hf_class or "none",
     }

@@ -23,7 +23,7 @@ RUN_KEY = ("arch", "d_model", "lr", "seq_len", "kv_pairs", "vocab_size", "train_
 
 @dataclass
 class RecallSettings:
-    archs: list[str] = field(default_factory=zoo.architectures)
+    archs: list[str] = field(default_factory=zoo.registry.recall_defaults)  # the entries marked recall_default
     seq_len: int = 64
     # The CPU default (every architecture in < 15 min on 2 cores): attention needs ~600 steps at d_model 64 to
     # learn recall here (a sudden transition; 400-step runs never reach it), so the widths are 32 and 64, not
