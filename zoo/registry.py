@@ -8,6 +8,7 @@ from torch import nn
 
 from attention import Attention, LinearAttention, MLAttention
 from ssm import Mamba, Mamba2
+from ssm.gated_deltanet import GatedDeltaNet
 from zoo import checks
 from zoo.config import MixerSpec, ModelConfig
 from zoo.presets import Preset, preset_settings
@@ -224,6 +225,7 @@ SETTINGS: dict[str, Setting] = {
     "d_conv": Setting(int, "causal convolution width"),
     "expand": Setting(int, "inner width / d_model"),
     "n_groups": Setting(int, "Mamba-2 B/C groups"),
+    "expand_v": Setting(int, "Gated DeltaNet value width / key width per head"),
 }
 
 ATTENTION = Mixer("attention", Attention)
@@ -284,6 +286,12 @@ ARCHITECTURES: dict[str, Architecture] = {
         "Mamba-2 (SSD): multi-head scalar-decay state space model, chunked scan; a constant state per layer",
         mixer_layers("mamba2", (*SSM_SETTINGS, "head_dim", "n_groups")), (*SSM_SETTINGS, "n_groups"),
         mixer=Mixer("mamba2", Mamba2), recall=mamba2_recall, hf_class="Mamba2ForCausalLM",
+    ),
+    "gdn": Architecture(
+        "Gated DeltaNet (Yang et al. 2024): delta-rule linear attention with a Mamba-2 decay gate; a constant conv + "
+        "n_heads*dk*dv state per layer",
+        mixer_layers("gdn", ("head_dim", "expand_v", "d_conv"), n_heads=True), ("expand_v", "d_conv"),
+        mixer=Mixer("gdn", GatedDeltaNet), compare_default=False, recall_default=False,
     ),
     "hybrid": Architecture(
         "any per-layer mix of registered mixers, layers='swa,swa,swa,gqa' (default 'swa,gqa'), repeated to n_layers",
