@@ -1,4 +1,4 @@
-"""HF oracles (reference.md §3): Llama for MHA/GQA/MQA, Mistral for sliding windows, DeepseekV3 for MLA.
+"""HF oracles: Llama for MHA/GQA/MQA, Mistral for sliding windows, DeepseekV3 for MLA.
 Same weights in, same logits and greedy tokens out."""
 import pytest
 import torch

@@ -185,7 +185,7 @@ def test_hybrid_with_latent_window_and_full_layers_runs_through_both_layouts(hel
     ("mla", {"kv_lora_rank": 0}, "kv_lora_rank must be >= 1, got 0"),
     ("mla", {"q_lora_rank": -1}, "q_lora_rank must be >= 1, got -1"),
     ("cla", {"share": 3}, r"share factor 3 must divide n_layers=8; allowed: \[1, 2, 4, 8\]"),
-    ("cla", {"share": 0}, "share factor 0"),
+    ("cla", {"share": 0}, "share must be >= 1, got 0"),
     ("hybrid", {"layers": "swa,attn,gqa"}, r"unknown layer kind\(s\) \['attn'\]; allowed: mha, gqa, mqa, mla, swa"),
     ("hybrid", {"layers": "gqa,cla"}, r"unknown layer kind\(s\) \['cla'\]"),
     ("gqa", {"window": 64}, r"unknown setting\(s\) \['window'\] for 'gqa'"),

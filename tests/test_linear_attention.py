@@ -156,7 +156,7 @@ def test_state_bytes_are_n_heads_times_dk_dv_plus_dk(feature_map, feature_dim, d
     n_heads, dv = 4, 8
     mixer = LinearAttention(d_model=32, layer_idx=0, n_heads=n_heads, feature_map=feature_map, feature_dim=feature_dim)
     spec = mixer.cache_spec()
-    elements = n_heads * (dk * dv + dk)  # reference.md section 2
+    elements = n_heads * (dk * dv + dk)  # S [dk, dv] and z [dk] per head
     assert spec.kind == "state" and mixer.state_dim == dk
     assert dict(spec.state_shapes) == {"kv": (n_heads, dk, dv), "normalizer": (n_heads, dk)}
     assert spec.state_elements == elements and spec.elements_per_token == 0

@@ -173,7 +173,7 @@ def test_no_mamba_ssm_import_on_cpu(helpers):
     assert "mamba_ssm" not in sys.modules
 
 
-# HF Mamba2ForCausalLM oracle (reference.md §3).
+# HF Mamba2ForCausalLM oracle.
 
 def hf_mamba2(seed: int = 0, **overrides) -> Mamba2ForCausalLM:
     settings = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, expand=2,

@@ -68,7 +68,7 @@ def test_cache_bytes_follow_the_formula(name, kv_heads, dtype):
     element = 4 if dtype == torch.float32 else 2
     for t in (0, 1, 17, 512):
         for batch in (1, 3):
-            want = 2 * kv_heads * head_dim * t * layers * batch * element  # reference.md §2
+            want = 2 * kv_heads * head_dim * t * layers * batch * element  # K and V per token, layer and KV head
             assert zoo.cache_bytes(model, seq_len=t, batch=batch) == want
     # an explicit dtype overrides the model's
     assert zoo.cache_bytes(model, seq_len=10, dtype=torch.float16) == 2 * kv_heads * head_dim * 10 * layers * 2

@@ -1,4 +1,5 @@
-"""Analytic cache size of a model, from its layers' cache declarations (reference.md §2)."""
+"""Analytic cache size of a model, from its layers' cache declarations (for attention: 2 · layers · kv_heads ·
+head_dim · tokens · bytes per element, as in Pope et al. 2022, "Efficiently Scaling Transformer Inference")."""
 import torch
 
 from cache import specs_read

@@ -1,6 +1,6 @@
 """LLaDA sampling for a masked diffusion LM: start from prompt + gen_length mask tokens and unmask the answer block
-by block, left to right, several tokens per forward pass (reference.md §5), optionally with Fast-dLLM's approximate
-caches and confidence-threshold unmasking."""
+by block, left to right, several tokens per forward pass (LLaDA's semi-autoregressive remasking, Nie et al. 2025),
+optionally with Fast-dLLM's approximate caches and confidence-threshold unmasking."""
 import time
 from dataclasses import dataclass
 

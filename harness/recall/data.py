@@ -1,6 +1,6 @@
 """Multi-query associative recall (MQAR) data, following Zoology's generator.
 
-Semantics (Zoology ``zoology/data/multiquery_ar.py``, reference.md section 4):
+Semantics (Zoology, Arora et al. 2023, ``zoology/data/multiquery_ar.py``):
 
 * keys are drawn from ids ``1 .. V//2 - 1`` and values from ``V//2 .. V - 1``,
   ``N`` of each without replacement per example;

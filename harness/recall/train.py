@@ -1,4 +1,4 @@
-"""Train a zoo architecture on MQAR (reference.md §4, Zoology's recipe) and measure its recall.
+"""Train a zoo architecture on MQAR (Zoology's recipe, Arora et al. 2023) and measure its recall.
 
 Recipe: 2 layers, no MLP, tied embeddings, pre-norm; AdamW (weight decay 0.1), cosine schedule over
 max_steps, no warmup; cross-entropy over the full vocabulary at the labelled (query) positions only;
