@@ -113,7 +113,7 @@ class LinearAttention(nn.Module):
             return self.merge(out)
         states = cache.read(batch)
         s, z = states["kv"], states["normalizer"]
-        if x.shape[1] == 1 and not batch.is_prefill:
+        if batch.is_decode:
             out = linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], s, z, self.eps).unsqueeze(2)
         else:
             out, s, z = linear_attention_chunked(q, k, v, s, z, chunk_size=self.chunk_size, eps=self.eps)

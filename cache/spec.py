@@ -7,6 +7,10 @@ import torch
 from cache.retention import FULL, Retention
 
 CACHE_KINDS = ("kv", "latent", "shared", "state")
+# What one cached forward is: every sequence starting at position 0 ("prefill"), one new token per sequence on top of
+# its cache ("decode"), or several new tokens on top of it ("chunk": a diffusion block; chunked prefill and
+# speculative verification are this kind too).
+STEP_KINDS = ("prefill", "decode", "chunk")
 
 
 @dataclass(frozen=True)
@@ -94,8 +98,24 @@ class CacheBatch:
     positions: torch.Tensor  # [B, T] absolute position of each new token
     lengths: torch.Tensor  # [B] tokens in each sequence after this step (the newest query's position + 1)
     max_length: int  # max(lengths) as a Python int, so layouts can slice without a device sync
-    is_prefill: bool  # every sequence starts at position 0: attend over the new keys alone
+    step: str  # one of STEP_KINDS
     slots: torch.Tensor | None = None  # [B] contiguous layout: cache row of each sequence
     slot_range: slice | None = None  # the same rows when they are consecutive: layouts read a view instead of gathering
     block_tables: tuple[torch.Tensor, ...] = ()  # per group [B, max_blocks] int32, -1 = no block (freed or unused)
     slot_mappings: tuple[torch.Tensor, ...] = ()  # per group [B*T] int64 flat pool slot per new token, -1 = not kept
+
+    def __post_init__(self):
+        if self.step not in STEP_KINDS:
+            raise ValueError(f"unknown step kind {self.step!r}; allowed: {', '.join(STEP_KINDS)}")
+        if self.step == "decode" and self.positions.shape[-1] != 1:
+            raise ValueError(f"a decode step carries one new token per sequence, got {self.positions.shape[-1]}")
+
+    @property
+    def is_prefill(self) -> bool:
+        """Every sequence starts at position 0: attend over the new keys alone, start states from zeros."""
+        return self.step == "prefill"
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence on top of its cache: the recurrent step, the one-query kernels."""
+        return self.step == "decode"

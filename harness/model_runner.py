@@ -27,7 +27,7 @@ class ModelRunner:
         n = len(seq.prompt_ids)
         tokens = torch.tensor([seq.prompt_ids], device=self.device)
         positions = torch.arange(n, device=self.device).unsqueeze(0)
-        batch = self.cache_batch([seq], positions, [n], is_prefill=True)
+        batch = self.cache_batch([seq], positions, [n], step="prefill")
         logits = self.model(tokens, positions, self.pool.layers, batch, last_only=True)
         seq.cached = n
         return logits[0, -1]
@@ -38,20 +38,20 @@ class ModelRunner:
         tokens = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)
         positions = torch.tensor([[s.cached] for s in seqs], device=self.device)
         lengths = [s.cached + 1 for s in seqs]
-        batch = self.cache_batch(seqs, positions, lengths, is_prefill=False)
+        batch = self.cache_batch(seqs, positions, lengths, step="decode")
         logits = self.decode_forward(tokens, positions, self.pool.layers, batch)
         for s in seqs:
             s.cached += 1
         return logits[:, -1]
 
-    def cache_batch(self, seqs: list[Sequence], positions: torch.Tensor, lengths: list[int], is_prefill: bool) -> CacheBatch:
+    def cache_batch(self, seqs: list[Sequence], positions: torch.Tensor, lengths: list[int], step: str) -> CacheBatch:
         slots = [s.slot for s in seqs]
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         batch = CacheBatch(
             positions=positions,
             lengths=torch.tensor(lengths, dtype=torch.int32, device=self.device),
-            max_length=self.max_seq_len if self.compile_decode and not is_prefill else max(lengths),
-            is_prefill=is_prefill,
+            max_length=self.max_seq_len if self.compile_decode and step == "decode" else max(lengths),
+            step=step,
             slots=torch.tensor(slots, device=self.device),
             slot_range=slice(slots[0], slots[0] + len(slots)) if consecutive else None,
         )

@@ -117,7 +117,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self.heads(qkv)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay, <= 0
         beta = torch.sigmoid(beta_logit.float())
-        if states is not None and t == 1 and not batch.is_prefill:
+        if states is not None and batch.is_decode:
             ssm = states["ssm"]  # updated in place by the step
             o = gated_delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, 0], beta[:, 0], ssm).unsqueeze(2)
         else:

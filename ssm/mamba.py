@@ -125,7 +125,7 @@ class Mamba(nn.Module):
                 return self.forward_cuda(x)[0]
             return self.forward_scan(x, self.zero_states(x))[0]
         states = cache.read(batch)
-        if x.shape[1] == 1 and not batch.is_prefill:
+        if batch.is_decode:
             out, new_states = self.step(x, states)
         elif batch.is_prefill and x.shape[0] == 1 and x.is_cuda and cuda_kernels() is not None:
             out, new_states = self.forward_cuda(x)

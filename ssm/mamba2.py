@@ -96,7 +96,7 @@ class Mamba2(nn.Module):
         b, t, _ = x.shape
         states = cache.read(batch) if cache is not None else None
         z, xbc, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.n_heads], dim=-1)
-        if states is not None and t == 1 and not batch.is_prefill:
+        if states is not None and batch.is_decode:
             y, conv_state, ssm_state = self.step(z[:, 0], xbc[:, 0], dt[:, 0], states["conv"], states["ssm"])
             y = y[:, None]
         else:

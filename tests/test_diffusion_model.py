@@ -104,7 +104,7 @@ def test_non_causal_attention_equals_a_naive_softmax_over_all_keys():
     assert not torch.allclose(layer(changed)[:, 0], full[:, 0], atol=1e-4)
     # key padding: row 1 holds 5 tokens, its keys 5.. are hidden
     lengths = torch.tensor([9, 5])
-    batch = CacheBatch(positions=torch.arange(9).expand(2, 9), lengths=lengths, max_length=9, is_prefill=True)
+    batch = CacheBatch(positions=torch.arange(9).expand(2, 9), lengths=lengths, max_length=9, step="prefill")
     padded = layer(x, None, None, batch)
     assert torch.allclose(padded, naive_attention(layer, x, [9, 5]), atol=1e-5)
     assert torch.allclose(padded[1, :5], layer(x[1:, :5])[0], atol=1e-5)
@@ -122,7 +122,7 @@ def test_padded_rows_equal_each_row_alone(helpers, mixer):
     width = 12
     tokens = torch.tensor([p + [model.config.mask_token_id] * (width - len(p)) for p in prompts])
     batch = CacheBatch(positions=torch.arange(width).expand(3, width), lengths=torch.tensor([12, 5, 9]),
-                       max_length=width, is_prefill=True)
+                       max_length=width, step="prefill")
     padded = model(tokens, batch.positions, None, batch)
     for i, prompt in enumerate(prompts):
         alone = model(torch.tensor([prompt]))[0]
@@ -141,13 +141,13 @@ def test_cached_non_causal_path_equals_the_full_forward(helpers, mixer, route):
     prompts = helpers.make_prompts(lengths, model.config.vocab_size - 1, seed=5)
     tokens = torch.tensor([p + [model.config.mask_token_id] * (width - len(p)) for p in prompts])
     full_batch = CacheBatch(positions=torch.arange(width).expand(rows, width), lengths=torch.tensor(lengths),
-                            max_length=width, is_prefill=True, slots=torch.arange(rows))
+                            max_length=width, step="prefill", slots=torch.arange(rows))
     pool = CachePool(model.cache_specs(), "contiguous", rows, width, 1, [], torch.float32, "cpu")
     full = model(tokens, full_batch.positions, pool.layers, full_batch)
     starts = torch.tensor([6, 3, 9])  # each row's own first query position
     count = 5 if route == "block" else min(n - s for n, s in zip(lengths, starts.tolist()))
     queries = starts[:, None] + torch.arange(count)
-    batch = CacheBatch(positions=queries, lengths=torch.tensor(lengths), max_length=width, is_prefill=False,
+    batch = CacheBatch(positions=queries, lengths=torch.tensor(lengths), max_length=width, step="chunk",
                        slots=torch.arange(rows))
     cached = model(tokens.gather(1, queries), queries, pool.layers, batch)
     want = full.gather(1, queries[..., None].expand(-1, -1, full.shape[-1]))
@@ -168,20 +168,20 @@ def test_paged_non_causal_attend_equals_contiguous(queries_per_row):
     table = torch.arange(8, dtype=torch.int32).view(rows, 4)
     positions = torch.arange(width).expand(rows, width)
     mapping = (table.long().gather(1, positions // block_size) * block_size + positions % block_size).flatten()
-    write = CacheBatch(positions=positions, lengths=lengths, max_length=width, is_prefill=True,
+    write = CacheBatch(positions=positions, lengths=lengths, max_length=width, step="prefill",
                        slots=torch.arange(rows), block_tables=(table,), slot_mappings=(mapping,))
     contiguous, paged = ContiguousKV(spec, rows, width, torch.float32, "cpu"), PagedKV(spec, 8, block_size, 0, torch.float32, "cpu")
     k, v = torch.randn(rows, 2, width, 8), torch.randn(rows, 2, width, 8)
     for layout in (contiguous, paged):
         layout.write(k, v, write)
     queries = torch.tensor([[2], [4]]) + torch.arange(queries_per_row)
-    read = CacheBatch(positions=queries, lengths=lengths, max_length=width, is_prefill=False,
+    read = CacheBatch(positions=queries, lengths=lengths, max_length=width, step="chunk",
                       slots=torch.arange(rows), block_tables=(table,))
     q = torch.randn(rows, 4, queries_per_row, 8)
     got = paged.attend(q, read, 0.3, causal=False)
     want = contiguous.attend(q, read, 0.3, causal=False)
     assert torch.allclose(got, want, atol=1e-5)
     # and both read past the query: the causal answer (lengths = newest query + 1, as a causal batch has) differs
-    causal = CacheBatch(positions=queries, lengths=queries[:, -1] + 1, max_length=width, is_prefill=False,
+    causal = CacheBatch(positions=queries, lengths=queries[:, -1] + 1, max_length=width, step="chunk",
                         slots=torch.arange(rows), block_tables=(table,))
     assert not torch.allclose(want, contiguous.attend(q, causal, 0.3), atol=1e-3)

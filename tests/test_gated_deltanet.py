@@ -4,10 +4,10 @@ through the chunked form; the state is n_heads * dk * dv + conv_dim * (d_conv - 
 import pytest
 import torch
 
-from cache.spec import CacheBatch
 from cache.state_slots import StateSlots
 from kernels import FORCE_TRITON_ENV, triton_available
 from ssm.gated_deltanet import GatedDeltaNet
+from batches import slot_batch  # noqa: E402 (pytest puts this folder on sys.path)
 
 ATOL = 1e-4  # outputs are O(1)
 
@@ -22,21 +22,12 @@ def max_err(got, want) -> float:
     return (got - want).abs().max().item()
 
 
-def contiguous_batch(positions: torch.Tensor, is_prefill: bool, slots=None) -> CacheBatch:
-    b = positions.shape[0]
-    lengths = positions[:, -1] + 1
-    slots = torch.arange(b) if slots is None else torch.tensor(slots)
-    consecutive = slots.tolist() == list(range(int(slots[0]), int(slots[0]) + b))
-    return CacheBatch(positions=positions, lengths=lengths.int(), max_length=int(lengths.max()), is_prefill=is_prefill,
-                      slots=slots, slot_range=slice(int(slots[0]), int(slots[0]) + b) if consecutive else None)
-
-
 def run_cached(mixer, cache, x, chunks, slots=None):
     """Feed x [B, T, d] in chunks (the first a prefill), returning the outputs for every position."""
     outs, start = [], 0
     for n in chunks:
         positions = torch.arange(start, start + n).expand(x.shape[0], n)
-        outs.append(mixer(x[:, start : start + n], positions, cache, contiguous_batch(positions, start == 0, slots)))
+        outs.append(mixer(x[:, start : start + n], positions, cache, slot_batch(positions, start == 0, slots)))
         start += n
     return torch.cat(outs, dim=1)
 

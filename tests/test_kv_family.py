@@ -7,20 +7,14 @@ import zoo
 from attention import Attention, MLAttention
 from cache import CacheBatch, ContiguousKV, PagedKV
 from harness import Engine, SamplingParams
+from batches import slot_batch  # noqa: E402 (pytest puts this folder on sys.path)
 
 DTYPE_SIZE = {torch.float32: 4, torch.bfloat16: 2}
 
 
-def contiguous_batch(positions: torch.Tensor, is_prefill: bool) -> CacheBatch:
-    b = positions.shape[0]
-    lengths = positions[:, -1] + 1
-    return CacheBatch(positions=positions, lengths=lengths.int(), max_length=int(lengths.max()), is_prefill=is_prefill,
-                      slots=torch.arange(b), slot_range=slice(0, b))
-
-
 def paged_batch(positions: torch.Tensor, is_prefill: bool, block_size: int, blocks_per_seq: int) -> CacheBatch:
     """Sequence i owns pool blocks in reverse order, so a layout that ignores the table reads the wrong rows."""
-    batch = contiguous_batch(positions, is_prefill)
+    batch = slot_batch(positions, is_prefill)
     b = positions.shape[0]
     table = torch.tensor([[(i + 1) * blocks_per_seq - 1 - j for j in range(blocks_per_seq)] for i in range(b)], dtype=torch.int32)
     slots = table.long().gather(1, positions // block_size) * block_size + positions % block_size
@@ -49,7 +43,7 @@ def test_mla_absorbed_decode_equals_expanded_form(q_lora_rank, v_head_dim, layou
         expanded = mla(x)  # uncached: per-head keys and values expanded from the latent
         spec = mla.cache_spec()
         if layout == "contiguous":
-            cache, make_batch = ContiguousKV(spec, 2, 32, torch.float32, "cpu"), contiguous_batch
+            cache, make_batch = ContiguousKV(spec, 2, 32, torch.float32, "cpu"), slot_batch
         else:
             cache = PagedKV(spec, num_blocks=2 * 8, block_size=4, group=0, dtype=torch.float32, device="cpu")
             make_batch = lambda p, pre: paged_batch(p, pre, block_size=4, blocks_per_seq=8)  # noqa: E731

@@ -12,13 +12,13 @@ import ssm.mamba
 import zoo
 import zoo.hf
 import zoo.model
-from cache.spec import CacheBatch
 from cache.state_slots import StateSlots
 from harness import Engine, SamplingParams
 from ssm.mamba import Mamba
 from zoo.config import MixerSpec, ModelConfig
 from zoo.hf_mamba import mamba_config, mamba_names
 from zoo.model import DecoderLM
+from batches import slot_batch  # noqa: E402 (pytest puts this folder on sys.path)
 
 VOCAB = 256
 PROMPT_LEN = 128
@@ -107,8 +107,7 @@ def test_training_path_equals_inference_path_and_has_gradients():
 def slots_batch(slots, lengths, new, prefill):
     """CacheBatch for rows in `slots` whose sequences reach `lengths` after `new` tokens each (as the engine builds it)."""
     positions = torch.stack([torch.arange(n - k, n - k + max(new)) for n, k in zip(lengths, new)])
-    return CacheBatch(positions=positions, lengths=torch.tensor(lengths, dtype=torch.int32), max_length=max(lengths),
-                      is_prefill=prefill, slots=torch.tensor(slots))
+    return slot_batch(positions, prefill, slots, lengths)
 
 
 @torch.no_grad()

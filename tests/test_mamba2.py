@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from transformers import Mamba2Config, Mamba2ForCausalLM
 
-from cache.spec import CacheBatch
 from cache.state_slots import StateSlots
 from harness import Engine, SamplingParams
 from kernels import FORCE_TRITON_ENV, selective_state_update
 from ssm.mamba2 import Mamba2, ssd_scan_ref
 from zoo.hf_mamba2 import mamba2_config, mamba2_names
 from zoo.model import DecoderLM
+from batches import slot_batch  # noqa: E402 (pytest puts this folder on sys.path)
 
 VOCAB = 256
 PROMPT_LEN = 150  # not a multiple of the chunk size (32)
@@ -81,12 +81,6 @@ def make_mixer(helpers, seed=0, **kwargs):
     return helpers.spread_weights(Mamba2(**settings), seed=seed, gain=1.0)
 
 
-def state_batch(positions: torch.Tensor, is_prefill: bool, slots: list[int]) -> CacheBatch:
-    lengths = positions[:, -1] + 1
-    return CacheBatch(positions=positions, lengths=lengths.int(), max_length=int(lengths.max()), is_prefill=is_prefill,
-                      slots=torch.tensor(slots))
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("steps", [[13, 1, 1, 1, 1, 1], [8, 1, 7, 1, 9, 1]])  # prefill, decode steps, multi-token chunks
 def test_cached_equals_uncached(helpers, steps):
@@ -99,7 +93,7 @@ def test_cached_equals_uncached(helpers, steps):
     outs, start = [], 0
     for n in steps:
         positions = torch.arange(start, start + n).expand(3, n)
-        outs.append(mixer(x[:, start:start + n], positions, cache, state_batch(positions, start == 0, slots)))
+        outs.append(mixer(x[:, start:start + n], positions, cache, slot_batch(positions, start == 0, slots)))
         start += n
     torch.testing.assert_close(torch.cat(outs, 1), want, rtol=1e-5, atol=1e-5)
     # rows are independent: the second sequence alone, in another slot, gives its row of the batched output
@@ -107,7 +101,7 @@ def test_cached_equals_uncached(helpers, steps):
     outs, start = [], 0
     for n in steps:
         positions = torch.arange(start, start + n).expand(1, n)
-        outs.append(mixer(x[1:2, start:start + n], positions, alone, state_batch(positions, start == 0, [3])))
+        outs.append(mixer(x[1:2, start:start + n], positions, alone, slot_batch(positions, start == 0, [3])))
         start += n
     torch.testing.assert_close(torch.cat(outs, 1), want[1:2], rtol=1e-5, atol=1e-5)
     for name in ("conv", "ssm"):
@@ -125,7 +119,7 @@ def test_decode_through_triton_kernel(helpers, monkeypatch):
     outs = []
     for start, n in ((0, 9), (9, 1), (10, 1)):
         positions = torch.arange(start, start + n).expand(2, n)
-        outs.append(mixer(x[:, start:start + n], positions, cache, state_batch(positions, start == 0, [1, 0])))
+        outs.append(mixer(x[:, start:start + n], positions, cache, slot_batch(positions, start == 0, [1, 0])))
     torch.testing.assert_close(torch.cat(outs, 1), want, rtol=1e-5, atol=1e-5)
 
 

@@ -25,7 +25,7 @@ class BlockForward:
         # rows are right-padded to the longest: keys at or past a row's length are hidden from its queries
         self.full = CacheBatch(
             positions=torch.arange(width, device=param.device).expand(rows, width),
-            lengths=torch.tensor(lengths, device=param.device), max_length=width, is_prefill=True,
+            lengths=torch.tensor(lengths, device=param.device), max_length=width, step="prefill",
             slots=torch.arange(rows, device=param.device), slot_range=slice(0, rows),
         )
         self.pool = None
@@ -44,5 +44,5 @@ class BlockForward:
             return logits.gather(1, block.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
         queries = block if self.cache == "dual" else answer[:, first:]
         batch = CacheBatch(positions=queries, lengths=self.full.lengths, max_length=self.full.max_length,
-                           is_prefill=False, slots=self.full.slots, slot_range=self.full.slot_range)
+                           step="chunk", slots=self.full.slots, slot_range=self.full.slot_range)
         return self.model(x.gather(1, queries), queries, self.pool.layers, batch)[:, : last - first]
