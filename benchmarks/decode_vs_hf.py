@@ -9,14 +9,13 @@ the same way for both. Runs alternate between the two sides; each figure is the 
 """
 import argparse
 import statistics
-import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import harness
 import zoo
-from hf_agreement import agreement
+from hf_agreement import agreement, time_hf, time_zoo
 from zoo.hf import copy_weights_to_hf
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -32,21 +31,6 @@ def hf_twin(model) -> LlamaForCausalLM:
     hf = LlamaForCausalLM(cfg)
     copy_weights_to_hf(model, hf)
     return hf.eval()
-
-
-def time_hf(hf, prompts: torch.Tensor, new_tokens: int) -> float:
-    start = time.perf_counter()
-    with torch.inference_mode():
-        hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                    do_sample=False, pad_token_id=0)
-    return time.perf_counter() - start
-
-
-def time_zoo(engine, prompts: torch.Tensor, new_tokens: int) -> float:
-    params = harness.SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
-    start = time.perf_counter()
-    engine.generate(prompts.tolist(), params)
-    return time.perf_counter() - start
 
 
 def decode_rate(timer, prompts, new_tokens, rates: list) -> None:

@@ -1,7 +1,26 @@
-"""The greedy-token check the benchmarks run against transformers (vLLM's rule for model tests)."""
+"""What the benchmarks run against transformers: the greedy-token check (vLLM's rule for model tests) and the
+timed greedy generations on each side."""
+import time
+
 import torch
 
 import harness
+
+
+def time_hf(hf, prompts: torch.Tensor, new_tokens: int) -> float:
+    """Seconds for transformers' greedy generate of exactly new_tokens per prompt."""
+    start = time.perf_counter()
+    with torch.inference_mode():
+        hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def time_zoo(engine, prompts: torch.Tensor, new_tokens: int) -> float:
+    """Seconds for the engine's greedy generate of new_tokens per prompt."""
+    start = time.perf_counter()
+    engine.generate(prompts.tolist(), harness.SamplingParams(max_new_tokens=new_tokens, temperature=0.0))
+    return time.perf_counter() - start
 
 
 def agreement(hf, engine, prompts: torch.Tensor, new_tokens: int) -> str:

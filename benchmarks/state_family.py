@@ -22,7 +22,7 @@ import torch
 
 import zoo
 from harness import Engine, SamplingParams
-from hf_agreement import agreement
+from hf_agreement import agreement, time_hf, time_zoo
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -66,20 +66,6 @@ def hf_mamba(dtype: torch.dtype):
                          use_bias=False, use_conv_bias=True, tie_word_embeddings=True)
     torch.manual_seed(0)
     return MambaForCausalLM(config).to(dtype).eval()
-
-
-def time_hf(hf, prompts: torch.Tensor, new_tokens: int) -> float:
-    start = time.perf_counter()
-    with torch.inference_mode():
-        hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return time.perf_counter() - start
-
-
-def time_zoo(engine: Engine, prompts: torch.Tensor, new_tokens: int) -> float:
-    start = time.perf_counter()
-    engine.generate(prompts.tolist(), SamplingParams(max_new_tokens=new_tokens, temperature=0.0))
-    return time.perf_counter() - start
 
 
 def versus_hf(args) -> None:
