@@ -36,3 +36,14 @@ def use_cpu_kernel(*tensors: torch.Tensor) -> bool:
     from .cpu_decode import cpu_kernels_available  # imported here: it compiles the kernel on first use
 
     return cpu_kernels_available()
+
+
+def jit_kernels(namespace: dict, *kernels) -> tuple:
+    """triton.jit the kernel functions of one module, first binding `tl` (triton.language) among its globals, which
+    the kernel bodies read. Called on first use, not at import: triton reads TRITON_INTERPRET both when it is
+    imported (its own tl.max/tl.sum are jitted then) and when triton.jit runs, and CPU-only runs never import it."""
+    import triton
+    import triton.language
+
+    namespace["tl"] = triton.language
+    return tuple(triton.jit(kernel) for kernel in kernels)

@@ -28,10 +28,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .dispatch import use_triton
+from .dispatch import jit_kernels, use_triton
 from .tiles import cdiv, padded
 
-tl = None  # triton.language, bound by _jitted_kernel() on the first Triton call
+tl = None  # triton.language, bound by dispatch.jit_kernels on the first Triton call
 
 # fp32 elements of a program's [dk, dv-tile] slice of S (dk = 128: 16 columns). The step is memory-bound (each state
 # element is read and written once), so registers are spent on occupancy: at 4 warps, 2048 compiles to ~85 registers
@@ -166,13 +166,7 @@ def _step_kernel(
 
 @functools.cache
 def _jitted_kernel():
-    # Import and jit on first use, not at import: triton reads TRITON_INTERPRET both when it is
-    # imported and when triton.jit runs.
-    global tl
-    import triton
-    import triton.language as tl
-
-    return triton.jit(_step_kernel)
+    return jit_kernels(globals(), _step_kernel)[0]
 
 
 def gated_delta_step_triton(q, k, v, g, beta, state, scale: float | None = None) -> torch.Tensor:

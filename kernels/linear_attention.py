@@ -23,10 +23,10 @@ import functools
 
 import torch
 
-from .dispatch import use_triton
+from .dispatch import jit_kernels, use_triton
 from .tiles import padded
 
-tl = None  # triton.language, bound by _jitted_kernels() on the first Triton call
+tl = None  # triton.language, bound by dispatch.jit_kernels on the first Triton call
 
 # fp32 elements of one register tile (S's [dk, dv-tile] slice, or a [chunk, dk] block of q or k):
 # 4096 at 4 warps is 32 registers a thread per tile, as paged_attention's fp16 K/V tiles
@@ -237,13 +237,7 @@ def _chunked_kernel(
 
 @functools.cache
 def _jitted_kernels():
-    # Import and jit on first use, not at import: triton reads TRITON_INTERPRET both when it is
-    # imported and when triton.jit runs.
-    global tl
-    import triton
-    import triton.language as tl
-
-    return triton.jit(_step_kernel), triton.jit(_chunked_kernel)
+    return jit_kernels(globals(), _step_kernel, _chunked_kernel)
 
 
 def linear_attention_step_triton(q, k, v, state, normalizer, eps: float = 1e-6) -> torch.Tensor:

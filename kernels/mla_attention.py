@@ -19,11 +19,11 @@ import functools
 import torch
 
 from . import cpu_decode, paged_attention
-from .dispatch import use_cpu_kernel, use_triton
+from .dispatch import jit_kernels, use_cpu_kernel, use_triton
 from .paged_attention import _default_num_splits, _tile_shape
 from .tiles import cdiv, padded
 
-tl = None  # triton.language, bound by _jitted_kernels() on the first Triton call
+tl = None  # triton.language, bound by dispatch.jit_kernels on the first Triton call
 
 # 16 is tl.dot's smallest M; at W = 576 a larger tile would hold [heads, 512] fp32 accumulators
 # beyond the register file, so 128 heads run as 8 programs that share each row through L2
@@ -132,13 +132,8 @@ def _split_kernel(
 
 @functools.cache
 def _jitted_kernels():
-    # Import and jit on first use, not at import: triton reads TRITON_INTERPRET both when it is
-    # imported and when triton.jit runs. Stage 2 is paged_attention's merge: the partials match it.
-    global tl
-    import triton
-    import triton.language as tl
-
-    return triton.jit(_split_kernel), paged_attention._jitted_kernels()[1]
+    # stage 2 is paged_attention's merge: the partials match it
+    return jit_kernels(globals(), _split_kernel)[0], paged_attention._jitted_kernels()[1]
 
 
 def mla_decode_attention_triton(

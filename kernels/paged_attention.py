@@ -27,10 +27,10 @@ import functools
 import torch
 
 from . import cpu_decode
-from .dispatch import use_cpu_kernel, use_triton
+from .dispatch import jit_kernels, use_cpu_kernel, use_triton
 from .tiles import cdiv, padded
 
-tl = None  # triton.language, bound by _jitted_kernels() on the first Triton call
+tl = None  # triton.language, bound by dispatch.jit_kernels on the first Triton call
 
 _MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism it adds
 _MAX_SPLITS = 16
@@ -190,13 +190,7 @@ def _merge_kernel(
 
 @functools.cache
 def _jitted_kernels():
-    # Import and jit on first use, not at import: triton reads TRITON_INTERPRET both when it is
-    # imported (its own tl.max/tl.sum are jitted then) and when triton.jit runs.
-    global tl
-    import triton
-    import triton.language as tl
-
-    return triton.jit(_split_kernel), triton.jit(_merge_kernel)
+    return jit_kernels(globals(), _split_kernel, _merge_kernel)
 
 
 def _tile_shape(dim_pad: int, element_size: int) -> tuple[int, int]:

@@ -12,10 +12,10 @@ import functools
 
 import torch
 
-from .dispatch import use_triton
+from .dispatch import jit_kernels, use_triton
 from .tiles import padded
 
-tl = None  # triton.language, bound by _jitted_kernel() on the first Triton call
+tl = None  # triton.language, bound by dispatch.jit_kernels on the first Triton call
 
 
 def _check_args(k, v, k_pool, v_pool, slot_mapping) -> None:
@@ -83,13 +83,7 @@ def _write_kernel(
 
 @functools.cache
 def _jitted_kernel():
-    # Import and jit on first use, not at import: triton reads TRITON_INTERPRET both when it is
-    # imported and when triton.jit runs.
-    global tl
-    import triton
-    import triton.language as tl
-
-    return triton.jit(_write_kernel)
+    return jit_kernels(globals(), _write_kernel)[0]
 
 
 def write_paged_kv_triton(k, v, k_pool, v_pool, slot_mapping) -> None:

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_decode
-from .dispatch import use_cpu_kernel, use_triton
+from .dispatch import jit_kernels, use_cpu_kernel, use_triton
 from .tiles import padded
 
-tl = None  # triton.language, bound by _jitted_kernels() on the first Triton call
+tl = None  # triton.language, bound by dispatch.jit_kernels on the first Triton call
 
 # state tile elements per program: with fp32 arithmetic, 2048 keeps state, dA, dB and their products
 # in registers at 4 warps; the step is memory-bound (each state element is read and written once)
@@ -145,13 +145,7 @@ def _update_kernel(
 
 @functools.cache
 def _jitted_kernels():
-    # Import and jit on first use, not at import: triton reads TRITON_INTERPRET both when it is
-    # imported and when triton.jit runs.
-    global tl
-    import triton
-    import triton.language as tl
-
-    return triton.jit(_update_kernel)
+    return jit_kernels(globals(), _update_kernel)[0]
 
 
 def selective_state_update_triton(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
