@@ -41,8 +41,7 @@ def admitted_at_once(model, budget: int, context: int, new_tokens: int, kv_cache
     prompt = [0] * context
     for _ in range(min(offered, engine.max_batch)):
         engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, temperature=0.0))
-    for seq in engine.scheduler.admit():
-        seq.cached, seq.output_ids = context, [0]  # as if prefilled: decode reads `context` cached tokens
+    engine.admit_prefilled()  # decode reads `context` cached tokens
     return engine
 
 

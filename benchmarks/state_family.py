@@ -31,8 +31,7 @@ def decoding_engine(model, context: int, steps: int) -> Engine:
     """One request whose cache holds `context` tokens, admitted and ready to decode."""
     engine = Engine(model, max_batch=1, max_seq_len=context + steps + 2)
     engine.add_request([0] * context, SamplingParams(max_new_tokens=steps + 2, temperature=0.0))
-    for seq in engine.scheduler.admit():
-        seq.cached, seq.output_ids = context, [0]  # as if prefilled
+    engine.admit_prefilled()
     return engine
 
 

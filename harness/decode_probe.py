@@ -24,7 +24,7 @@ class DecodeProbe:
     def step(self) -> float:
         """One decode step over every sequence from `context` cached tokens; seconds (device synchronised)."""
         for seq in self.seqs:
-            seq.cached = self.context  # the step advances it: put it back so every step reads the same context
+            seq.num_cached = self.context  # the step advances it: put it back so every step reads the same context
         sync(self.engine.device)
         start = time.perf_counter()
         self.engine.runner.decode(self.seqs)
@@ -70,12 +70,9 @@ def decode_probe(model, batch: int, context: int, kv_cache: str = "contiguous", 
     for _ in range(batch):
         prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
         engine.add_request(prompt, SamplingParams(max_new_tokens=HEADROOM, temperature=0.0))
-    seqs = engine.scheduler.admit()
+    seqs = engine.admit_prefilled()
     if len(seqs) != batch:
         raise ValueError(f"the engine admitted {len(seqs)} of {batch} sequences of {context} tokens")
-    for seq in seqs:
-        seq.cached = context
-        seq.output_ids.append(int(torch.randint(0, vocab, (1,), generator=generator)))
     with torch.no_grad():
         fill_random(engine.pool.layers, seed)
     return DecodeProbe(engine, seqs, context)

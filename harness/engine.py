@@ -147,6 +147,17 @@ class Engine:
                                  f"the pool holds {manager.num_blocks}")
         return seq
 
+    def admit_prefilled(self) -> list[Sequence]:
+        """Admit what fits as if each prompt were already in the cache (its contents left as they are), the last
+        prompt token as the first decode input: decode timed at a context without paying for its prefill
+        (benchmarks, harness.decode_probe). The tokens are meaningless; the step's costs are the real ones."""
+        with self.exclusive:
+            seqs = self.scheduler.admit()
+            for seq in seqs:
+                seq.num_cached = len(seq.prompt_ids)
+                seq.output_ids.append(seq.prompt_ids[-1])
+            return seqs
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
@@ -203,7 +214,7 @@ class Engine:
                 for seq in running:
                     self.fail(seq, error, events)
                 return events
-            kv_bytes = sum(self.pool.read_bytes(s.cached) for s in running)
+            kv_bytes = sum(self.pool.read_bytes(s.num_cached) for s in running)
             self.emit(running, logits, events)
             self.decode_stats.record(time.perf_counter() - start, len(running), kv_bytes)
         return events

@@ -29,19 +29,19 @@ class ModelRunner:
         positions = torch.arange(n, device=self.device).unsqueeze(0)
         batch = self.cache_batch([seq], positions, [n], step="prefill")
         logits = self.model(tokens, positions, self.pool.layers, batch, last_only=True)
-        seq.cached = n
+        seq.num_cached = n
         return logits[0, -1]
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each sequence's newest token; returns logits [B, vocab]."""
         tokens = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)
-        positions = torch.tensor([[s.cached] for s in seqs], device=self.device)
-        lengths = [s.cached + 1 for s in seqs]
+        positions = torch.tensor([[s.num_cached] for s in seqs], device=self.device)
+        lengths = [s.num_cached + 1 for s in seqs]
         batch = self.cache_batch(seqs, positions, lengths, step="decode")
         logits = self.decode_forward(tokens, positions, self.pool.layers, batch)
         for s in seqs:
-            s.cached += 1
+            s.num_cached += 1
         return logits[:, -1]
 
     def cache_batch(self, seqs: list[Sequence], positions: torch.Tensor, lengths: list[int], step: str) -> CacheBatch:

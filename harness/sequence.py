@@ -24,7 +24,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     slot: int = -1  # contiguous layout: the cache row this sequence owns
-    cached: int = 0  # tokens whose K/V are in the cache
+    num_cached: int = 0  # tokens whose keys/values (or state) are in the cache
     finish_reason: str = ""
     error: str = ""  # why the request failed (finish_reason "error")
     logits: list[torch.Tensor] = field(default_factory=list)

@@ -27,7 +27,7 @@ def test_sink_blocks_stay_and_the_rest_outside_the_window_return(helpers):
         seq = engine.unfinished.get(request)
         if seq is None:
             break
-        length, table = seq.cached, manager.tables[request]
+        length, table = seq.num_cached, manager.tables[request]
         assert table[0] >= 0, f"the sink block was freed at length {length}"
         first_in_window = max(0, length - window) // block_size
         assert all(block == -1 for block in table[1:first_in_window]), f"a block outside the window kept at {length}"

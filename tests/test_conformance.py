@@ -136,9 +136,9 @@ def test_paged_cache_bytes_track_analytic(model, arch_name, helpers):
     while engine.has_unfinished():
         engine.step()
         running = engine.scheduler.running
-        analytic = sum(zoo.cache_bytes(model, seq_len=s.cached) for s in running)
+        analytic = sum(zoo.cache_bytes(model, seq_len=s.num_cached) for s in running)
         in_use = engine.cache_bytes_in_use()
-        assert all(s.cached > 0 for s in running)
+        assert all(s.num_cached > 0 for s in running)
         assert in_use >= analytic, f"{arch_name}: {in_use} B in use < {analytic} B the cached tokens need"
         if running:
             assert in_use - analytic < len(running) * waste or in_use == analytic, (

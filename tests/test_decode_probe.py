@@ -23,7 +23,7 @@ def test_probe_fills_every_cache_and_times_a_step(arch, layout):
             assert t.float().std() > 0.5  # random normal, not the zeros the engine allocated
     seconds = probe.median_step(steps=3)
     assert seconds > 0
-    assert all(s.cached == 25 for s in probe.seqs)  # each timed step started again from 24 cached tokens
+    assert all(s.num_cached == 25 for s in probe.seqs)  # each timed step started again from 24 cached tokens
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
@@ -34,7 +34,7 @@ def test_every_step_reads_the_same_context(layout):
 
     def logits():
         for s in probe.seqs:
-            s.cached = 30
+            s.num_cached = 30
         return probe.engine.runner.decode(probe.seqs)
 
     first = logits()

@@ -138,7 +138,7 @@ def test_sliding_window_paged_blocks_return_to_the_pool(helpers):
             table = swa_blocks.tables[seq.request_id]
             held.append(swa_blocks.used)
             returned.append(table.count(-1))
-            assert full_blocks.used == full_blocks.blocks_for(seq.cached)  # the global layer keeps everything
+            assert full_blocks.used == full_blocks.blocks_for(seq.num_cached)  # the global layer keeps everything
             assert swa_blocks.used == swa_blocks.held(seq) <= (window - 1) // block_size + 2
     # the 21-token prompt left 5 + 1 blocks' worth before its window; by the end 90 tokens have passed
     assert returned[0] >= 1 and returned[-1] == (90 - window) // block_size
