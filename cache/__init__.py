@@ -1,8 +1,8 @@
 """The cache contract: what a layer declares it stores and keeps, the views of engine memory a mixer reads and
 writes, and one step's batch layout. The ground floor under the mixers (attention/, ssm/) and the engine."""
-from cache.layouts import CallKV, ContiguousKV, PagedKV
+from cache.layouts import HandoffKV, ContiguousKV, PagedKV
 from cache.retention import FULL, Retention
 from cache.spec import CacheBatch, CacheSpec, specs_read
 from cache.state_slots import StateSlots
 
-__all__ = ["FULL", "CacheBatch", "CacheSpec", "CallKV", "ContiguousKV", "PagedKV", "Retention", "StateSlots", "specs_read"]
+__all__ = ["FULL", "CacheBatch", "CacheSpec", "HandoffKV", "ContiguousKV", "PagedKV", "Retention", "StateSlots", "specs_read"]

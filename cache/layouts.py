@@ -191,7 +191,7 @@ class PagedKV(KVTensors):
         return read(self.k), None if self.v is None else read(self.v)
 
 
-class CallKV:
+class HandoffKV:
     """The keys and values one uncached forward computed in a producer layer, handed to the layers sharing them."""
 
     def __init__(self):

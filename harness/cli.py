@@ -8,10 +8,10 @@ import torch
 import zoo
 from harness.charts import write_charts
 from harness.diffusion import DiffusionSampler
-from harness.compare import DTYPES, CompareSettings, run_compare, settings_dict
+from harness.compare import DTYPES, CompareSettings, run_compare
 from harness.engine import Engine
 from harness.recall import cli as recall_cli
-from harness.results import write_atomic
+from harness.results import settings_dict, write_atomic
 from harness.sampling import SamplingParams
 from harness.table import markdown_table
 from harness.weights import check_weights_file, load_weights

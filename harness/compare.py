@@ -1,7 +1,7 @@
 """`zoo compare`: every architecture x context x batch cell through the same engine, measured and written as it goes."""
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -193,9 +193,3 @@ def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[d
                 store.append(measure_cell(model, cell, rates, settings.seed))
     wanted = {store.key(c) for c in settings.cells()}
     return [r for r in store.rows if store.key(r) in wanted]
-
-
-def settings_dict(settings: CompareSettings) -> dict:
-    d = asdict(settings)
-    d["out"] = str(settings.out)
-    return d

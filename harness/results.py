@@ -1,4 +1,5 @@
 """results.jsonl: one row per measured cell, rewritten atomically after each cell so a crash loses at most the cell in flight."""
+import dataclasses
 import json
 import os
 import warnings
@@ -77,3 +78,8 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = Path(str(path) + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def settings_dict(settings) -> dict:
+    """A run's settings dataclass as JSON-ready values (paths as strings), for the record and the console."""
+    return {name: str(value) if isinstance(value, Path) else value for name, value in dataclasses.asdict(settings).items()}

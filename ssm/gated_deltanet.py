@@ -95,8 +95,6 @@ class GatedDeltaNet(nn.Module):
         dt = torch.exp(torch.rand(self.n_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         dt = dt.clamp(min=dt_init_floor)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) == dt
-        for p in (self.A_log, self.dt_bias):
-            p._no_weight_decay = True
 
     def cache_spec(self) -> CacheSpec:
         # fp32 whatever the model's dtype: S is a running, decayed sum that 16-bit floats stop resolving

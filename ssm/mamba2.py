@@ -83,8 +83,6 @@ class Mamba2(nn.Module):
         dt = torch.exp(torch.rand(self.n_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         dt = dt.clamp(min=dt_init_floor)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) == dt
-        for p in (self.A_log, self.D, self.dt_bias):
-            p._no_weight_decay = True
 
     def cache_spec(self) -> CacheSpec:
         return CacheSpec(kind="state", state_shapes=(("conv", (self.conv_dim, self.d_conv)),

@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from cache import CallKV
+from cache import HandoffKV
 from zoo.config import ModelConfig
 from zoo.layers import make_mlp, make_norm
 from zoo.mixers import make_mixer
@@ -46,7 +46,7 @@ class DecoderLM(nn.Module):
         caches = [None] * len(self.blocks)
         for i, spec in enumerate(self.cache_specs()):
             if spec.kind == "shared":
-                caches[i] = caches[spec.source] = caches[spec.source] or CallKV()
+                caches[i] = caches[spec.source] = caches[spec.source] or HandoffKV()
         return caches
 
     def forward(self, tokens: torch.Tensor, positions=None, caches=None, batch=None, last_only: bool = False):

@@ -3,7 +3,8 @@ import argparse
 from pathlib import Path
 
 from harness.recall.report import markdown_table, write_report
-from harness.recall.suite import RecallSettings, best_over_lr, run_recall, settings_dict
+from harness.recall.suite import RecallSettings, best_over_lr, run_recall
+from harness.results import settings_dict
 from harness.results import write_atomic
 
 # A preset is a list of sweeps (one per sequence length) written to one results folder.

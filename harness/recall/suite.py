@@ -5,7 +5,7 @@ import queue as queue_module
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -227,9 +227,3 @@ def best_over_lr(rows: list[dict]) -> list[dict]:
         if key not in best or row["accuracy"] > best[key]["accuracy"]:
             best[key] = row
     return sorted(best.values(), key=lambda r: (r["arch"], r["d_model"]))
-
-
-def settings_dict(settings: RecallSettings) -> dict:
-    d = asdict(settings)
-    d["out"] = str(settings.out)
-    return d
