@@ -1,4 +1,5 @@
-"""The CacheBatch a test hands a mixer directly, as the engine would build it for rows in given batch slots."""
+"""What a test hands a mixer directly: the CacheBatch the engine would build for rows in given batch slots, and a
+sequence fed through a cache chunk by chunk."""
 import torch
 
 from cache import CacheBatch
@@ -16,3 +17,13 @@ def slot_batch(positions: torch.Tensor, prefill: bool, slots=None, lengths=None)
     return CacheBatch(positions=positions, lengths=lengths.int(), max_length=int(lengths.max()),
                       step="prefill" if prefill else "decode" if t == 1 else "chunk",
                       slots=slots, slot_range=slice(first, first + b) if consecutive else None)
+
+
+def run_cached(mixer, cache, x, chunks, slots=None):
+    """Feed x [B, T, d] in chunks (the first a prefill), returning the outputs for every position."""
+    outs, start = [], 0
+    for n in chunks:
+        positions = torch.arange(start, start + n).expand(x.shape[0], n)
+        outs.append(mixer(x[:, start : start + n], positions, cache, slot_batch(positions, start == 0, slots)))
+        start += n
+    return torch.cat(outs, dim=1)

@@ -1,81 +1,21 @@
-"""Shared helpers for the archzoo suites: random models whose greedy continuations vary, prompts, comparisons."""
+"""Suite-wide setup: the Triton interpreter without CUDA, the checkout on sys.path, one torch thread. The helpers
+the suites share are in tests/helpers.py."""
 import os
 import pathlib
 import sys
-import types
 
-import pytest
 import torch
 
 # Without CUDA, Triton kernels run in triton's interpreter; triton reads this when first imported, and
 # importing the library (torch.compile's config, say) may import triton, so it is set before anything else.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-from torch import nn
 
 # Let plain `pytest` (not only `python -m pytest`) import the top-level packages from the checkout.
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-import zoo  # noqa: E402
-from harness import SamplingParams  # noqa: E402
-
 # The suites run tiny models: one intra-op thread is faster than two, and far faster when the
 # 2-core machine is busy (idle OpenMP workers spin against other processes).
 torch.set_num_threads(1)
-
-
-@torch.no_grad()
-def spread_weights(model: nn.Module, seed: int = 0, gain: float = 2.0) -> nn.Module:
-    """Re-initialise linear and embedding weights at a larger scale.
-
-    The default init (std 0.02, tied head) makes a random model repeat its last input token forever,
-    so greedy tests could not tell a right cache from a wrong one. Unit-variance embeddings and
-    gain/sqrt(fan_in) projections give continuations that change every step.
-    """
-    generator = torch.Generator().manual_seed(seed)
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            module.weight.copy_(torch.randn(module.weight.shape, generator=generator))
-        elif isinstance(module, nn.Linear):
-            module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * gain * module.in_features**-0.5)
-    return model.eval()
-
-
-def random_model(arch: str, seed: int = 0, **overrides) -> nn.Module:
-    """A "tiny" preset model of `arch` (fp32, untied head) with weights that make greedy decoding non-trivial."""
-    overrides.setdefault("tie_embeddings", False)
-    torch.manual_seed(seed)
-    return spread_weights(zoo.build(arch, preset="tiny", **overrides), seed=seed)
-
-
-def make_prompts(lengths, vocab_size: int, seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
-
-
-def greedy(max_new_tokens: int, **kwargs) -> SamplingParams:
-    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, return_logits=True, **kwargs)
-
-
-def assert_same_output(got, want, atol: float = 1e-4, context: str = "") -> None:
-    """Same greedy tokens and logits within atol (logits are compared step by step)."""
-    assert got.token_ids == want.token_ids, f"{context}: tokens differ\n got  {got.token_ids}\n want {want.token_ids}"
-    assert len(got.logits) == len(want.logits) == len(want.token_ids), context
-    for step, (a, b) in enumerate(zip(got.logits, want.logits)):
-        err = (a - b).abs().max().item()
-        assert err <= atol, f"{context}: logits differ at step {step} by {err:.3g}"
-
-
-def assert_not_constant(token_ids, context: str = "") -> None:
-    """Guard: a run whose output is one repeated token cannot distinguish a right cache from a wrong one."""
-    assert len(set(token_ids)) > 1, f"{context}: degenerate continuation {token_ids}; the test would prove nothing"
-
-
-# Test modules get these helpers as fixtures: a second conftest (tests/kernels) shares the module
-# name "conftest", so importing from it by name is unreliable.
-@pytest.fixture(scope="session")
-def helpers():
-    fns = (spread_weights, random_model, make_prompts, greedy, assert_same_output, assert_not_constant)
-    return types.SimpleNamespace(**{fn.__name__: fn for fn in fns})

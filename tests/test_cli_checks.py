@@ -13,6 +13,7 @@ from harness import cli, compare
 from harness.recall import cli as recall_cli
 from harness.recall import suite
 from harness.results import ResultStore
+from helpers import spread_weights  # tests/ is on sys.path under pytest
 
 COMPARE = ["compare", "--archs", "gqa", "--preset", "tiny", "--contexts", "16", "--batches", "1", "--new-tokens", "3",
            "--quiet"]
@@ -294,9 +295,9 @@ def test_weights_of_another_shape(tmp_path, capsys, suffix):
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
-def test_tied_head_may_be_stored_once_or_twice(tmp_path, capsys, helpers, suffix):
+def test_tied_head_may_be_stored_once_or_twice(tmp_path, capsys, suffix):
     """The preset ties its head to the embedding: save_model stores the tensor once, torch.save(state_dict()) twice."""
-    model = helpers.spread_weights(zoo.build("gqa", preset="tiny"), seed=3)
+    model = spread_weights(zoo.build("gqa", preset="tiny"), seed=3)
     path = tmp_path / f"weights{suffix}"
     save_model(model, str(path)) if suffix == ".safetensors" else torch.save(model.state_dict(), path)
     assert cli.main(GENERATE + ["--weights", str(path)]) == 0

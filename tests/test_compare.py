@@ -6,6 +6,7 @@ import pytest
 import zoo
 from harness import cli, compare, roofline
 from harness.compare import CompareSettings, run_compare
+from helpers import spread_weights  # tests/ is on sys.path under pytest
 
 
 def tiny_settings(tmp_path, **kw) -> CompareSettings:
@@ -104,11 +105,11 @@ def test_cli_list_and_generate(capsys):
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
-def test_cli_generate_loads_weights(tmp_path, capsys, helpers, suffix):
+def test_cli_generate_loads_weights(tmp_path, capsys, suffix):
     import torch
     from safetensors.torch import save_model
 
-    trained = helpers.spread_weights(zoo.build("gqa", preset="tiny"), seed=123)  # a "trained" model: varied output
+    trained = spread_weights(zoo.build("gqa", preset="tiny"), seed=123)  # a "trained" model: varied output
     path = tmp_path / f"weights{suffix}"
     save_model(trained, str(path)) if suffix == ".safetensors" else torch.save(trained.state_dict(), path)
     argv = ["generate", "--arch", "gqa", "--preset", "tiny", "--prompt", "hi", "--max-new-tokens", "6"]

@@ -8,6 +8,7 @@ import torch
 
 import zoo
 from harness import Engine
+from helpers import assert_not_constant, assert_same_output, greedy, make_prompts, random_model  # tests/ is on sys.path under pytest
 
 # Causal architectures only: a masked diffusion LM (non-causal) has no one-token decode for the engine to run;
 # its cached path is held against its full forward in tests/test_diffusion_model.py.
@@ -31,17 +32,17 @@ def arch_name(request) -> str:
 
 
 @pytest.fixture
-def model(arch_name, helpers):
-    return helpers.random_model(arch_name, seed=ARCHS.index(arch_name))
+def model(arch_name):
+    return random_model(arch_name, seed=ARCHS.index(arch_name))
 
 
 @pytest.mark.parametrize("kv_cache", LAYOUTS)
-def test_cached_decode_matches_full_forward(model, arch_name, kv_cache, helpers):
-    prompts = helpers.make_prompts([1, 5, 8, 17, 33], model.config.vocab_size, seed=1)
-    outputs = engine_for(model, kv_cache, max_batch=len(prompts)).generate(prompts, helpers.greedy(24))
+def test_cached_decode_matches_full_forward(model, arch_name, kv_cache):
+    prompts = make_prompts([1, 5, 8, 17, 33], model.config.vocab_size, seed=1)
+    outputs = engine_for(model, kv_cache, max_batch=len(prompts)).generate(prompts, greedy(24))
     for prompt, out in zip(prompts, outputs):
         context = f"{arch_name}/{kv_cache} prompt len {len(prompt)}"
-        helpers.assert_not_constant(out.token_ids, context)
+        assert_not_constant(out.token_ids, context)
         assert len(out.token_ids) == 24 and len(out.logits) == 24
         cached = torch.stack(out.logits)
         # greedy means each token is the argmax of the logits it was sampled from
@@ -55,27 +56,27 @@ def test_cached_decode_matches_full_forward(model, arch_name, kv_cache, helpers)
 
 
 @pytest.mark.parametrize("kv_cache", LAYOUTS)
-def test_batch_of_mixed_lengths_equals_each_alone(model, arch_name, kv_cache, helpers):
+def test_batch_of_mixed_lengths_equals_each_alone(model, arch_name, kv_cache):
     lengths = [3, 40, 11, 1, 26, 17]
     new_tokens = [16, 5, 20, 9, 12, 1]  # requests finish at different steps, the batch shrinks under the others
-    prompts = helpers.make_prompts(lengths, model.config.vocab_size, seed=2)
-    params = [helpers.greedy(n) for n in new_tokens]
+    prompts = make_prompts(lengths, model.config.vocab_size, seed=2)
+    params = [greedy(n) for n in new_tokens]
     batched = engine_for(model, kv_cache, max_batch=len(prompts)).generate(prompts, params)
     assert [len(o.token_ids) for o in batched] == new_tokens
-    helpers.assert_not_constant([t for o in batched for t in o.token_ids], arch_name)
+    assert_not_constant([t for o in batched for t in o.token_ids], arch_name)
     for prompt, p, out in zip(prompts, params, batched):
         alone = engine_for(model, kv_cache, max_batch=1).generate([prompt], p)[0]
-        helpers.assert_same_output(out, alone, ATOL, f"{arch_name}/{kv_cache} prompt len {len(prompt)}")
+        assert_same_output(out, alone, ATOL, f"{arch_name}/{kv_cache} prompt len {len(prompt)}")
 
 
-def test_paged_equals_contiguous(model, arch_name, helpers):
-    prompts = helpers.make_prompts([2, 9, 16, 31, 45], model.config.vocab_size, seed=3)
-    params = helpers.greedy(30)
+def test_paged_equals_contiguous(model, arch_name):
+    prompts = make_prompts([2, 9, 16, 31, 45], model.config.vocab_size, seed=3)
+    params = greedy(30)
     contiguous = engine_for(model, "contiguous", max_batch=3).generate(prompts, params)
     paged = engine_for(model, "paged", max_batch=3).generate(prompts, params)
     for prompt, c, p in zip(prompts, contiguous, paged):
-        helpers.assert_not_constant(c.token_ids, arch_name)
-        helpers.assert_same_output(p, c, ATOL, f"{arch_name} paged vs contiguous, prompt len {len(prompt)}")
+        assert_not_constant(c.token_ids, arch_name)
+        assert_same_output(p, c, ATOL, f"{arch_name} paged vs contiguous, prompt len {len(prompt)}")
 
 
 def test_contiguous_cache_bytes_equal_analytic(model):
@@ -99,17 +100,17 @@ def test_measured_cache_grows_with_context_exactly_as_analytic(model):
         assert sizes[b] - sizes[a] == peak[b] - peak[a]
 
 
-def test_contiguous_cache_bytes_in_use_count_whole_rows(model, helpers):
+def test_contiguous_cache_bytes_in_use_count_whole_rows(model):
     engine = engine_for(model, "contiguous", max_batch=4, max_seq_len=48)
-    for prompt in helpers.make_prompts([5, 12], model.config.vocab_size, seed=4):
-        engine.add_request(prompt, helpers.greedy(10))
+    for prompt in make_prompts([5, 12], model.config.vocab_size, seed=4):
+        engine.add_request(prompt, greedy(10))
     assert engine.cache_bytes_in_use() == 0
     engine.step()
     assert len(engine.scheduler.running) == 2
     assert engine.cache_bytes_in_use() == zoo.cache_bytes(model, seq_len=48, batch=2)
 
 
-def test_paged_cache_bytes_track_analytic(model, arch_name, helpers):
+def test_paged_cache_bytes_track_analytic(model, arch_name):
     max_batch, max_seq_len = 4, 64
     engine = engine_for(model, "paged", max_batch=max_batch, max_seq_len=max_seq_len)
     managers, pool = engine.block_managers, engine.pool
@@ -129,8 +130,8 @@ def test_paged_cache_bytes_track_analytic(model, arch_name, helpers):
     waste = sum(edges(m.retention) * b for m, b in zip(managers, block_bytes))
 
     lengths, new_tokens = [1, 7, 8, 9, 30, 50], [20, 12, 1, 17, 25, 14]
-    for prompt, n in zip(helpers.make_prompts(lengths, model.config.vocab_size, seed=5), new_tokens):
-        engine.add_request(prompt, helpers.greedy(n))
+    for prompt, n in zip(make_prompts(lengths, model.config.vocab_size, seed=5), new_tokens):
+        engine.add_request(prompt, greedy(n))
     assert engine.cache_bytes_in_use() == 0
     checked = 0
     while engine.has_unfinished():

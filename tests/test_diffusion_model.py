@@ -10,6 +10,7 @@ from attention.rope import apply_rope
 from harness import Engine
 from harness.cache_pool import CachePool
 from zoo import MixerSpec, ModelConfig
+from helpers import assert_not_constant, make_prompts, random_model  # tests/ is on sys.path under pytest
 
 
 def test_diffusion_is_the_gqa_decoder_made_bidirectional_with_a_mask_token():
@@ -110,15 +111,15 @@ def test_non_causal_attention_equals_a_naive_softmax_over_all_keys():
     assert torch.allclose(padded[1, :5], layer(x[1:, :5])[0], atol=1e-5)
 
 
-def random_diffusion_model(helpers, **overrides):
-    return helpers.random_model("diffusion", seed=3, max_seq_len=64, **overrides)
+def random_diffusion_model(**overrides):
+    return random_model("diffusion", seed=3, max_seq_len=64, **overrides)
 
 
 @pytest.mark.parametrize("mixer", ["gqa", "mla"])
 @torch.no_grad()
-def test_padded_rows_equal_each_row_alone(helpers, mixer):
-    model = random_diffusion_model(helpers, mixer=mixer)
-    prompts = helpers.make_prompts([12, 5, 9], model.config.vocab_size - 1, seed=4)
+def test_padded_rows_equal_each_row_alone(mixer):
+    model = random_diffusion_model(mixer=mixer)
+    prompts = make_prompts([12, 5, 9], model.config.vocab_size - 1, seed=4)
     width = 12
     tokens = torch.tensor([p + [model.config.mask_token_id] * (width - len(p)) for p in prompts])
     batch = CacheBatch(positions=torch.arange(width).expand(3, width), lengths=torch.tensor([12, 5, 9]),
@@ -132,13 +133,13 @@ def test_padded_rows_equal_each_row_alone(helpers, mixer):
 @pytest.mark.parametrize("mixer", ["gqa", "mla"])
 @pytest.mark.parametrize("route", ["suffix", "block"])
 @torch.no_grad()
-def test_cached_non_causal_path_equals_the_full_forward(helpers, mixer, route):
+def test_cached_non_causal_path_equals_the_full_forward(mixer, route):
     """Write every position's K/V with one full forward, then run some positions through the cached path on the
     same tokens: their logits equal the full forward's (what Fast-dLLM's caches approximate when tokens change)."""
-    model = random_diffusion_model(helpers, mixer=mixer)
+    model = random_diffusion_model(mixer=mixer)
     lengths = [20, 14, 17]
     width, rows = max(lengths), len(lengths)
-    prompts = helpers.make_prompts(lengths, model.config.vocab_size - 1, seed=5)
+    prompts = make_prompts(lengths, model.config.vocab_size - 1, seed=5)
     tokens = torch.tensor([p + [model.config.mask_token_id] * (width - len(p)) for p in prompts])
     full_batch = CacheBatch(positions=torch.arange(width).expand(rows, width), lengths=torch.tensor(lengths),
                             max_length=width, step="prefill", slots=torch.arange(rows))
@@ -153,7 +154,7 @@ def test_cached_non_causal_path_equals_the_full_forward(helpers, mixer, route):
     want = full.gather(1, queries[..., None].expand(-1, -1, full.shape[-1]))
     err = (cached - want).abs().max().item()
     assert err <= 1e-4, f"cached non-causal path differs from the full forward by {err:.3g}"
-    helpers.assert_not_constant(cached.argmax(-1).flatten().tolist())
+    assert_not_constant(cached.argmax(-1).flatten().tolist())
 
 
 @pytest.mark.parametrize("queries_per_row", [3, 1])

@@ -10,6 +10,7 @@ from torch import nn
 import zoo
 from harness import DiffusionSampler
 from harness.diffusion import transfer_counts
+from helpers import random_model  # tests/ is on sys.path under pytest
 
 VOCAB, MASK = 12, 11  # hand-set models: ids 0..10 are tokens, 11 the mask
 
@@ -156,8 +157,8 @@ def test_gumbel_sampling_follows_softmax_of_logits_over_temperature():
 
 
 @pytest.fixture(scope="module")
-def model(helpers):
-    return helpers.random_model("diffusion", seed=0, max_seq_len=96)
+def model():
+    return random_model("diffusion", seed=0, max_seq_len=96)
 
 
 def test_one_token_per_forward_when_steps_equal_gen_length(model):
@@ -191,8 +192,8 @@ def test_a_batch_of_prompts_of_different_lengths_equals_each_alone(model, cache)
 @pytest.mark.parametrize("mixer", ["gqa", "mla"])
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_caches_refreshed_every_step_equal_no_cache(helpers, mixer, cache, temperature):
-    model = helpers.random_model("diffusion", seed=1, mixer=mixer, max_seq_len=64)
+def test_caches_refreshed_every_step_equal_no_cache(mixer, cache, temperature):
+    model = random_model("diffusion", seed=1, mixer=mixer, max_seq_len=64)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
 
     def run(**kwargs):
@@ -214,11 +215,11 @@ def test_one_step_per_block_makes_a_cache_exact(model, cache):
 
 @pytest.mark.parametrize("mixer", ["gqa", "mla"])
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
-def test_caches_are_exact_for_one_layer(helpers, mixer, cache):
+def test_caches_are_exact_for_one_layer(mixer, cache):
     """With one layer a position's K/V depend on its own token alone. The prefix cache's stale entries are earlier
     blocks, which no longer change; the dual cache's are those and the later blocks, still all masks: so both
     caches hold exact K/V and must give no-cache's tokens, through the cached path (no refresh within a block)."""
-    model = helpers.random_model("diffusion", seed=2, mixer=mixer, n_layers=1, max_seq_len=64)
+    model = random_model("diffusion", seed=2, mixer=mixer, n_layers=1, max_seq_len=64)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
     plain = DiffusionSampler(model, steps=12, block_length=4).generate(prompts, 12)
     widths = []  # tokens each forward runs: a full refresh at each block's first step, then the cached route's

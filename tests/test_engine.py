@@ -9,6 +9,7 @@ import pytest
 import zoo
 from harness import Engine, SamplingParams, summarize
 from harness.metrics import RequestMetrics, percentile
+from helpers import random_model  # tests/ is on sys.path under pytest
 
 LAYOUTS = ("contiguous", "paged")
 MAX_SEQ_LEN = 96
@@ -16,8 +17,8 @@ BLOCK_SIZE = 8
 
 
 @pytest.fixture(scope="module")
-def model(helpers):
-    return helpers.random_model("gqa", max_seq_len=MAX_SEQ_LEN)
+def model():
+    return random_model("gqa", max_seq_len=MAX_SEQ_LEN)
 
 
 @pytest.fixture(scope="module")

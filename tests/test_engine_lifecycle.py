@@ -6,14 +6,15 @@ import pytest
 
 import harness.engine
 from harness import Engine, SamplingParams
+from helpers import make_prompts, random_model  # tests/ is on sys.path under pytest
 
 ARCHS = ["gqa", "mamba", "hybrid"]  # attention, a state architecture, a window + global hybrid
 LAYOUTS = ["contiguous", "paged"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def model(request, helpers):
-    return helpers.random_model(request.param, max_seq_len=64)
+def model(request):
+    return random_model(request.param, max_seq_len=64)
 
 
 def greedy(n: int) -> SamplingParams:
@@ -33,8 +34,8 @@ def assert_pool_whole(engine: Engine) -> None:
 
 
 @pytest.mark.parametrize("kv_cache", LAYOUTS)
-def test_a_request_failing_mid_step_ends_alone(model, helpers, kv_cache, monkeypatch):
-    prompts = helpers.make_prompts([3 + i % 7 for i in range(21)], model.config.vocab_size, seed=1)
+def test_a_request_failing_mid_step_ends_alone(model, kv_cache, monkeypatch):
+    prompts = make_prompts([3 + i % 7 for i in range(21)], model.config.vocab_size, seed=1)
     bad = 7
     params = [greedy(6 + i % 3) for i in range(21)]
     params[bad] = SamplingParams(max_new_tokens=8, temperature=1.0, seed=99)  # only it reaches the sampler
@@ -60,9 +61,9 @@ def test_a_request_failing_mid_step_ends_alone(model, helpers, kv_cache, monkeyp
 
 
 @pytest.mark.parametrize("kv_cache", LAYOUTS)
-def test_a_failing_prefill_ends_that_request_only(model, helpers, kv_cache, monkeypatch):
+def test_a_failing_prefill_ends_that_request_only(model, kv_cache, monkeypatch):
     engine = Engine(model, max_batch=3, max_seq_len=64, kv_cache=kv_cache)
-    prompts = helpers.make_prompts([5, 6, 7], model.config.vocab_size, seed=2)
+    prompts = make_prompts([5, 6, 7], model.config.vocab_size, seed=2)
     real_prefill = engine.runner.prefill
 
     def prefill(seq):
@@ -79,9 +80,9 @@ def test_a_failing_prefill_ends_that_request_only(model, helpers, kv_cache, monk
     assert_pool_whole(engine)
 
 
-def test_a_failing_decode_forward_ends_its_batch_and_the_engine_goes_on(model, helpers, monkeypatch):
+def test_a_failing_decode_forward_ends_its_batch_and_the_engine_goes_on(model, monkeypatch):
     engine = Engine(model, max_batch=2, max_seq_len=64, kv_cache="paged")
-    prompts = helpers.make_prompts([4, 5], model.config.vocab_size, seed=3)
+    prompts = make_prompts([4, 5], model.config.vocab_size, seed=3)
     real_decode = engine.runner.decode
     monkeypatch.setattr(engine.runner, "decode", lambda seqs: (_ for _ in ()).throw(RuntimeError("injected")))
     outputs = engine.generate(prompts, greedy(4))
@@ -92,9 +93,9 @@ def test_a_failing_decode_forward_ends_its_batch_and_the_engine_goes_on(model, h
 
 
 @pytest.mark.parametrize("kv_cache", LAYOUTS)
-def test_abort_frees_the_cache_at_once_and_others_go_on(model, helpers, kv_cache):
+def test_abort_frees_the_cache_at_once_and_others_go_on(model, kv_cache):
     engine = Engine(model, max_batch=2, max_seq_len=64, kv_cache=kv_cache, block_size=4)
-    prompts = helpers.make_prompts([6, 9, 5], model.config.vocab_size, seed=4)
+    prompts = make_prompts([6, 9, 5], model.config.vocab_size, seed=4)
     ids = [engine.add_request(p, greedy(10)) for p in prompts]
     engine.step()
     engine.step()
@@ -128,8 +129,8 @@ def test_abort_of_an_unknown_id_is_an_error(model):
 
 
 @pytest.mark.parametrize("kv_cache", LAYOUTS)
-def test_streamed_tokens_equal_generate(model, helpers, kv_cache):
-    prompts = helpers.make_prompts([3, 8, 5, 11], model.config.vocab_size, seed=5)
+def test_streamed_tokens_equal_generate(model, kv_cache):
+    prompts = make_prompts([3, 8, 5, 11], model.config.vocab_size, seed=5)
     params = [greedy(7), SamplingParams(max_new_tokens=9, temperature=0.8, seed=3), greedy(4), greedy(9)]
     want = Engine(model, max_batch=2, max_seq_len=64, kv_cache=kv_cache).generate(prompts, params)
     engine = Engine(model, max_batch=2, max_seq_len=64, kv_cache=kv_cache)
@@ -145,9 +146,9 @@ def test_streamed_tokens_equal_generate(model, helpers, kv_cache):
     assert_pool_whole(engine)
 
 
-def test_abort_while_streaming(model, helpers):
+def test_abort_while_streaming(model):
     engine = Engine(model, max_batch=2, max_seq_len=64, kv_cache="paged")
-    prompts = helpers.make_prompts([4, 6], model.config.vocab_size, seed=6)
+    prompts = make_prompts([4, 6], model.config.vocab_size, seed=6)
     keep, drop = (engine.add_request(p, greedy(12)) for p in prompts)
     seen = {keep: [], drop: []}
     for event in engine.stream():

@@ -15,6 +15,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from harness import Engine, SamplingParams
 from harness.sequence import Status
+from helpers import make_prompts, random_model  # tests/ is on sys.path under pytest
 
 ARCHS = ["gqa", "hybrid", "mamba"]  # one cache group; a sliding-window group beside a global one; state slots only
 VOCAB = 512  # the tiny preset's
@@ -35,9 +36,9 @@ class Workload:
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def workload(request, helpers) -> Workload:
-    model = helpers.random_model(request.param, max_seq_len=MAX_SEQ_LEN)
-    prompts = helpers.make_prompts(PROMPT_LENGTHS, VOCAB, seed=7)
+def workload(request) -> Workload:
+    model = random_model(request.param, max_seq_len=MAX_SEQ_LEN)
+    prompts = make_prompts(PROMPT_LENGTHS, VOCAB, seed=7)
     greedy = SamplingParams(MAX_NEW_TOKENS, temperature=0.0)
     alone = [Engine(model, max_batch=1, max_seq_len=MAX_SEQ_LEN).generate([p], greedy)[0].token_ids for p in prompts]
     return Workload(model, prompts, alone)

@@ -4,13 +4,14 @@ import torch
 
 import zoo
 from harness import Engine, SamplingParams
+from helpers import random_model  # tests/ is on sys.path under pytest
 
 VOCAB = 512  # the tiny preset's
 
 
 @pytest.fixture(scope="module")
-def model(helpers):
-    return helpers.random_model("gqa", max_seq_len=64)
+def model():
+    return random_model("gqa", max_seq_len=64)
 
 
 # ---- registry and model ----------------------------------------------------------------------------

@@ -7,29 +7,20 @@ import torch
 from cache.state_slots import StateSlots
 from kernels import FORCE_TRITON_ENV, triton_available
 from ssm.gated_deltanet import GatedDeltaNet
-from batches import slot_batch  # noqa: E402 (pytest puts this folder on sys.path)
+from batches import run_cached  # tests/ is on sys.path under pytest
+from helpers import spread_weights  # tests/ is on sys.path under pytest
 
 ATOL = 1e-4  # outputs are O(1)
 
 
-def make_mixer(helpers, seed=0, **kwargs):
+def make_mixer(seed=0, **kwargs):
     torch.manual_seed(seed)
     kwargs = {"d_model": 32, "layer_idx": 0, "n_heads": 4, "chunk_size": 8, **kwargs}
-    return helpers.spread_weights(GatedDeltaNet(**kwargs), seed=seed, gain=1.0)
+    return spread_weights(GatedDeltaNet(**kwargs), seed=seed, gain=1.0)
 
 
 def max_err(got, want) -> float:
     return (got - want).abs().max().item()
-
-
-def run_cached(mixer, cache, x, chunks, slots=None):
-    """Feed x [B, T, d] in chunks (the first a prefill), returning the outputs for every position."""
-    outs, start = [], 0
-    for n in chunks:
-        positions = torch.arange(start, start + n).expand(x.shape[0], n)
-        outs.append(mixer(x[:, start : start + n], positions, cache, slot_batch(positions, start == 0, slots)))
-        start += n
-    return torch.cat(outs, dim=1)
 
 
 def new_cache(mixer, max_batch):
@@ -41,8 +32,8 @@ REFERENCE_CASES = [({}, 21), ({"expand_v": 2}, 21), ({"d_conv": 1, "head_dim": 6
 
 
 @pytest.mark.parametrize("settings,length", REFERENCE_CASES, ids=["base", "expand_v2", "d_conv1-dk6", "one-token"])
-def test_forward_equals_float64_reference(helpers, settings, length):
-    mixer = make_mixer(helpers, **settings)
+def test_forward_equals_float64_reference(settings, length):
+    mixer = make_mixer(**settings)
     x = torch.randn(2, length, 32)
     with torch.no_grad():
         got = mixer(x)
@@ -53,11 +44,11 @@ def test_forward_equals_float64_reference(helpers, settings, length):
 
 @pytest.mark.parametrize("forced", ["0", "1"], ids=["reference-step", "triton-step"])
 @pytest.mark.parametrize("d_conv", [1, 4])
-def test_cached_prefill_then_decode_equals_uncached(helpers, monkeypatch, d_conv, forced):
+def test_cached_prefill_then_decode_equals_uncached(monkeypatch, d_conv, forced):
     if forced == "1" and not triton_available():
         pytest.skip("triton not installed")
     monkeypatch.setenv(FORCE_TRITON_ENV, forced)  # "1": decode steps run the Triton kernel (interpreter on CPU)
-    mixer = make_mixer(helpers, d_conv=d_conv)
+    mixer = make_mixer(d_conv=d_conv)
     x = torch.randn(2, 30, 32)
     with torch.no_grad():
         full = mixer(x)
@@ -66,10 +57,10 @@ def test_cached_prefill_then_decode_equals_uncached(helpers, monkeypatch, d_conv
     assert max_err(cached, full) <= ATOL, f"cached differs from uncached by {max_err(cached, full):.3g}"
 
 
-def test_prefill_in_two_calls_equals_one(helpers):
+def test_prefill_in_two_calls_equals_one():
     """The second call continues the chunked form from the first's states (conv history and S), chunk boundaries
     misaligned with the split; outputs and the states left in the cache agree."""
-    mixer = make_mixer(helpers)
+    mixer = make_mixer()
     x = torch.randn(2, 21, 32)
     with torch.no_grad():
         one_cache, two_cache = new_cache(mixer, 2), new_cache(mixer, 2)
@@ -80,9 +71,9 @@ def test_prefill_in_two_calls_equals_one(helpers):
         assert max_err(two_cache.tensors[name], one_cache.tensors[name]) <= ATOL, f"{name} state differs"
 
 
-def test_prefill_overwrites_a_finished_sequences_state(helpers):
+def test_prefill_overwrites_a_finished_sequences_state():
     """A slot's previous owner leaves its state behind; a prefill must start from zeros regardless."""
-    mixer = make_mixer(helpers)
+    mixer = make_mixer()
     x = torch.randn(1, 12, 32)
     with torch.no_grad():
         cache = new_cache(mixer, 1)
@@ -92,10 +83,10 @@ def test_prefill_overwrites_a_finished_sequences_state(helpers):
     assert max_err(cached, full) <= ATOL
 
 
-def test_batch_rows_are_independent(helpers):
+def test_batch_rows_are_independent():
     """Three sequences of equal length prefilled together in non-consecutive slots of a larger pool, then decoded
     together, equal each run alone."""
-    mixer = make_mixer(helpers)
+    mixer = make_mixer()
     x = torch.randn(3, 16, 32)
     with torch.no_grad():
         cache = new_cache(mixer, 5)
@@ -106,8 +97,8 @@ def test_batch_rows_are_independent(helpers):
     assert all(t[[1, 3]].abs().max() == 0 for t in cache.tensors.values()), "unused slots were written"
 
 
-def test_gradients_flow_through_the_chunked_form(helpers):
-    mixer = make_mixer(helpers).train()
+def test_gradients_flow_through_the_chunked_form():
+    mixer = make_mixer().train()
     x = torch.randn(2, 19, 32, requires_grad=True)
     mixer(x).square().sum().backward()
     for name, param in [("x", x), *mixer.named_parameters()]:
@@ -127,8 +118,8 @@ def test_state_is_heads_times_dk_dv_plus_conv_history(dtype):
     assert StateSlots(spec, max_batch=3, dtype=dtype, device="cpu").nbytes == 3 * elements * 4
 
 
-def test_bf16_model_runs_and_caches(helpers):
-    mixer = make_mixer(helpers).to(torch.bfloat16)
+def test_bf16_model_runs_and_caches():
+    mixer = make_mixer().to(torch.bfloat16)
     x = torch.randn(1, 12, 32, dtype=torch.bfloat16)
     with torch.no_grad():
         full = mixer(x)

@@ -10,6 +10,7 @@ from transformers import (
 import zoo
 from harness import Engine, SamplingParams
 from zoo.hf import copy_weights_to_hf
+from helpers import assert_not_constant, spread_weights  # tests/ is on sys.path under pytest
 
 VOCAB = 256
 PROMPT_LEN = 40
@@ -237,11 +238,11 @@ def test_family_logits_match(family_pair):
 
 
 @pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
-def test_family_greedy_continuation_matches_generate(family_pair, family_continuation, kv_cache, helpers):
+def test_family_greedy_continuation_matches_generate(family_pair, family_continuation, kv_cache):
     name, hf, model = family_pair
     prompt, want = prompt_ids(), family_continuation
     assert len(want) == NEW_TOKENS
-    helpers.assert_not_constant(want, name)
+    assert_not_constant(want, name)
     assert len(set(want)) > 8, f"{name}: HF continuation nearly constant {want}"
     engine = Engine(model, max_batch=2, max_seq_len=128, kv_cache=kv_cache, block_size=BLOCK_SIZE)
     got = engine.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))[0].token_ids
@@ -289,10 +290,10 @@ def hf_twin(model, **overrides):
     ("mla", dict(q_lora_rank=24), dict(rope_interleave=True)),
     ("mla", dict(q_lora_rank=24), dict(rope_interleave=False)),
 ], ids=["mistral", "mistral_tied", "mla_interleave", "mla_q_lora_interleave", "mla_q_lora_no_interleave"])
-def test_family_copy_weights_to_hf_round_trip(arch, settings, hf_overrides, helpers):
+def test_family_copy_weights_to_hf_round_trip(arch, settings, hf_overrides):
     torch.manual_seed(3)
     model = zoo.build(arch, preset="tiny", max_seq_len=128, **{"tie_embeddings": False, **settings})
-    helpers.spread_weights(model, seed=3)
+    spread_weights(model, seed=3)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):  # gains of 1 would hide a swapped norm mapping

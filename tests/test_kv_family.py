@@ -7,7 +7,8 @@ import zoo
 from attention import Attention, MLAttention
 from cache import CacheBatch, ContiguousKV, PagedKV
 from harness import Engine, SamplingParams
-from batches import slot_batch  # noqa: E402 (pytest puts this folder on sys.path)
+from batches import slot_batch  # tests/ is on sys.path under pytest
+from helpers import assert_not_constant, assert_same_output, greedy, make_prompts, random_model  # tests/ is on sys.path under pytest
 
 DTYPE_SIZE = {torch.float32: 4, torch.bfloat16: 2}
 
@@ -74,17 +75,17 @@ def test_mla_small_preset_takes_the_issue_example():
 
 
 @pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
-def test_cla_share_1_equals_gqa_exactly(kv_cache, helpers):
-    gqa = helpers.random_model("gqa", seed=3)
+def test_cla_share_1_equals_gqa_exactly(kv_cache):
+    gqa = random_model("gqa", seed=3)
     cla = zoo.build("cla", preset="tiny", share=1, tie_embeddings=False)
     cla.load_state_dict(gqa.state_dict())  # strict: the same modules under the same names
-    prompts = helpers.make_prompts([5, 23], 512, seed=3)
+    prompts = make_prompts([5, 23], 512, seed=3)
     with torch.no_grad():
         assert torch.equal(cla(torch.tensor([prompts[1]])), gqa(torch.tensor([prompts[1]])))
-    outs = [Engine(m, max_batch=2, max_seq_len=64, kv_cache=kv_cache, block_size=8).generate(prompts, helpers.greedy(20))
+    outs = [Engine(m, max_batch=2, max_seq_len=64, kv_cache=kv_cache, block_size=8).generate(prompts, greedy(20))
             for m in (gqa, cla)]
     for a, b in zip(*outs):
-        helpers.assert_not_constant(a.token_ids)
+        assert_not_constant(a.token_ids)
         assert a.token_ids == b.token_ids
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
 
@@ -123,14 +124,14 @@ def test_sliding_window_contiguous_cache_stops_growing_at_the_window():
     assert [zoo.cache_bytes(model, seq_len=t) for t in (16, 17, 500)] == [16 * per_token // 2] * 3
 
 
-def test_sliding_window_paged_blocks_return_to_the_pool(helpers):
+def test_sliding_window_paged_blocks_return_to_the_pool():
     """One request runs far past its window: the blocks it holds stay bounded, and the rest come back."""
     window, block_size = 16, 4
-    model = helpers.random_model("hybrid", layers="swa,gqa", window=window)
+    model = random_model("hybrid", layers="swa,gqa", window=window)
     engine = Engine(model, max_batch=1, max_seq_len=96, kv_cache="paged", block_size=block_size)
     swa_blocks, full_blocks = engine.block_managers  # groups in layer order: the window first
     assert (swa_blocks.retention.window, full_blocks.retention.keeps_all) == (window, True)
-    engine.add_request(helpers.make_prompts([21], 512)[0], helpers.greedy(70))
+    engine.add_request(make_prompts([21], 512)[0], greedy(70))
     held, returned = [], []
     while engine.has_unfinished():
         engine.step()
@@ -159,15 +160,15 @@ def test_hybrid_patterns_repeat_to_fill_the_layers():
     assert [type(b.mixer).__name__ for b in mixed.blocks] == ["MLAttention", "Attention", "Attention"]
 
 
-def test_hybrid_with_latent_window_and_full_layers_runs_through_both_layouts(helpers):
-    model = helpers.random_model("hybrid", layers="mla,swa,mqa", n_layers=3, window=12)
-    prompts = helpers.make_prompts([3, 30, 14], 512, seed=7)
-    params = [helpers.greedy(n) for n in (25, 10, 18)]
+def test_hybrid_with_latent_window_and_full_layers_runs_through_both_layouts():
+    model = random_model("hybrid", layers="mla,swa,mqa", n_layers=3, window=12)
+    prompts = make_prompts([3, 30, 14], 512, seed=7)
+    params = [greedy(n) for n in (25, 10, 18)]
     contiguous = Engine(model, max_batch=3, max_seq_len=64).generate(prompts, params)
     paged = Engine(model, max_batch=2, max_seq_len=64, kv_cache="paged", block_size=4).generate(prompts, params)
     for prompt, c, p in zip(prompts, contiguous, paged):
-        helpers.assert_not_constant(c.token_ids)
-        helpers.assert_same_output(p, c, 1e-4, f"prompt len {len(prompt)}")
+        assert_not_constant(c.token_ids)
+        assert_same_output(p, c, 1e-4, f"prompt len {len(prompt)}")
         with torch.no_grad():
             full = model(torch.tensor([prompt + c.token_ids[:-1]]))[0, len(prompt) - 1 :]
         assert (full - torch.stack(c.logits)).abs().max().item() < 1e-4

@@ -9,30 +9,21 @@ from attention.linear_attention import LinearAttention, taylor_feature_map
 from cache.state_slots import StateSlots
 from kernels import linear_attention_chunked, linear_attention_step
 from kernels import linear_attention_parallel_ref as linear_attention_parallel
-from batches import slot_batch  # noqa: E402 (pytest puts this folder on sys.path)
+from batches import run_cached  # tests/ is on sys.path under pytest
+from helpers import spread_weights  # tests/ is on sys.path under pytest
 
 FEATURE_MAPS = ["elu", "taylor"]
 
 
-def make_mixer(helpers, feature_map, seed=0, **kwargs):
+def make_mixer(feature_map, seed=0, **kwargs):
     torch.manual_seed(seed)
     kwargs = {"d_model": 32, "layer_idx": 0, "n_heads": 4, "feature_map": feature_map, "chunk_size": 16,
               **({"feature_dim": 4} if feature_map == "taylor" else {}), **kwargs}
-    return helpers.spread_weights(LinearAttention(**kwargs), seed=seed, gain=1.0)
+    return spread_weights(LinearAttention(**kwargs), seed=seed, gain=1.0)
 
 
 def rel_err(got, want):
     return ((got - want).abs().max() / want.abs().max()).item()
-
-
-def run_cached(mixer, cache, x, chunks, slots=None):
-    """Feed x [B, T, d] in chunks (the first a prefill), returning the outputs for every position."""
-    outs, start = [], 0
-    for n in chunks:
-        positions = torch.arange(start, start + n).expand(x.shape[0], n)
-        outs.append(mixer(x[:, start : start + n], positions, cache, slot_batch(positions, start == 0, slots)))
-        start += n
-    return torch.cat(outs, dim=1)
 
 
 def naive_loop(q, k, v, eps):
@@ -54,8 +45,8 @@ def naive_loop(q, k, v, eps):
 
 @pytest.mark.parametrize("t", [1, 5, 64, 100])
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS)
-def test_parallel_chunked_recurrent_forms_agree(helpers, feature_map, t):
-    mixer = make_mixer(helpers, feature_map)
+def test_parallel_chunked_recurrent_forms_agree(feature_map, t):
+    mixer = make_mixer(feature_map)
     x = torch.randn(2, t, 32)
     with torch.no_grad():
         q, k, v = mixer.project(x)
@@ -80,8 +71,8 @@ def test_parallel_chunked_recurrent_forms_agree(helpers, feature_map, t):
 
 
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS)
-def test_parallel_form_equals_float64_loop(helpers, feature_map):
-    mixer = make_mixer(helpers, feature_map)
+def test_parallel_form_equals_float64_loop(feature_map):
+    mixer = make_mixer(feature_map)
     x = torch.randn(2, 9, 32)
     with torch.no_grad():
         q, k, v = mixer.project(x)
@@ -102,8 +93,8 @@ def test_feature_maps_match_their_definitions():
 
 
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS)
-def test_cached_prefill_then_decode_equals_uncached(helpers, feature_map):
-    mixer = make_mixer(helpers, feature_map)
+def test_cached_prefill_then_decode_equals_uncached(feature_map):
+    mixer = make_mixer(feature_map)
     x = torch.randn(2, 40, 32)
     with torch.no_grad():
         full = mixer(x)
@@ -113,9 +104,9 @@ def test_cached_prefill_then_decode_equals_uncached(helpers, feature_map):
     assert rel_err(cached, full) < 1e-5, f"cached differs from uncached by {rel_err(cached, full):.3g}"
 
 
-def test_prefill_overwrites_a_finished_sequences_state(helpers):
+def test_prefill_overwrites_a_finished_sequences_state():
     """A slot's previous owner leaves its state behind; a prefill must start from zeros regardless."""
-    mixer = make_mixer(helpers, "elu")
+    mixer = make_mixer("elu")
     x = torch.randn(1, 12, 32)
     with torch.no_grad():
         cache = StateSlots(mixer.cache_spec(), max_batch=1, dtype=torch.float32, device="cpu")
@@ -126,9 +117,9 @@ def test_prefill_overwrites_a_finished_sequences_state(helpers):
 
 
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS)
-def test_batch_rows_are_independent(helpers, feature_map):
+def test_batch_rows_are_independent(feature_map):
     """Three sequences in non-consecutive slots of a larger pool equal each run alone."""
-    mixer = make_mixer(helpers, feature_map)
+    mixer = make_mixer(feature_map)
     x = torch.randn(3, 20, 32)
     with torch.no_grad():
         cache = StateSlots(mixer.cache_spec(), max_batch=5, dtype=torch.float32, device="cpu")

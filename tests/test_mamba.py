@@ -18,7 +18,8 @@ from ssm.mamba import Mamba
 from zoo.config import MixerSpec, ModelConfig
 from zoo.hf_mamba import mamba_config, mamba_names
 from zoo.model import DecoderLM
-from batches import slot_batch  # noqa: E402 (pytest puts this folder on sys.path)
+from batches import slot_batch  # tests/ is on sys.path under pytest
+from helpers import spread_weights  # tests/ is on sys.path under pytest
 
 VOCAB = 256
 PROMPT_LEN = 128
@@ -228,11 +229,11 @@ def hf_mamba_config(**overrides) -> MambaConfig:
 
 
 @torch.no_grad()
-def random_hf_mamba(helpers, seed=0, **overrides) -> MambaForCausalLM:
+def random_hf_mamba(seed=0, **overrides) -> MambaForCausalLM:
     torch.manual_seed(seed)
     hf = MambaForCausalLM(hf_mamba_config(**overrides)).float()
     dt_weights = {n: p.clone() for n, p in hf.named_parameters() if n.endswith("dt_proj.weight")}
-    helpers.spread_weights(hf, seed=seed)
+    spread_weights(hf, seed=seed)
     # dt_proj keeps HF's init (uniform +-rank^-0.5): spread to unit scale, dt swings by e^+-3 and fp32 rounding
     # alone moves the logits by ~1e-4 over 128 tokens
     hf.load_state_dict(dt_weights, strict=False)
@@ -250,9 +251,9 @@ def prompt_ids(seed=1) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def hf_pair(helpers):
+def hf_pair():
     """(HF model, zoo model, HF greedy continuation), built once."""
-    hf = random_hf_mamba(helpers)
+    hf = random_hf_mamba()
     model = DecoderLM(mamba_config(hf.config))
     state = hf.state_dict()
     model.load_state_dict({ours: state[theirs] for theirs, ours in mamba_names(model.config)})
@@ -276,7 +277,7 @@ def test_from_hf_logits_match(hf_pair):
 
 
 @pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
-def test_greedy_matches_hf_generate(hf_pair, kv_cache, helpers):
+def test_greedy_matches_hf_generate(hf_pair, kv_cache):
     hf, model, want = hf_pair
     assert len(want) == NEW_TOKENS and len(set(want)) > 8, f"HF continuation nearly constant {want}"
     engine = Engine(model, max_batch=2, max_seq_len=256, kv_cache=kv_cache, block_size=16)
@@ -287,8 +288,8 @@ def test_greedy_matches_hf_generate(hf_pair, kv_cache, helpers):
 @pytest.mark.parametrize("overrides", [dict(tie_word_embeddings=True, num_hidden_layers=2),
                                        dict(use_bias=True, use_conv_bias=False, num_hidden_layers=2, conv_kernel=3,
                                             time_step_rank=6)])
-def test_variants_and_reverse_mapping(overrides, helpers):
-    hf = random_hf_mamba(helpers, seed=5, **overrides)
+def test_variants_and_reverse_mapping(overrides):
+    hf = random_hf_mamba(seed=5, **overrides)
     model = zoo.from_hf(hf).eval()
     tokens = torch.tensor([prompt_ids()[:40]])
     with torch.no_grad():
@@ -302,7 +303,7 @@ def test_variants_and_reverse_mapping(overrides, helpers):
         assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
 
 
-def test_hf_unsupported_activation(helpers):
+def test_hf_unsupported_activation():
     with pytest.raises(ValueError, match="hidden_act"):
         mamba_config(hf_mamba_config(hidden_act="gelu"))
 

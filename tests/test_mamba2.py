@@ -15,7 +15,8 @@ from kernels import FORCE_TRITON_ENV, selective_state_update
 from ssm.mamba2 import Mamba2, ssd_scan_ref
 from zoo.hf_mamba2 import mamba2_config, mamba2_names
 from zoo.model import DecoderLM
-from batches import slot_batch  # noqa: E402 (pytest puts this folder on sys.path)
+from batches import slot_batch  # tests/ is on sys.path under pytest
+from helpers import assert_not_constant, spread_weights  # tests/ is on sys.path under pytest
 
 VOCAB = 256
 PROMPT_LEN = 150  # not a multiple of the chunk size (32)
@@ -75,16 +76,16 @@ def test_state_update_equals_one_scan_step():
     torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
 
 
-def make_mixer(helpers, seed=0, **kwargs):
+def make_mixer(seed=0, **kwargs):
     torch.manual_seed(seed)
     settings = dict(d_model=32, layer_idx=0, d_state=8, head_dim=16, n_groups=2, chunk_size=8, **kwargs)
-    return helpers.spread_weights(Mamba2(**settings), seed=seed, gain=1.0)
+    return spread_weights(Mamba2(**settings), seed=seed, gain=1.0)
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("steps", [[13, 1, 1, 1, 1, 1], [8, 1, 7, 1, 9, 1]])  # prefill, decode steps, multi-token chunks
-def test_cached_equals_uncached(helpers, steps):
-    mixer = make_mixer(helpers).eval()
+def test_cached_equals_uncached(steps):
+    mixer = make_mixer().eval()
     x = torch.randn(3, sum(steps), 32)
     want = mixer(x)
     slots = [4, 0, 2]  # rows scattered over the pool
@@ -109,10 +110,10 @@ def test_cached_equals_uncached(helpers, steps):
 
 
 @torch.no_grad()
-def test_decode_through_triton_kernel(helpers, monkeypatch):
+def test_decode_through_triton_kernel(monkeypatch):
     """The step as it runs on CUDA: selective_state_update's Triton kernel (interpreter on CPU) with stride-0 views."""
     monkeypatch.setenv(FORCE_TRITON_ENV, "1")
-    mixer = make_mixer(helpers).eval()
+    mixer = make_mixer().eval()
     x = torch.randn(2, 11, 32)
     want = mixer(x)
     cache = StateSlots(mixer.cache_spec(), max_batch=2, dtype=torch.float32, device="cpu")
@@ -123,8 +124,8 @@ def test_decode_through_triton_kernel(helpers, monkeypatch):
     torch.testing.assert_close(torch.cat(outs, 1), want, rtol=1e-5, atol=1e-5)
 
 
-def test_chunk_size_does_not_change_output(helpers):
-    mixer = make_mixer(helpers)
+def test_chunk_size_does_not_change_output():
+    mixer = make_mixer()
     x = torch.randn(2, 45, 32)
     with torch.no_grad():
         want = mixer(x)
@@ -160,8 +161,8 @@ def test_bad_settings(kwargs, match):
         Mamba2(d_model=32, layer_idx=0, **kwargs)
 
 
-def test_no_mamba_ssm_import_on_cpu(helpers):
-    mixer = make_mixer(helpers)
+def test_no_mamba_ssm_import_on_cpu():
+    mixer = make_mixer()
     with torch.no_grad():
         mixer(torch.randn(1, 9, 32))
     assert "mamba_ssm" not in sys.modules
@@ -239,11 +240,11 @@ def hf_continuation(hf_pair) -> list[int]:
 
 
 @pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
-def test_hf_greedy_through_engine(helpers, hf_pair, hf_continuation, kv_cache):
+def test_hf_greedy_through_engine(hf_pair, hf_continuation, kv_cache):
     name, _, model = hf_pair
     want = hf_continuation
     assert len(want) == NEW_TOKENS
-    helpers.assert_not_constant(want, name)
+    assert_not_constant(want, name)
     engine = Engine(model, max_batch=2, max_seq_len=256, kv_cache=kv_cache, block_size=16)
     got = engine.generate([prompt_ids()], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))[0].token_ids
     assert got == want, f"{name}/{kv_cache}: first difference at step {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from harness import Engine, SamplingParams
+from helpers import assert_not_constant, make_prompts, random_model  # tests/ is on sys.path under pytest
 
 VOCAB = 512  # the tiny preset's
 MODEL_MAX_SEQ_LEN = 64
@@ -325,21 +326,21 @@ def run_mix(engine: Engine, requests, limits: Limits) -> None:
 
 
 @pytest.fixture(scope="module")
-def model(helpers):
-    return helpers.random_model("gqa", max_seq_len=MODEL_MAX_SEQ_LEN)
+def model():
+    return random_model("gqa", max_seq_len=MODEL_MAX_SEQ_LEN)
 
 
 @pytest.fixture(scope="module")
-def reference_prompt(helpers):
-    return helpers.make_prompts([5], VOCAB, seed=11)[0]
+def reference_prompt():
+    return make_prompts([5], VOCAB, seed=11)[0]
 
 
 @pytest.fixture(scope="module")
-def reference(model, reference_prompt, helpers):
+def reference(model, reference_prompt):
     """A fresh engine's greedy tokens for the reference prompt, once per module."""
     greedy = SamplingParams(REFERENCE_NEW_TOKENS, temperature=0.0)
     tokens = Engine(model).generate([reference_prompt], greedy)[0].token_ids
-    helpers.assert_not_constant(tokens, "reference")
+    assert_not_constant(tokens, "reference")
     return tokens
 
 

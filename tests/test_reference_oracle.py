@@ -22,6 +22,7 @@ from ssm import Mamba2
 from ssm.reference import mamba2_reference
 from zoo.config import MixerSpec, ModelConfig
 from zoo.reference import reference_forward
+from helpers import assert_not_constant, greedy, make_prompts, random_model, spread_weights  # tests/ is on sys.path under pytest
 
 RTOL = 1e-4
 SEQ_LEN = 40  # longer than the tiny preset's window (16), so sliding-window layers drop keys
@@ -66,9 +67,9 @@ def case_id(case) -> str:
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_uncached_forward_matches_float64_reference(case, helpers):
+def test_uncached_forward_matches_float64_reference(case):
     name, overrides = case
-    model = helpers.random_model(name, **overrides)
+    model = random_model(name, **overrides)
     assert model.config.max_seq_len >= SEQ_LEN
     err = oracle_error(model, tokens_for(model))
     assert err <= RTOL, f"{case_id(case)}: uncached forward differs from the float64 reference by {err:.3g} (relative)"
@@ -80,12 +81,12 @@ RETENTIONS = [{"window": 8}, {"window": 8, "sinks": 4}, {"window": 5, "sinks": 3
 
 
 @pytest.mark.parametrize("retention", RETENTIONS, ids=lambda r: ",".join(f"{k}={v}" for k, v in r.items()))
-def test_retention_policies_match_reference(retention, helpers):
+def test_retention_policies_match_reference(retention):
     layers = [MixerSpec("attention", {"n_heads": 4, "n_kv_heads": 2, **retention}),
               MixerSpec("attention", {"n_heads": 4, "n_kv_heads": 2})]
     config = ModelConfig(vocab_size=512, d_model=64, layers=layers, mlp_hidden=192, tie_embeddings=False)
     torch.manual_seed(0)
-    model = helpers.spread_weights(zoo.build(config))
+    model = spread_weights(zoo.build(config))
     err = oracle_error(model, tokens_for(model))
     assert err <= RTOL, f"{retention}: uncached forward differs from the float64 reference by {err:.3g} (relative)"
 
@@ -93,9 +94,9 @@ def test_retention_policies_match_reference(retention, helpers):
 # ---- mixers alone, where the fast path's chunking is exercised across several chunks -------------------------------
 
 @pytest.mark.parametrize("feature_map", ["elu", "taylor"])
-def test_linear_attention_across_chunks_matches_reference(feature_map, helpers):
+def test_linear_attention_across_chunks_matches_reference(feature_map):
     torch.manual_seed(0)
-    mixer = helpers.spread_weights(LinearAttention(d_model=64, layer_idx=0, n_heads=4, feature_map=feature_map,
+    mixer = spread_weights(LinearAttention(d_model=64, layer_idx=0, n_heads=4, feature_map=feature_map,
                                                    chunk_size=8))
     x = torch.randn(BATCH, SEQ_LEN, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -103,9 +104,9 @@ def test_linear_attention_across_chunks_matches_reference(feature_map, helpers):
     assert err <= RTOL, f"chunked linear attention ({feature_map}) differs from the recurrence by {err:.3g}"
 
 
-def test_mamba2_across_chunks_matches_reference(helpers):
+def test_mamba2_across_chunks_matches_reference():
     torch.manual_seed(0)
-    mixer = helpers.spread_weights(Mamba2(d_model=64, layer_idx=0, d_state=16, head_dim=16, n_groups=2, chunk_size=8))
+    mixer = spread_weights(Mamba2(d_model=64, layer_idx=0, d_state=16, head_dim=16, n_groups=2, chunk_size=8))
     x = torch.randn(BATCH, SEQ_LEN, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         err = relative_error(mixer(x), mamba2_reference(mixer, x))
@@ -157,25 +158,25 @@ MUTATIONS = [("gqa", scale_attention), ("mla", scale_attention), ("linear", shar
 
 
 @torch.no_grad()
-def cached_decode_error(model, helpers, prompt_len: int = 20, new_tokens: int = 12) -> float:
+def cached_decode_error(model, prompt_len: int = 20, new_tokens: int = 12) -> float:
     """The conformance property: greedy decode through the engine's cache vs the full forward over the same tokens
     (absolute, as tests/test_conformance.py measures it)."""
-    prompt = helpers.make_prompts([prompt_len], model.config.vocab_size, seed=1)[0]
-    out = Engine(model, max_batch=1, max_seq_len=64).generate([prompt], helpers.greedy(new_tokens))[0]
-    helpers.assert_not_constant(out.token_ids, "mutated model")
+    prompt = make_prompts([prompt_len], model.config.vocab_size, seed=1)[0]
+    out = Engine(model, max_batch=1, max_seq_len=64).generate([prompt], greedy(new_tokens))[0]
+    assert_not_constant(out.token_ids, "mutated model")
     cached = torch.stack(out.logits)
     full = model(torch.tensor([prompt + out.token_ids[:-1]]))[0, prompt_len - 1:]
     return (full - cached).abs().max().item()
 
 
 @pytest.mark.parametrize("arch,mutate", MUTATIONS, ids=[f"{a}-{m.__name__}" for a, m in MUTATIONS])
-def test_mutation_in_both_paths_escapes_self_consistency_but_not_the_oracle(arch, mutate, helpers):
-    model = helpers.random_model(arch)
+def test_mutation_in_both_paths_escapes_self_consistency_but_not_the_oracle(arch, mutate):
+    model = random_model(arch)
     tokens = tokens_for(model)
     assert oracle_error(model, tokens) <= RTOL  # the unmutated model passes
     mutate(model)
     # (a) self-consistency cannot see it: cached decode still equals the (equally wrong) uncached forward
-    assert cached_decode_error(model, helpers) <= 1e-4
+    assert cached_decode_error(model) <= 1e-4
     # (b) the oracle does
     err = oracle_error(model, tokens)
     assert err > RTOL, f"{arch}: {mutate.__name__} moved the logits by only {err:.3g} relative; the oracle missed it"

@@ -8,13 +8,14 @@ import torch
 
 from harness import Engine, SamplingParams
 from harness.sampling import sample_token
+from helpers import make_prompts, random_model  # tests/ is on sys.path under pytest
 
 VOCAB = 512  # the tiny preset's
 
 
 @pytest.fixture(scope="module")
-def model(helpers):
-    return helpers.random_model("gqa", max_seq_len=64)
+def model():
+    return random_model("gqa", max_seq_len=64)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -131,8 +132,8 @@ def test_extreme_but_valid_settings_sample_without_nan(params):
         assert tokens == {1}
 
 
-def test_a_vanishing_temperature_is_greedy_through_the_engine(model, helpers):
-    prompts = helpers.make_prompts([5, 9], VOCAB, seed=3)
+def test_a_vanishing_temperature_is_greedy_through_the_engine(model):
+    prompts = make_prompts([5, 9], VOCAB, seed=3)
     engine = Engine(model, max_batch=2, max_seq_len=64, kv_cache="paged")
     greedy = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0))
     cold = engine.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1e-300, seed=5))
@@ -141,7 +142,7 @@ def test_a_vanishing_temperature_is_greedy_through_the_engine(model, helpers):
     assert all(o.finish_reason == "length" and len(o.token_ids) == 8 for o in hot)
 
 
-def test_non_finite_logits_end_only_that_request(model, helpers, monkeypatch):
+def test_non_finite_logits_end_only_that_request(model, monkeypatch):
     engine = Engine(model, max_batch=2, max_seq_len=64)
     real_decode = engine.runner.decode
 
@@ -153,7 +154,7 @@ def test_non_finite_logits_end_only_that_request(model, helpers, monkeypatch):
         return logits
 
     monkeypatch.setattr(engine.runner, "decode", decode_with_a_nan_row)
-    prompts = helpers.make_prompts([4, 6], VOCAB, seed=8)
+    prompts = make_prompts([4, 6], VOCAB, seed=8)
     bad, good = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=0.0))
     assert bad.finish_reason == "error" and "non-finite logits" in bad.error and len(bad.token_ids) == 1
     assert good.finish_reason == "length" and len(good.token_ids) == 5

@@ -9,6 +9,7 @@ import torch
 
 import zoo
 from harness import Engine, SamplingParams
+from helpers import assert_not_constant, greedy, make_prompts, random_model  # tests/ is on sys.path under pytest
 
 MAX_SEQ_LEN = 96
 
@@ -25,23 +26,23 @@ def workload(n: int, seed: int):
     ("mamba", {}, "contiguous"), ("linear", {}, "paged"), ("mamba2", {}, "contiguous"),
     ("hybrid", {"layers": "mamba,gqa"}, "paged"),
 ])
-def test_40_requests_through_8_state_slots_equal_their_alone_runs(arch, settings, kv_cache, helpers):
+def test_40_requests_through_8_state_slots_equal_their_alone_runs(arch, settings, kv_cache):
     """Slots are reused as requests finish: a new request must start from a zero state, not its predecessor's."""
-    model = helpers.random_model(arch, **settings)
+    model = random_model(arch, **settings)
     prompts, params = workload(40, seed=1)
     engine = Engine(model, max_batch=8, max_seq_len=MAX_SEQ_LEN, kv_cache=kv_cache, block_size=8)
     batched = engine.generate(prompts, params)
     alone = [Engine(model, max_batch=1, max_seq_len=MAX_SEQ_LEN, kv_cache=kv_cache, block_size=8).generate([p], sp)[0]
              for p, sp in zip(prompts, params)]
-    helpers.assert_not_constant([t for o in batched for t in o.token_ids], arch)
+    assert_not_constant([t for o in batched for t in o.token_ids], arch)
     for i, (b, a) in enumerate(zip(batched, alone)):
         assert b.token_ids == a.token_ids, f"{arch} request {i}"
     assert engine.cache_bytes_in_use() == 0 and len(engine.scheduler.free_slots) == 8
 
 
 @pytest.mark.parametrize("arch", ["linear", "mamba", "mamba2"])
-def test_state_bytes_are_analytic_and_constant_in_context(arch, helpers):
-    model = helpers.random_model(arch)
+def test_state_bytes_are_analytic_and_constant_in_context(arch):
+    model = random_model(arch)
     per_sequence = zoo.cache_bytes(model, seq_len=1)
     assert per_sequence > 0
     assert [zoo.cache_bytes(model, seq_len=t) for t in (1, 100, 10_000)] == [per_sequence] * 3
@@ -57,8 +58,8 @@ def test_state_bytes_are_analytic_and_constant_in_context(arch, helpers):
         assert set(in_use[:-1]) == {per_sequence} and in_use[-1] == 0
 
 
-def test_hybrid_of_state_and_kv_layers_accounts_both(helpers):
-    model = helpers.random_model("hybrid", layers="mamba,mamba,mamba,gqa", n_layers=4)
+def test_hybrid_of_state_and_kv_layers_accounts_both():
+    model = random_model("hybrid", layers="mamba,mamba,mamba,gqa", n_layers=4)
     specs = model.cache_specs()
     assert [s.kind for s in specs] == ["state", "state", "state", "kv"]
     engine = Engine(model, max_batch=2, max_seq_len=64, kv_cache="paged", block_size=8)
@@ -103,16 +104,16 @@ def test_cpu_import_and_run_never_import_mamba_ssm():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_linear_attention_state_stays_fp32_in_a_bf16_model(helpers):
+def test_linear_attention_state_stays_fp32_in_a_bf16_model():
     """S and z are running sums: in bf16 they stop resolving new terms, so the state is declared fp32."""
-    model = helpers.random_model("linear").to(torch.bfloat16)
+    model = random_model("linear").to(torch.bfloat16)
     spec = model.cache_specs()[0]
     assert spec.state_dtype == torch.float32
     assert zoo.cache_bytes(model, seq_len=5) == 4 * sum(s.state_elements for s in model.cache_specs())
     engine = Engine(model, max_batch=1, max_seq_len=256)
     assert engine.cache_bytes_allocated == zoo.cache_bytes(model, seq_len=256)
-    prompt = helpers.make_prompts([150], 512, seed=4)[0]
-    out = engine.generate([prompt], helpers.greedy(60))[0]
+    prompt = make_prompts([150], 512, seed=4)[0]
+    out = engine.generate([prompt], greedy(60))[0]
     with torch.no_grad():
         full = model(torch.tensor([prompt + out.token_ids[:-1]]))[0, len(prompt) - 1 :].float()
     assert full.argmax(-1).tolist() == out.token_ids  # cached decode picks what the full forward picks

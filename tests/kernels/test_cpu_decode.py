@@ -8,8 +8,8 @@ from kernels import (cpu_kernels_available, contiguous_decode_attention, contigu
 from kernels.cpu_decode import decode_attention
 
 from cache import Retention
-from spans import visible_span  # noqa: E402 (pytest puts this folder on sys.path)
-from test_paged_attention import naive_decode_attention  # noqa: E402
+from spans import visible_span  # tests/kernels/ is on sys.path under pytest
+from test_paged_attention import naive_decode_attention
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C compiler on this machine")
 

@@ -3,7 +3,7 @@ import torch
 
 import kernels.paged_attention as paged_attention
 from cache import Retention
-from spans import sees, visible_span  # noqa: E402 (pytest puts this folder on sys.path)
+from spans import sees, visible_span  # tests/kernels/ is on sys.path under pytest
 from kernels import (
     cpu_kernels_available,
     FORCE_TRITON_ENV,
