@@ -29,7 +29,7 @@ class CompareSettings:
     archs: list[str] = field(default_factory=zoo.compare_defaults)  # the registry entries marked compare_default
     preset: str = "small"
     contexts: list[int] = field(default_factory=lambda: [256, 1024, 2048])
-    batches: list[int] = field(default_factory=lambda: [1, 2, 4])  # with 8 too the CPU default took 5.5 min, prefill-bound
+    batches: list[int] = field(default_factory=lambda: [1, 2, 4])  # 8 made the CPU default prefill-bound (BENCHMARKS.md)
     new_tokens: int = 16
     dtype: str = "float32"
     kv_cache: str = "contiguous"

@@ -25,14 +25,10 @@ RUN_KEY = ("arch", "d_model", "lr", "seq_len", "kv_pairs", "vocab_size", "train_
 class RecallSettings:
     archs: list[str] = field(default_factory=zoo.registry.recall_defaults)  # the entries marked recall_default
     seq_len: int = 64
-    # The CPU default (every architecture in < 15 min on 2 cores): attention needs ~600 steps at d_model 64 to
-    # learn recall here (a sudden transition; 400-step runs never reach it), so the widths are 32 and 64, not
-    # Zoology's 64-512; adding N=16 to the mix delayed the transition past 600 steps.
+    # widths, pairs, lr and steps sized so the CPU default's attention runs reach recall in < 15 min (BENCHMARKS.md)
     kv_pairs: list[int] = field(default_factory=lambda: [4, 8])  # one model trains on all of them, mixed
     vocab_size: int = 8192
     d_models: list[int] = field(default_factory=lambda: [32, 64])
-    # gqa at d_model 64 in 800 steps: lr 1e-3 reached 0.97, 2e-3 0.99 (at step 600), 2.2e-3 0.98, 3e-3 0.93,
-    # 4.5e-3 and 6e-3 never learnt; sweep more with --lrs
     lrs: list[float] = field(default_factory=lambda: [2e-3])
     train_examples: int = 32_000  # per kv-pairs setting
     test_examples: int = 500  # per kv-pairs setting

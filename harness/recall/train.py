@@ -47,8 +47,7 @@ class TrainConfig:
 
 
 def recall_model_config(config: TrainConfig, vocab_size: int, seq_len: int) -> zoo.ModelConfig:
-    # one 64-wide head at d_model 64 (as Zoology): reaches 0.99 on (64, 4) in ~900 steps; two 32-wide heads
-    # plateaued at 0.95 after 2500
+    # one 64-wide head at d_model 64, as Zoology: two 32-wide heads plateaued lower (BENCHMARKS.md)
     n_heads = config.n_heads or max(1, config.d_model // 64)
     settings = zoo.registry.recall_settings(config.arch, config.d_model, n_heads, seq_len)
     settings.update(config.overrides or {})
