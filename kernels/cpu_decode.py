@@ -77,6 +77,8 @@ def _library() -> ctypes.CDLL | None:
                                            + [ptr, i32, i32, i32, i32, i32, i32, i32])
     lib.selective_scan.restype = ctypes.c_int
     lib.selective_scan.argtypes = [ptr] * 7 + [i32] * 5
+    lib.selective_scan_backward.restype = ctypes.c_int
+    lib.selective_scan_backward.argtypes = [ptr] * 14 + [i32] * 5
     return lib
 
 
@@ -221,6 +223,29 @@ def selective_scan_cpu(dt: torch.Tensor, A: torch.Tensor, dtx: torch.Tensor, B: 
 @selective_scan_cpu.register_fake
 def _(dt, A, dtx, B, C, h0):
     return dt.new_empty(dt.shape), h0.new_empty(h0.shape)
+
+
+def selective_scan_backward_cpu(dt, A, dtx, B, C, h0, grad_y, grad_last):
+    """The gradients of selective_scan_cpu (ssm/scan.py's SelectiveScan.backward) on kernels/cpu/selective_scan.c,
+    which replays the forward per task instead of keeping every state: returns dL/d(dt, A, dtx, B, C, h0).
+    grad_last may be None. fp32 throughout."""
+    batch, length, channels = dt.shape
+    dstate = A.shape[-1]
+    groups = channels // 8
+    dt, A, dtx, B, C, h0, grad_y = (t.contiguous() for t in (dt, A, dtx, B, C, h0, grad_y))
+    grad_last = None if grad_last is None else grad_last.contiguous()
+    g_dt, g_dtx = torch.empty_like(dt), torch.empty_like(dtx)
+    g_A, g_h0 = torch.empty(batch, channels, dstate), torch.empty_like(h0)
+    g_B, g_C = (torch.empty(batch, groups, length, dstate) for _ in range(2))  # per channel group, summed below
+    status = _library().selective_scan_backward(
+        dt.data_ptr(), dtx.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(), h0.data_ptr(), grad_y.data_ptr(),
+        None if grad_last is None else grad_last.data_ptr(), g_dt.data_ptr(), g_dtx.data_ptr(), g_A.data_ptr(),
+        g_B.data_ptr(), g_C.data_ptr(), g_h0.data_ptr(), batch, length, channels, dstate, torch.get_num_threads())
+    if status:
+        raise (MemoryError("selective_scan_backward: out of memory for the replayed states") if status == -2 else
+               ValueError(f"selective_scan_backward: {channels} channels (a multiple of 8) and d_state {dstate} "
+                          "(1..1024) are beyond the CPU kernel"))
+    return g_dt, g_A.sum(0), g_dtx, g_B.sum(1), g_C.sum(1), g_h0
 
 
 def selective_state_update_cpu(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):

@@ -19,8 +19,7 @@ from torch import nn
 from cache.spec import CacheBatch, CacheSpec
 from ssm.reference import mamba_reference
 from kernels import Linear, cpu_decode, selective_state_update
-from kernels.dispatch import use_cpu_kernel
-from ssm.scan import SelectiveScan, scan_forward
+from ssm.scan import SelectiveScan, compiled_kernel_fits, scan_forward
 
 def selective_scan(x, dt, A, B, C, D, z, state, last=None):
     """The recurrence over T steps from `state`, one step at a time on [b, d, n] tensors that stay in cache
@@ -39,7 +38,7 @@ def selective_scan(x, dt, A, B, C, D, z, state, last=None):
     dtx = dt * x
     if torch.is_grad_enabled() and any(v.requires_grad for v in (x, dt, A, B, C, state)):
         ys, h = SelectiveScan.apply(dt, A, dtx, B, C, state.to(dtype))
-    elif dtype == torch.float32 and use_cpu_kernel(x) and cpu_decode.selective_scan_fits(*A.shape):
+    elif compiled_kernel_fits(dt, A):
         ys, h = cpu_decode.selective_scan_cpu(dt, A, dtx, B, C, state.to(dtype))
     else:
         ys, h, _ = scan_forward(dt, A, dtx, B, C, state.to(dtype), keep_states=False)
