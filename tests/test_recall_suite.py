@@ -6,7 +6,8 @@ import matplotlib.image
 import pytest
 
 from harness import cli
-from harness.recall import suite
+from harness.recall import report, suite
+from harness.recall.train import convergence
 from harness.recall.suite import RecallSettings, best_over_lr, run_recall
 
 
@@ -85,6 +86,12 @@ def test_cli_writes_table_and_charts(tmp_path, capsys):
     for name in ("accuracy_vs_state_bytes.png", "accuracy_vs_d_model.png"):
         image = matplotlib.image.imread(tmp_path / name)
         assert image.shape[0] > 200 and image.shape[1] > 600  # one panel per N, side by side
+    curves = matplotlib.image.imread(tmp_path / "learning_curves.png")
+    assert curves.shape[1] > 600  # a panel per architecture, side by side
+    # 2 steps cannot converge: every row says so, in the table and in results.jsonl
+    assert table.count("**not converged**") == 4
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert {row["convergence"] for row in rows} == {"not converged"} and all(row["history"] for row in rows)
     assert "wrote" in capsys.readouterr().out
 
 
@@ -115,3 +122,41 @@ def test_identical_models_train_once(tmp_path, monkeypatch):
     trained.clear()
     more = run_recall(tiny(tmp_path, archs=["mha", "gqa", "mqa", "mla"], d_models=[16], lrs=[3e-3]), show_progress=False)
     assert trained == [] and {r["arch"]: r.get("same_model_as") for r in more}["mqa"] == "mha"
+
+
+HISTORY = [{"step": 100 * (i + 1), "L=64,N=4": a, "L=64,N=8": b}
+           for i, (a, b) in enumerate([(0.1, 0.0), (0.5, 0.2), (0.8, 0.6), (0.81, 0.6), (0.81, 0.603), (0.8, 0.6)])]
+
+
+@pytest.mark.parametrize("history,solved,expected", [
+    (HISTORY, True, "solved"),
+    (HISTORY, False, "plateau"),  # the last 3 evaluations beat the best before them by 0.0065 < 0.01
+    (HISTORY[:4], False, "not converged"),  # still rising: the last 3 reach 0.705, the first was 0.05
+    (HISTORY[:3], False, "not converged"),  # too few evaluations to call a plateau
+    ([{"step": s, "a": 0.01} for s in range(100, 900, 100)], False, "plateau"),  # flat at chance: a plateau too
+])
+def test_convergence_is_solved_plateau_or_not(history, solved, expected):
+    assert convergence(history, solved) == expected
+
+
+def test_charts_mark_runs_that_did_not_converge(tmp_path):
+    """A not-converged run is a hollow marker (a lower bound); a converged one is filled."""
+    rows = [{"arch": "gqa", "d_model": d, "lr": 1e-3, "seq_len": 64, "state_bytes": 1024 * d, "accuracy": acc,
+             "accuracy_per_kv_pairs": {"4": acc}, "steps": 800, "solved": solved, "wall_s": 1.0,
+             "history": HISTORY[:4] if not solved else HISTORY}
+            for d, acc, solved in ((32, 0.4, False), (64, 0.99, True))]
+    drawn = []
+    original = report.plt.Axes.plot
+
+    def spy(ax, *args, **kwargs):
+        if "markerfacecolor" in kwargs:
+            drawn.append(kwargs["markerfacecolor"] == "none")
+        return original(ax, *args, **kwargs)
+
+    report.plt.Axes.plot = spy
+    try:
+        report.panels(rows, lambda r: r["d_model"], "d_model", "t", tmp_path / "p.png", logx=False)
+    finally:
+        report.plt.Axes.plot = original
+    assert drawn == [True, False]  # d=32 hollow, d=64 filled
+    assert "**not converged**" in report.markdown_table(rows).splitlines()[2]

@@ -1,4 +1,6 @@
-"""The recall sweep as a table (best over learning rates) and two charts: accuracy vs state bytes, accuracy vs width."""
+"""The recall sweep as a table (best over learning rates) and three charts: accuracy vs state bytes, accuracy vs width
+(a hollow marker: the run had not converged when its budget ended), and every run's learning curve."""
+import math
 from pathlib import Path
 
 import matplotlib
@@ -9,6 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
 from harness.charts import DASHES, MARKERS  # noqa: E402
+from harness.recall.train import convergence  # noqa: E402
 
 
 def per_n(row: dict) -> dict[int, float]:
@@ -16,16 +19,26 @@ def per_n(row: dict) -> dict[int, float]:
     return {int(n): acc for n, acc in row["accuracy_per_kv_pairs"].items()}
 
 
+def status(row: dict) -> str:
+    """"solved", "plateau" or "not converged" (rows written before the field existed: from their history)."""
+    return row.get("convergence") or convergence(row.get("history", []), row.get("solved", False))
+
+
+def converged(row: dict) -> bool:
+    return status(row) != "not converged"
+
+
 def markdown_table(best: list[dict]) -> str:
     ns = sorted({n for row in best for n in per_n(row)})
     header = (["arch", "d_model", "state (KiB, fp32)", "best lr"] + [f"acc N={n}" for n in ns]
-              + ["acc (all)", "steps", "wall (s)", "same model as"])
+              + ["acc (all)", "steps", "converged", "wall (s)", "same model as"])
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for row in best:
         accs = per_n(row)
         cells = [row["arch"], str(row["d_model"]), f"{row['state_bytes'] / 1024:.1f}", f"{row['lr']:g}"]
         cells += [f"{accs[n]:.3f}" if n in accs else "" for n in ns]
-        cells += [f"{row['accuracy']:.3f}", str(row["steps"]), f"{row['wall_s']:.0f}", row.get("same_model_as", "")]
+        verdict = status(row) if converged(row) else "**not converged**"
+        cells += [f"{row['accuracy']:.3f}", str(row["steps"]), verdict, f"{row['wall_s']:.0f}", row.get("same_model_as", "")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -42,7 +55,8 @@ def lines(best: list[dict]) -> dict[str, list[dict]]:
 
 
 def panels(best: list[dict], x_of, xlabel: str, title: str, path: Path, logx: bool) -> Path:
-    """One panel per number of kv pairs; in each, accuracy against x, one line per model."""
+    """One panel per number of kv pairs; in each, accuracy against x, one line per model; a run that had not
+    converged when its budget ended is a hollow marker, so its point reads as a lower bound."""
     ns = sorted({n for row in best for n in per_n(row)})
     series = lines(best)
     colors = plt.get_cmap("tab10" if len(series) <= 10 else "tab20").colors
@@ -50,8 +64,12 @@ def panels(best: list[dict], x_of, xlabel: str, title: str, path: Path, logx: bo
     for ax, n in zip(axes[0], ns):
         for i, (label, rows) in enumerate(series.items()):
             rows = sorted((r for r in rows if n in per_n(r)), key=x_of)
-            ax.plot([x_of(r) for r in rows], [per_n(r)[n] for r in rows], marker=MARKERS[i % len(MARKERS)],
-                    linestyle=DASHES[i % len(DASHES)], color=colors[i % len(colors)], label=label)
+            color, marker = colors[i % len(colors)], MARKERS[i % len(MARKERS)]
+            ax.plot([x_of(r) for r in rows], [per_n(r)[n] for r in rows], linestyle=DASHES[i % len(DASHES)],
+                    color=color, label=label, marker=marker, markevery=[])  # markers drawn per point below
+            for r in rows:
+                ax.plot([x_of(r)], [per_n(r)[n]], marker=marker, color=color, linestyle="none",
+                        markerfacecolor=color if converged(r) else "none")
         if logx:
             ax.set_xscale("log")
             ax.xaxis.set_minor_formatter(NullFormatter())  # minor-tick labels (3x10^4, 4x10^4) ran into each other
@@ -59,7 +77,44 @@ def panels(best: list[dict], x_of, xlabel: str, title: str, path: Path, logx: bo
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("MQAR test accuracy")
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # outside: never over a line
+    if not all(converged(r) for r in best):
+        fig.text(0.99, 0.01, "hollow marker: not converged when the step budget ended", ha="right", fontsize=8)
     fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def learning_curves(best: list[dict], path: Path) -> Path:
+    """Small multiples, one panel per architecture: mean test accuracy at every evaluation, one line per width."""
+    archs = sorted({row["arch"] for row in best}, key=[r["arch"] for r in best].index)
+    cols = min(4, len(archs))
+    grid_rows = math.ceil(len(archs) / cols)
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(3.4 * cols, 2.8 * grid_rows), dpi=110, sharex=True,
+                             sharey=True, squeeze=False)
+    widths = sorted({row["d_model"] for row in best})
+    colors = plt.get_cmap("viridis")([i / max(1, len(widths) - 1) * 0.85 for i in range(len(widths))])
+    for ax, arch in zip(axes.flat, archs):
+        for row in sorted((r for r in best if r["arch"] == arch), key=lambda r: r["d_model"]):
+            history = row.get("history", [])
+            steps = [point["step"] for point in history]
+            means = [sum(v for k, v in point.items() if k != "step") / max(1, len(point) - 1) for point in history]
+            color = colors[widths.index(row["d_model"])]
+            ax.plot(steps, means, color=color, label=f"d={row['d_model']} ({status(row)})")
+            if steps:
+                ax.plot(steps[-1:], means[-1:], marker="o", color=color, markerfacecolor=color if converged(row) else "none")
+        ax.set_title(arch, fontsize=9)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6, loc="upper left")
+    for ax in list(axes.flat)[len(archs):]:
+        ax.axis("off")
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("test accuracy (mean over N)")
+    fig.suptitle("MQAR learning curves (best learning rate per width; hollow end: not converged)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -73,4 +128,5 @@ def write_report(best: list[dict], out: Path) -> list[Path]:
                "Recall vs state size (best over learning rates)", out / "accuracy_vs_state_bytes.png", logx=True),
         panels(best, lambda r: r["d_model"], "d_model", "Recall vs model width (best over learning rates)",
                out / "accuracy_vs_d_model.png", logx=False),
+        learning_curves(best, out / "learning_curves.png"),
     ]

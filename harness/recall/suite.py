@@ -148,6 +148,7 @@ def train_run(run: dict, settings: RecallSettings, data, report) -> dict:
         "parameters": result["parameters"],
         "steps": result["steps"],
         "solved": result["solved"],
+        "convergence": result["convergence"],
         "wall_s": result["wall_s"],
         "history": result["history"],
     }

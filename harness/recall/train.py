@@ -4,6 +4,11 @@ Recipe: 2 layers, no MLP, tied embeddings, pre-norm; AdamW (weight decay 0.1), c
 max_steps, no warmup; cross-entropy over the full vocabulary at the labelled (query) positions only;
 evaluation every eval_every steps, early stop once every test set is above target_accuracy.
 
+Converge or explain: a run ends "solved" (every test set above target_accuracy), "plateau" (its held-out accuracy
+gained less than PLATEAU_GAIN over its last PLATEAU_PATIENCE evaluations: more steps would not change the row), or
+"not converged" (the step budget ended while it was still improving). Only the first two are an architecture's
+recall at this setting; reports mark the third.
+
 For CPU speed the vocabulary head (8192 wide) runs only at labelled positions: the hidden states
 come from `model.hidden_states` (the forward without the head), then `model.head` on the gathered rows.
 
@@ -25,6 +30,23 @@ import torch.nn.functional as F
 import zoo
 from harness.diffusion import masked_diffusion_loss
 from harness.recall.data import IGNORE_INDEX, accuracy
+
+
+PLATEAU_PATIENCE = 3  # evaluations (300 steps at eval_every 100)
+PLATEAU_GAIN = 0.01  # mean test accuracy
+
+
+def convergence(history: list[dict], solved: bool) -> str:
+    """"solved", "plateau" or "not converged" from a run's evaluations (history rows: step, then accuracy per test
+    set): a plateau is a best mean accuracy over the last PLATEAU_PATIENCE evaluations that beats the best before
+    them by less than PLATEAU_GAIN."""
+    if solved:
+        return "solved"
+    means = [sum(v for k, v in row.items() if k != "step") / max(1, len(row) - 1) for row in history]
+    if len(means) <= PLATEAU_PATIENCE:
+        return "not converged"
+    recent, before = max(means[-PLATEAU_PATIENCE:]), max(means[:-PLATEAU_PATIENCE])
+    return "plateau" if recent - before < PLATEAU_GAIN else "not converged"
 
 
 @dataclass
@@ -141,7 +163,8 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
     progress, if given, is called after every step with {"step", "max_steps", "loss"} and after every
     evaluation with "eval" added ({name: accuracy}).
     Returns accuracy (mean per-example accuracy over the test sets), token_accuracy, per_setting
-    ({name: {"accuracy", "token_accuracy"}}), steps, solved, wall_s, state_bytes, parameters, history.
+    ({name: {"accuracy", "token_accuracy"}}), steps, solved, convergence (see convergence()), wall_s, state_bytes,
+    parameters, history (the learning curve: accuracy per test set at every evaluation).
     """
     start_time = time.perf_counter()
     device = config.device
@@ -202,6 +225,7 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
         "per_setting": results,
         "steps": step,
         "solved": solved,
+        "convergence": convergence(history, solved),
         "wall_s": time.perf_counter() - start_time,
         "state_bytes": zoo.cache_bytes(model, seq_len=seq_len, dtype=torch.float32),
         "parameters": sum(p.numel() for p in model.parameters()),
