@@ -7,9 +7,12 @@ from pathlib import Path
 
 
 class ResultStore:
-    def __init__(self, path: Path, key_fields: tuple[str, ...]):
+    def __init__(self, path: Path, key_fields: tuple[str, ...], defaults: dict | None = None):
+        """defaults: values of key fields added after rows were written (such a row had that value), so older files
+        load and resume instead of being run again."""
         self.path = Path(path)
         self.key_fields = key_fields
+        self.defaults = defaults or {}
         self.rows = self.load()
 
     def load(self) -> list[dict]:
@@ -38,6 +41,7 @@ class ResultStore:
             raise ValueError("not UTF-8 text") from None
         if not isinstance(row, dict):
             raise ValueError(f"a JSON {type(row).__name__}, not an object")
+        row = {**{f: v for f, v in self.defaults.items() if f not in row}, **row}
         missing = [f for f in self.key_fields if f not in row]
         if missing:
             raise ValueError(f"no {', '.join(missing)}")

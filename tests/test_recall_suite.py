@@ -160,3 +160,26 @@ def test_charts_mark_runs_that_did_not_converge(tmp_path):
         report.plt.Axes.plot = original
     assert drawn == [True, False]  # d=32 hollow, d=64 filled
     assert "**not converged**" in report.markdown_table(rows).splitlines()[2]
+
+
+def test_architectures_that_need_depth_are_also_trained_deeper(tmp_path):
+    """cla's entry asks for 2 and 4 layers: both are runs, with their own rows, table lines and a note saying why."""
+    settings = tiny(tmp_path, archs=["gqa", "cla"], lrs=[3e-3])
+    depths = [(r["arch"], r["n_layers"]) for r in settings.runs()]
+    assert depths == [("gqa", 2), ("cla", 2), ("cla", 4)]
+    rows = run_recall(settings, show_progress=False)
+    assert sorted((r["arch"], r["n_layers"]) for r in rows) == [("cla", 2), ("cla", 4), ("gqa", 2)]
+    best = best_over_lr(rows)
+    table = report.markdown_table(best)
+    assert "| cla | 4 |" in table and "| cla | 2 |" in table and "- cla: at 2 layers" in table
+    assert "cla, 4 layers" in report.lines(best)
+
+
+def test_rows_written_before_depths_existed_still_count(tmp_path):
+    """A results.jsonl from before runs had n_layers: its rows were 2-layer runs, so a re-run skips them."""
+    settings = tiny(tmp_path, archs=["gqa"], lrs=[3e-3], d_models=[16])
+    (row,) = run_recall(settings, show_progress=False)
+    del row["n_layers"]
+    (tmp_path / "results.jsonl").write_text(json.dumps(row) + "\n")
+    again = run_recall(settings, show_progress=False)
+    assert len(again) == 1 and again[0]["n_layers"] == 2 and again[0]["wall_s"] == row["wall_s"]

@@ -72,6 +72,9 @@ class Architecture:
     compare_default: bool = True  # `zoo compare` runs it when no --archs is given
     recall_default: bool = True  # `zoo recall` trains it when no --archs is given (its CPU default has a 15-min budget)
     recall: Callable[[int, int, int], dict] = lambda d_model, n_heads, seq_len: {}  # MQAR settings at this size
+    # MQAR depths: the recipe's 2 layers, and more where the mechanism cannot express recall at 2 (recall_note says why)
+    recall_layers: tuple[int, ...] = (2,)
+    recall_note: str = ""
     hf_class: str | None = None  # the transformers class zoo.from_hf converts to it
 
 
@@ -254,6 +257,10 @@ ARCHITECTURES: dict[str, Architecture] = {
     "cla": Architecture(
         "cross-layer attention: each group of `share` layers (default 2) caches one set of GQA keys/values",
         cross_layer_layers, ("share",), mixer=ATTENTION, in_patterns=False, recall=half_kv_heads,
+        recall_layers=(2, 4),
+        recall_note="at 2 layers with share 2 the second layer reads keys and values computed from the token "
+                    "embeddings, so no layer can match a query against keys that carry their preceding token (the "
+                    "induction circuit MQAR needs); at 4 layers the second group's keys come from layer 2's input",
     ),
     "swa": Architecture(
         "sliding-window GQA: each query sees the newest `window` keys; the cache stops growing at the window",
@@ -353,6 +360,16 @@ def is_causal(name: str) -> bool:
     return ARCHITECTURES[check_architecture(name)].causal
 
 
+def recall_layers(name: str) -> tuple[int, ...]:
+    """The depths `zoo recall` trains an architecture at (its entry's recall_layers)."""
+    return ARCHITECTURES[check_architecture(name)].recall_layers
+
+
+def recall_note(name: str) -> str:
+    """Why an architecture is also trained deeper than the recipe's 2 layers ("" when it is not)."""
+    return ARCHITECTURES[check_architecture(name)].recall_note
+
+
 def recall_settings(name: str, d_model: int, n_heads: int, seq_len: int) -> dict:
     """The settings an architecture needs to be meaningful on MQAR at this size (its entry's recall defaults)."""
     return ARCHITECTURES[check_architecture(name)].recall(d_model, n_heads, seq_len)
@@ -371,6 +388,7 @@ def details(name: str) -> dict:
         "causal": arch.causal,
         "settings": {setting: SETTINGS[setting].describe() for setting in settings_of(arch)},
         "recall defaults at d_model 64, 1 head, L 64": arch.recall(64, 1, 64),
+        "recall depths (layers)": ", ".join(map(str, arch.recall_layers)) + (f": {arch.recall_note}" if arch.recall_note else ""),
         "in zoo compare by default": arch.compare_default,
         "in zoo recall by default": arch.recall_default,
         "hybrid layer": arch.in_patterns,

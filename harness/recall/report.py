@@ -10,13 +10,20 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
+import zoo  # noqa: E402
 from harness.charts import DASHES, MARKERS  # noqa: E402
-from harness.recall.train import convergence  # noqa: E402
+from harness.recall.train import RECIPE_LAYERS, convergence  # noqa: E402
 
 
 def per_n(row: dict) -> dict[int, float]:
     """Accuracy per number of kv pairs (json keys come back as strings)."""
     return {int(n): acc for n, acc in row["accuracy_per_kv_pairs"].items()}
+
+
+def name(row: dict) -> str:
+    """The architecture, and its depth where it is not the recipe's 2 layers ("cla, 4 layers")."""
+    layers = row.get("n_layers", RECIPE_LAYERS)
+    return row["arch"] if layers == RECIPE_LAYERS else f"{row['arch']}, {layers} layers"
 
 
 def status(row: dict) -> str:
@@ -30,28 +37,33 @@ def converged(row: dict) -> bool:
 
 def markdown_table(best: list[dict]) -> str:
     ns = sorted({n for row in best for n in per_n(row)})
-    header = (["arch", "d_model", "state (KiB, fp32)", "best lr"] + [f"acc N={n}" for n in ns]
+    header = (["arch", "layers", "d_model", "state (KiB, fp32)", "best lr"] + [f"acc N={n}" for n in ns]
               + ["acc (all)", "steps", "converged", "wall (s)", "same model as"])
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for row in best:
         accs = per_n(row)
-        cells = [row["arch"], str(row["d_model"]), f"{row['state_bytes'] / 1024:.1f}", f"{row['lr']:g}"]
+        cells = [row["arch"], str(row.get("n_layers", RECIPE_LAYERS)), str(row["d_model"]),
+                 f"{row['state_bytes'] / 1024:.1f}", f"{row['lr']:g}"]
         cells += [f"{accs[n]:.3f}" if n in accs else "" for n in ns]
         verdict = status(row) if converged(row) else "**not converged**"
         cells += [f"{row['accuracy']:.3f}", str(row["steps"]), verdict, f"{row['wall_s']:.0f}", row.get("same_model_as", "")]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    # why an architecture is also shown deeper than the recipe's 2 layers, one sentence each (its registry entry's)
+    notes = [f"- {arch}: {zoo.registry.recall_note(arch)}." for arch in dict.fromkeys(r["arch"] for r in best)
+             if zoo.registry.recall_note(arch)]
+    return "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
 
 def lines(best: list[dict]) -> dict[str, list[dict]]:
     """One line per model: architectures whose rows are all the same models (e.g. mha, gqa and mqa with one head
-    each) share a line labelled "mha = gqa = mqa" instead of hiding each other."""
-    archs = sorted({row["arch"] for row in best}, key=[r["arch"] for r in best].index)
+    each) share a line labelled "mha = gqa = mqa" instead of hiding each other; a deeper run is a line of its own."""
+    names = sorted({name(row) for row in best}, key=[name(r) for r in best].index)
     groups: dict[tuple, list[str]] = {}
-    for arch in archs:
-        rows = sorted((r for r in best if r["arch"] == arch), key=lambda r: r["d_model"])
-        groups.setdefault(tuple((r["d_model"], r.get("same_model_as", arch)) for r in rows), []).append(arch)
-    return {" = ".join(names): [r for r in best if r["arch"] == names[0]] for names in groups.values()}
+    for series in names:
+        rows = sorted((r for r in best if name(r) == series), key=lambda r: r["d_model"])
+        groups.setdefault(tuple((r["d_model"], r.get("n_layers", RECIPE_LAYERS), r.get("same_model_as", r["arch"]))
+                                for r in rows), []).append(series)
+    return {" = ".join(members): [r for r in best if name(r) == members[0]] for members in groups.values()}
 
 
 def panels(best: list[dict], x_of, xlabel: str, title: str, path: Path, logx: bool) -> Path:
@@ -87,8 +99,9 @@ def panels(best: list[dict], x_of, xlabel: str, title: str, path: Path, logx: bo
 
 
 def learning_curves(best: list[dict], path: Path) -> Path:
-    """Small multiples, one panel per architecture: mean test accuracy at every evaluation, one line per width."""
-    archs = sorted({row["arch"] for row in best}, key=[r["arch"] for r in best].index)
+    """Small multiples, one panel per architecture (and depth): mean test accuracy at every evaluation, one line per
+    width."""
+    archs = sorted({name(row) for row in best}, key=[name(r) for r in best].index)
     cols = min(4, len(archs))
     grid_rows = math.ceil(len(archs) / cols)
     fig, axes = plt.subplots(grid_rows, cols, figsize=(3.4 * cols, 2.8 * grid_rows), dpi=110, sharex=True,
@@ -96,7 +109,7 @@ def learning_curves(best: list[dict], path: Path) -> Path:
     widths = sorted({row["d_model"] for row in best})
     colors = plt.get_cmap("viridis")([i / max(1, len(widths) - 1) * 0.85 for i in range(len(widths))])
     for ax, arch in zip(axes.flat, archs):
-        for row in sorted((r for r in best if r["arch"] == arch), key=lambda r: r["d_model"]):
+        for row in sorted((r for r in best if name(r) == arch), key=lambda r: r["d_model"]):
             history = row.get("history", [])
             steps = [point["step"] for point in history]
             means = [sum(v for k, v in point.items() if k != "step") / max(1, len(point) - 1) for point in history]

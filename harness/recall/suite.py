@@ -13,12 +13,14 @@ from tqdm import tqdm
 
 import zoo
 from harness.recall.data import MQARSetting, make_splits
-from harness.recall.train import TrainConfig, model_identity, train_recall
+from harness.recall.train import RECIPE_LAYERS, TrainConfig, model_identity, train_recall
 from harness.results import ResultStore, check_output_folder
 from zoo import checks
 
 # The fields that identify a run: a re-run skips rows that match on all of them.
-RUN_KEY = ("arch", "d_model", "lr", "seq_len", "kv_pairs", "vocab_size", "train_examples", "max_steps", "seed")
+RUN_KEY = ("arch", "n_layers", "d_model", "lr", "seq_len", "kv_pairs", "vocab_size", "train_examples", "max_steps",
+           "seed")
+KEY_DEFAULTS = {"n_layers": RECIPE_LAYERS}  # rows written before runs had depths were trained at the recipe's
 
 
 @dataclass
@@ -66,14 +68,15 @@ class RecallSettings:
     def runs(self) -> list[dict]:
         common = {"seq_len": self.seq_len, "kv_pairs": ",".join(map(str, self.kv_pairs)), "vocab_size": self.vocab_size,
                   "train_examples": self.train_examples, "max_steps": self.max_steps, "seed": self.seed}
-        return [{"arch": a, "d_model": d, "lr": lr, **common} for a in self.archs for d in self.d_models for lr in self.lrs]
+        return [{"arch": a, "n_layers": layers, "d_model": d, "lr": lr, **common}
+                for a in self.archs for layers in zoo.registry.recall_layers(a) for d in self.d_models for lr in self.lrs]
 
 
 def run_recall(settings: RecallSettings, show_progress: bool = True) -> list[dict]:
     """Train every run not already in results.jsonl, appending each row as its run finishes (an interrupted
     sweep loses only the runs in flight); returns all rows of this settings' runs."""
     settings.validate()
-    store = ResultStore(settings.out / "results.jsonl", RUN_KEY)
+    store = ResultStore(settings.out / "results.jsonl", RUN_KEY, KEY_DEFAULTS)
     todo = [r for r in settings.runs() if not store.done(r)]
     twins = copy_twins(todo, settings, store)  # runs whose model another run trains (or has trained)
     todo = [r for r in todo if r not in twins and not store.done(r)]
@@ -118,7 +121,8 @@ def copy_twins(runs: list[dict], settings: RecallSettings, store: ResultStore) -
 
 
 def train_config(run: dict, settings: RecallSettings) -> TrainConfig:
-    return TrainConfig(arch=run["arch"], d_model=run["d_model"], lr=run["lr"], batch_size=settings.batch_size,
+    return TrainConfig(arch=run["arch"], n_layers=run["n_layers"], d_model=run["d_model"], lr=run["lr"],
+                       batch_size=settings.batch_size,
                        max_steps=settings.max_steps, seed=settings.seed, device=settings.device,
                        vocab_size=settings.vocab_size)
 
@@ -155,14 +159,15 @@ def train_run(run: dict, settings: RecallSettings, data, report) -> dict:
 
 
 def run_label(run: dict) -> str:
-    return f"{run['arch']} d={run['d_model']} lr={run['lr']:g}"
+    depth = "" if run["n_layers"] == RECIPE_LAYERS else f" {run['n_layers']} layers"
+    return f"{run['arch']}{depth} d={run['d_model']} lr={run['lr']:g}"
 
 
 def expected_cost(run: dict) -> tuple:
     """Longest first keeps the last worker from finishing alone: wider runs cost more, and recurrent-state
     architectures train through a sequential scan on CPU (several times an attention step)."""
     specs = zoo.build(run["arch"], preset="tiny").cache_specs()
-    return run["d_model"], any(spec.kind == "state" for spec in specs)
+    return run["d_model"] * run["n_layers"], any(spec.kind == "state" for spec in specs)
 
 
 _worker_events = None  # in a worker process only: the queue its progress goes to (a Queue passes only at start)
@@ -217,10 +222,10 @@ def train_in_workers(todo: list[dict], settings: RecallSettings, data, store: Re
 
 
 def best_over_lr(rows: list[dict]) -> list[dict]:
-    """Per (architecture, d_model): the run with the best test accuracy, as Zoology reports its sweeps."""
+    """Per (architecture, depth, d_model): the run with the best test accuracy, as Zoology reports its sweeps."""
     best: dict[tuple, dict] = {}
     for row in rows:
-        key = (row["arch"], row["d_model"])
+        key = (row["arch"], row.get("n_layers", RECIPE_LAYERS), row["d_model"])
         if key not in best or row["accuracy"] > best[key]["accuracy"]:
             best[key] = row
-    return sorted(best.values(), key=lambda r: (r["arch"], r["d_model"]))
+    return sorted(best.values(), key=lambda r: (r["arch"], r.get("n_layers", RECIPE_LAYERS), r["d_model"]))

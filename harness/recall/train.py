@@ -32,6 +32,7 @@ from harness.diffusion import masked_diffusion_loss
 from harness.recall.data import IGNORE_INDEX, accuracy
 
 
+RECIPE_LAYERS = 2  # Zoology's MQAR recipe; deeper runs where an entry's recall_layers asks
 PLATEAU_PATIENCE = 3  # evaluations (300 steps at eval_every 100)
 PLATEAU_GAIN = 0.01  # mean test accuracy
 
@@ -53,7 +54,7 @@ def convergence(history: list[dict], solved: bool) -> str:
 class TrainConfig:
     arch: str
     d_model: int = 64
-    n_layers: int = 2
+    n_layers: int = RECIPE_LAYERS
     lr: float = 1e-3
     weight_decay: float = 0.1
     batch_size: int = 64
