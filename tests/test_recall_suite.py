@@ -183,3 +183,43 @@ def test_rows_written_before_depths_existed_still_count(tmp_path):
     (tmp_path / "results.jsonl").write_text(json.dumps(row) + "\n")
     again = run_recall(settings, show_progress=False)
     assert len(again) == 1 and again[0]["n_layers"] == 2 and again[0]["wall_s"] == row["wall_s"]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")  # the test extra installs it; a machine without it runs the rest
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_tasks_write_the_same_rows_as_one_process(tmp_path, local_ray):
+    """Each run a Ray task on a local 2-CPU instance; the driver alone writes results.jsonl; same seeds, same rows."""
+    serial = run_recall(tiny(tmp_path / "serial"), show_progress=False)
+    on_ray = run_recall(tiny(tmp_path / "ray", ray="local"), show_progress=False)
+    assert len((tmp_path / "ray" / "results.jsonl").read_text().splitlines()) == 4
+    key = lambda r: (r["arch"], r["lr"])  # noqa: E731
+    for a, b in zip(sorted(serial, key=key), sorted(on_ray, key=key)):
+        assert key(a) == key(b) and a["steps"] == b["steps"] and a["history"] == b["history"]
+        assert abs(a["accuracy"] - b["accuracy"]) < 1e-6
+
+
+def test_ray_sweep_resumes_where_the_driver_stopped(tmp_path, local_ray):
+    """A driver killed after writing two rows: the re-run trains only the two runs it had not written."""
+    settings = tiny(tmp_path, ray="local")
+    rows = run_recall(settings, show_progress=False)
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    (tmp_path / "results.jsonl").write_text("\n".join(lines[:2]) + "\n")  # what a driver killed then leaves
+    kept = {json.loads(line)["wall_s"] for line in lines[:2]}
+    again = run_recall(settings, show_progress=False)
+    assert len(again) == 4 and sum(row["wall_s"] in kept for row in again) == 2
+    assert sorted(map(key_of, again)) == sorted(map(key_of, rows))
+
+
+def key_of(row: dict) -> tuple:
+    return row["arch"], row["lr"]
+
+
+def test_ray_needs_an_address_string(tmp_path):
+    with pytest.raises(ValueError, match="ray must be a cluster address"):
+        tiny(tmp_path, ray="").validate()

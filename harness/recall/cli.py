@@ -50,12 +50,15 @@ def add_parser(sub, int_list, name_list) -> None:
                                                "core up to 2 on CPU; 1 on CUDA)")
     r.add_argument("--seed", type=int, help=f"seed for data, weights and shuffling (default: {d.seed})")
     r.add_argument("--out", help=f"output folder (default: {d.out})")
+    r.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                   help="run each run as a Ray task: on the cluster at ADDRESS ('auto': the one this machine is in), "
+                        "or without ADDRESS on a local instance; needs pip install -e '.[ray]'")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=cmd_recall)
 
 
 OPTION_FIELDS = ("archs", "seq_len", "kv_pairs", "d_models", "lrs", "vocab_size", "train_examples", "test_examples",
-                 "max_steps", "batch_size", "device", "workers", "seed")
+                 "max_steps", "batch_size", "device", "workers", "seed", "ray")
 
 
 def cmd_recall(args) -> None:

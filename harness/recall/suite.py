@@ -1,4 +1,5 @@
 """`zoo recall`: every architecture x width x learning rate trained on MQAR, written as it goes, resumable."""
+import importlib.util
 import multiprocessing
 import os
 import queue as queue_module
@@ -40,6 +41,7 @@ class RecallSettings:
     device: str = "cpu"
     workers: int | None = None  # runs trained at once; None = one per CPU core up to 2 on CPU, 1 on CUDA
     out: Path = Path("results/recall")
+    ray: str | None = None  # run each run as a Ray task on the cluster at this address ("local": start one here)
 
     def __post_init__(self):
         if self.workers is None:
@@ -63,6 +65,10 @@ class RecallSettings:
             checks.integer(name, getattr(self, name), minimum=1)
         checks.integer("seed", self.seed, minimum=0, maximum=2**64 - 1)  # what torch.manual_seed takes
         checks.device("device", self.device)
+        if self.ray is not None and (not isinstance(self.ray, str) or not self.ray):
+            raise ValueError(f"ray must be a cluster address, 'auto' or 'local', got {self.ray!r}")
+        if self.ray is not None and importlib.util.find_spec("ray") is None:
+            raise ValueError(f"ray={self.ray!r} needs Ray installed: pip install -e '.[ray]'")
         check_output_folder(self.out)
 
     def runs(self) -> list[dict]:
@@ -86,7 +92,11 @@ def run_recall(settings: RecallSettings, show_progress: bool = True) -> list[dic
                                                              [(s, settings.test_examples) for s in mqar], settings.seed)
         data = ((train_inputs, train_labels), dict(zip(setting_names(settings), tests)))
         bar = tqdm(total=len(todo), desc="zoo recall", unit="run", disable=not show_progress)
-        if settings.workers == 1:
+        if settings.ray is not None:
+            from harness.recall.ray_runner import train_on_ray  # Ray is an optional extra
+
+            train_on_ray(todo, settings, data, store, bar)
+        elif settings.workers == 1:
             for run in todo:
                 store.append(train_run(run, settings, data, lambda text: bar.set_postfix_str(text)))
                 bar.update()
