@@ -205,7 +205,7 @@ def check_same_architecture(config: ModelConfig, hf_side: ModelConfig) -> None:
 
 def mixer_settings(spec: MixerSpec, config: ModelConfig) -> tuple:
     """A layer's mixer arguments with defaults filled in, as the mixer will see them."""
-    bound = inspect.signature(mixer_class(spec.kind, -1)).bind_partial(**spec.params)
+    bound = inspect.signature(mixer_class(spec.kind)).bind_partial(**spec.params)
     bound.apply_defaults()
     settings = {k: v for k, v in bound.arguments.items() if k not in ("d_model", "layer_idx")}
     if "rope_base" not in spec.params and "rope_base" in settings:

@@ -29,10 +29,12 @@ VALUE_TYPES = {
 }
 
 
-def mixer_class(kind: str, layer_idx: int) -> type[nn.Module]:
+def mixer_class(kind: str, layer_idx: int | None = None) -> type[nn.Module]:
+    """The class a MixerSpec kind builds (the registry's entries); layer_idx only names the layer in the error."""
     classes = mixers()
     if kind not in classes:
-        raise ValueError(f"unknown mixer kind {kind!r} in layer {layer_idx}; allowed: {', '.join(classes)}")
+        where = "" if layer_idx is None else f" in layer {layer_idx}"
+        raise ValueError(f"unknown mixer kind {kind!r}{where}; allowed: {', '.join(classes)}")
     return classes[kind]
 
 
