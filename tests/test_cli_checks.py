@@ -17,8 +17,8 @@ from helpers import spread_weights  # tests/ is on sys.path under pytest
 
 COMPARE = ["compare", "--archs", "gqa", "--preset", "tiny", "--contexts", "16", "--batches", "1", "--new-tokens", "3",
            "--quiet"]
-RECALL = ["recall", "--archs", "gqa", "--seq-len", "16", "--kv-pairs", "2", "--vocab-size", "64", "--max-steps", "1",
-          "--quiet"]
+RECALL = ["recall", "--archs", "gqa", "--seq-len", "16", "--kv-pairs", "2", "--held-out-kv-pairs", "", "--vocab-size",
+          "64", "--min-steps", "1", "--max-steps", "1", "--quiet"]
 GENERATE = ["generate", "--arch", "gqa", "--preset", "tiny", "--prompt", "hi", "--max-new-tokens", "3"]
 
 
@@ -188,9 +188,13 @@ def test_bad_compare_sizes_fail_before_work(tmp_path, capsys, no_work, option, v
 
 
 @pytest.mark.parametrize("option,value,message", [
-    ("--seed", "-1", "seed must be in [0, 18446744073709551615], got -1"),
-    ("--seed", str(2**64), "seed must be in [0, 18446744073709551615]"),
+    ("--seeds", "-1", "seeds must be in [0, 18446744073709551615], got -1"),
+    ("--seeds", f"0,{2**64}", "seeds must be in [0, 18446744073709551615]"),
+    ("--seeds", "", "seeds must be a non-empty list"),
     ("--d-model", "0", "d_models must be >= 1, got 0"),
+    ("--state-d-model", "0", "state_d_models must be >= 1, got 0"),
+    ("--held-out-kv-pairs", "5", "num_kv_pairs=5 too large for seq_len=16"),
+    ("--min-steps", "0", "min_steps must be >= 1, got 0"),
     ("--kv-pairs", "", "kv_pairs must be a non-empty list"),
     ("--lrs", "nan", "learning rate must be a finite number > 0, got nan"),
     ("--lrs", "0", "learning rate must be a finite number > 0, got 0.0"),

@@ -14,7 +14,7 @@ from harness.recall.suite import RecallSettings, best_over_lr, run_recall
 def tiny(tmp_path, **kw) -> RecallSettings:
     kw = {"archs": ["gqa", "mamba"], "seq_len": 16, "kv_pairs": [2, 4], "vocab_size": 64, "d_models": [16],
           "lrs": [1e-3, 3e-3], "train_examples": 64, "test_examples": 16, "max_steps": 2, "batch_size": 8,
-          "workers": 1, "out": tmp_path, **kw}
+          "workers": 1, "out": tmp_path, "held_out_kv_pairs": [], "state_d_models": [], "min_steps": None, **kw}
     return RecallSettings(**kw)
 
 
@@ -77,7 +77,7 @@ def test_best_over_learning_rates():
 
 
 def test_cli_writes_table_and_charts(tmp_path, capsys):
-    argv = ["recall", "--archs", "gqa,mqa", "--seq-len", "16", "--kv-pairs", "2,4", "--vocab-size", "64",
+    argv = ["recall", "--archs", "gqa,mqa", "--seq-len", "16", "--kv-pairs", "2,4", "--held-out-kv-pairs", "", "--vocab-size", "64",
             "--d-model", "16,24", "--lrs", "3e-3", "--train-examples", "64", "--test-examples", "16",
             "--max-steps", "2", "--batch-size", "8", "--out", str(tmp_path), "--quiet"]
     assert cli.main(argv) == 0
@@ -102,7 +102,7 @@ def test_cli_writes_table_and_charts(tmp_path, capsys):
     ("--archs", "gqa,nope", "unknown architecture 'nope'"),
 ])
 def test_bad_settings_fail_before_training(tmp_path, capsys, option, value, message):
-    argv = ["recall", "--archs", "gqa", "--seq-len", "16", "--kv-pairs", "2", "--vocab-size", "64",
+    argv = ["recall", "--archs", "gqa", "--seq-len", "16", "--kv-pairs", "2", "--held-out-kv-pairs", "4", "--vocab-size", "64",
             "--max-steps", "1", "--out", str(tmp_path), "--quiet", option, value]
     assert cli.main(argv) == 2
     assert pytest.importorskip("re").search(message, capsys.readouterr().err)
@@ -223,3 +223,39 @@ def key_of(row: dict) -> tuple:
 def test_ray_needs_an_address_string(tmp_path):
     with pytest.raises(ValueError, match="ray must be a cluster address"):
         tiny(tmp_path, ray="").validate()
+
+
+def test_runs_take_each_architectures_learning_rate_and_state_widths(tmp_path):
+    """Without lrs, each architecture trains at its registry recall_lr; state_d_models add widths to the fixed-state
+    architectures only; every run is repeated per seed."""
+    settings = tiny(tmp_path, archs=["gqa", "mla", "linear", "mamba"], lrs=None, d_models=[64], state_d_models=[32],
+                    seeds=[0, 1])
+    runs = {(r["arch"], r["d_model"], r["lr"], r["seed"]) for r in settings.runs()}
+    import zoo
+    expected = {(a, d, zoo.registry.recall_lr(a), s) for a, widths in (("gqa", [64]), ("mla", [64]), ("linear", [32, 64]),
+                                                                        ("mamba", [32, 64])) for d in widths for s in (0, 1)}
+    assert runs == expected and zoo.registry.recall_lr("mla") != zoo.registry.recall_lr("gqa")
+
+
+def test_seeds_are_reported_as_mean_and_range(tmp_path):
+    """Several seeds of one run: the table shows the mean with (min–max), the chart a bar over the range, and the
+    row is not converged if any seed was not."""
+    rows = [{"arch": "gqa", "d_model": 64, "lr": 1e-3, "seed": seed, "seq_len": 64, "state_bytes": 1024,
+             "accuracy": acc, "token_accuracy": acc, "accuracy_per_kv_pairs": {"4": acc, "16": acc / 2}, "steps": steps,
+             "solved": acc > 0.99, "convergence": status, "wall_s": 10.0, "history": HISTORY, "held_out_kv_pairs": "16"}
+            for seed, acc, steps, status in ((0, 1.0, 500, "solved"), (1, 0.8, 800, "not converged"),
+                                             (2, 0.9, 700, "plateau"))]
+    (row,) = best_over_lr(rows)
+    assert abs(row["accuracy"] - 0.9) < 1e-12 and row["accuracy_range_per_kv_pairs"]["4"] == (0.8, 1.0)
+    assert (row["seed"], row["steps"], row["wall_s"], row["convergence"]) == ([0, 1, 2], 800, 30.0, "not converged")
+    table = report.markdown_table([row])
+    assert "acc N=16 (held out)" in table and "| 3 | 0.900 (0.800–1.000) | 0.450 (0.400–0.500) |" in table
+    bars = []
+    original = report.plt.Axes.vlines
+    report.plt.Axes.vlines = lambda ax, x, low, high, **k: bars.append((x, low, high)) or original(ax, x, low, high, **k)
+    try:
+        report.panels([row], lambda r: r["d_model"], "d_model", "t", tmp_path / "p.png", logx=False)
+        report.learning_curves([row], tmp_path / "c.png")
+    finally:
+        report.plt.Axes.vlines = original
+    assert bars == [(64, 0.8, 1.0), (64, 0.4, 0.5)]  # one bar per panel: N = 4, then N = 16

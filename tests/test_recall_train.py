@@ -112,3 +112,39 @@ def test_architectures_with_one_identity_train_identically(small_data):
     assert model_identity(TrainConfig("mha", d_model=128), 8192, 64) != model_identity(TrainConfig("gqa", d_model=128), 8192, 64)
     a, b = (train_recall(runs[x], train, [test]) for x in ("mha", "gqa"))
     assert a["history"] == b["history"] and a["state_bytes"] == b["state_bytes"]
+
+
+def test_a_run_stops_at_a_plateau_only_after_min_steps(small_data):
+    """lr ~ 0: the accuracy never moves, so the run is a plateau as soon as it has PLATEAU_PATIENCE + 1 evaluations;
+    it stops there once min_steps are done, and without min_steps trains on to max_steps."""
+    train, test = small_data
+    common = dict(lr=1e-12, max_steps=12, eval_every=1, batch_size=8, vocab_size=8192)
+    stopped = train_recall(TrainConfig("gqa", min_steps=7, **common), train, [test])
+    assert (stopped["steps"], stopped["convergence"]) == (7, "plateau")
+    full = train_recall(TrainConfig("gqa", **common), train, [test])
+    assert (full["steps"], full["convergence"]) == (12, "plateau")
+
+
+def test_early_stop_looks_at_trained_settings_only(small_data, monkeypatch):
+    """A held-out test set (an N never trained on) below target does not keep a solved run training."""
+    import harness.recall.train as train_module
+    train, test = small_data
+    scores = {id(test[0]): 1.0}  # the trained set is solved at once; the held-out one never
+    monkeypatch.setattr(train_module, "evaluate", lambda model, x, y, *a: {"accuracy": scores.get(id(x), 0.0),
+                                                                            "token_accuracy": 0.0})
+    held_out = (test[0].clone(), test[1])
+    config = TrainConfig("gqa", max_steps=5, eval_every=1, batch_size=8, vocab_size=8192, trained_sets=("trained",))
+    result = train_recall(config, train, {"trained": test, "held out": held_out})
+    assert (result["steps"], result["solved"]) == (1, True)
+    config.trained_sets = None  # every test set must pass: the held-out one never does
+    result = train_recall(config, train, {"trained": test, "held out": held_out})
+    assert (result["steps"], result["solved"]) == (5, False)
+    with pytest.raises(ValueError, match=r"trained_sets \['nope'\] must name some of the test sets"):
+        train_recall(TrainConfig("gqa", max_steps=1, trained_sets=("nope",)), train, {"trained": test})
+
+
+def test_warmup_then_cosine():
+    from harness.recall.train import lr_factor
+    config = TrainConfig("gqa", max_steps=110, warmup_steps=10)
+    assert [lr_factor(s, config) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    assert lr_factor(10, config) == 1.0 and abs(lr_factor(60, config) - 0.5) < 1e-12 and lr_factor(110, config) == 0.0

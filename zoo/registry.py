@@ -75,6 +75,7 @@ class Architecture:
     # MQAR depths: the recipe's 2 layers, and more where the mechanism cannot express recall at 2 (recall_note says why)
     recall_layers: tuple[int, ...] = (2,)
     recall_note: str = ""
+    recall_lr: float = 2e-3  # the MQAR learning rate `zoo recall` uses unless --lrs is given (BENCHMARKS.md: the search)
     hf_class: str | None = None  # the transformers class zoo.from_hf converts to it
 
 
@@ -199,6 +200,11 @@ def windowed(d_model: int, n_heads: int, seq_len: int) -> dict:
     return {**half_kv_heads(d_model, n_heads, seq_len), "window": max(1, seq_len // 4)}  # smaller than L: it matters
 
 
+def one_head_latent(d_model: int, n_heads: int, seq_len: int) -> dict:
+    # a latent narrower than a head (the default d_model / 4) plateaued at 0.91 (16 wide) and 0.98 (32) at one head
+    return {"kv_lora_rank": max(d_model // 4, d_model // n_heads)}
+
+
 def mamba2_recall(d_model: int, n_heads: int, seq_len: int) -> dict:
     d_inner = 2 * d_model  # expand 2 (the default); the mixer's default head_dim 64 must divide it
     return {} if d_inner % 64 == 0 else {"head_dim": max(h for h in range(1, 65) if d_inner % h == 0)}
@@ -252,7 +258,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mla": Architecture(
         "multi-head latent attention (DeepSeek-V2/V3): caches one latent + shared rope key per token; decode by weight absorption",
         latent_attention_layers, MLA_SETTINGS, mixer=Mixer("mla", MLAttention), bidirectional=True,
-        hf_class="DeepseekV3ForCausalLM",
+        recall=one_head_latent, recall_lr=1e-3, hf_class="DeepseekV3ForCausalLM",
     ),
     "cla": Architecture(
         "cross-layer attention: each group of `share` layers (default 2) caches one set of GQA keys/values",
@@ -287,12 +293,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
     "mamba": Architecture(
         "Mamba (selective state space): depthwise conv + selective scan, a constant conv + SSM state per layer",
-        mixer_layers("mamba", SSM_SETTINGS), SSM_SETTINGS, mixer=Mixer("mamba", Mamba), hf_class="MambaForCausalLM",
+        mixer_layers("mamba", SSM_SETTINGS), SSM_SETTINGS, mixer=Mixer("mamba", Mamba), recall_lr=3e-3,
+        hf_class="MambaForCausalLM",
     ),
     "mamba2": Architecture(
         "Mamba-2 (SSD): multi-head scalar-decay state space model, chunked scan; a constant state per layer",
         mixer_layers("mamba2", (*SSM_SETTINGS, "head_dim", "n_groups")), (*SSM_SETTINGS, "n_groups"),
-        mixer=Mixer("mamba2", Mamba2), recall=mamba2_recall, hf_class="Mamba2ForCausalLM",
+        mixer=Mixer("mamba2", Mamba2), recall=mamba2_recall, recall_lr=3e-3, hf_class="Mamba2ForCausalLM",
     ),
     "gdn": Architecture(
         "Gated DeltaNet (Yang et al. 2024): delta-rule linear attention with a Mamba-2 decay gate; a constant conv + "
@@ -370,6 +377,11 @@ def recall_note(name: str) -> str:
     return ARCHITECTURES[check_architecture(name)].recall_note
 
 
+def recall_lr(name: str) -> float:
+    """The learning rate `zoo recall` trains an architecture at when no --lrs is given (its entry's recall_lr)."""
+    return ARCHITECTURES[check_architecture(name)].recall_lr
+
+
 def recall_settings(name: str, d_model: int, n_heads: int, seq_len: int) -> dict:
     """The settings an architecture needs to be meaningful on MQAR at this size (its entry's recall defaults)."""
     return ARCHITECTURES[check_architecture(name)].recall(d_model, n_heads, seq_len)
@@ -388,6 +400,7 @@ def details(name: str) -> dict:
         "causal": arch.causal,
         "settings": {setting: SETTINGS[setting].describe() for setting in settings_of(arch)},
         "recall defaults at d_model 64, 1 head, L 64": arch.recall(64, 1, 64),
+        "recall learning rate": arch.recall_lr,
         "recall depths (layers)": ", ".join(map(str, arch.recall_layers)) + (f": {arch.recall_note}" if arch.recall_note else ""),
         "in zoo compare by default": arch.compare_default,
         "in zoo recall by default": arch.recall_default,

@@ -9,11 +9,14 @@ from harness.results import write_atomic
 
 # A preset is a list of sweeps (one per sequence length) written to one results folder.
 PRESETS = {
-    "cpu-default": [{}],  # RecallSettings' defaults: every architecture, L=64, N in {4, 8}, d_model 32 and 64
+    # RecallSettings' defaults: the recall_default architectures at L=64, trained on N in {4, 8} and also tested on
+    # 16, d_model 64 (and 32 for the fixed-state ones), each at its registry learning rate, one seed
+    "cpu-default": [{}],
     # Zoology's Fig. 2 grid: GPU-sized, runs anywhere, slowly
     "zoology-fig2": [
-        {"seq_len": seq_len, "kv_pairs": [n], "d_models": [64, 128, 256, 512], "lrs": [1e-4, 4.6e-4, 2.2e-3, 1e-2],
-         "train_examples": 100_000, "test_examples": 3_000, "max_steps": 20_000}
+        {"seq_len": seq_len, "kv_pairs": [n], "held_out_kv_pairs": [], "d_models": [64, 128, 256, 512],
+         "state_d_models": [], "lrs": [1e-4, 4.6e-4, 2.2e-3, 1e-2], "train_examples": 100_000, "test_examples": 3_000,
+         "min_steps": 2_000, "max_steps": 20_000, "seeds": [0, 1, 2]}
         for seq_len, n in ((64, 4), (128, 8), (256, 16), (512, 64))
     ],
 }
@@ -29,26 +32,35 @@ def float_list(text: str) -> list[float]:
 def add_parser(sub, int_list, name_list) -> None:
     r = sub.add_parser("recall", help="train every architecture on associative recall (Zoology's MQAR) and chart it",
                        description="Train small models (2 layers, no MLP, tied embeddings) on MQAR for every "
-                                   "architecture x d_model x learning rate; rows are appended to OUT/results.jsonl as "
+                                   "architecture x d_model x learning rate x seed; rows are appended to OUT/results.jsonl as "
                                    "each run finishes (a re-run skips finished runs); writes OUT/table.md (best over "
-                                   "learning rates) and two charts. Options override the preset.")
+                                   "learning rates) and three charts. Options override the preset.")
     d = RecallSettings()
     r.add_argument("--preset", default="cpu-default", choices=list(PRESETS), help="sweep (default: cpu-default)")
     r.add_argument("--archs", type=name_list, help=f"comma-separated architectures (default: all: {','.join(d.archs)})")
     r.add_argument("--seq-len", type=int, help=f"sequence length L (default: {d.seq_len})")
     r.add_argument("--kv-pairs", type=int_list, help=f"comma-separated key-value pair counts N, trained as one mix "
                                                      f"(default: {','.join(map(str, d.kv_pairs))})")
+    r.add_argument("--held-out-kv-pairs", type=int_list, help=f"comma-separated N tested but never trained on, or '' for "
+                                                             f"none (default: {','.join(map(str, d.held_out_kv_pairs))})")
     r.add_argument("--d-model", type=int_list, dest="d_models", help=f"comma-separated widths (default: {','.join(map(str, d.d_models))})")
-    r.add_argument("--lrs", type=float_list, help=f"comma-separated learning rates; the best is reported (default: {','.join(map(str, d.lrs))})")
+    r.add_argument("--state-d-model", type=int_list, dest="state_d_models",
+                   help=f"comma-separated widths also trained for the fixed-state architectures (linear attention, the "
+                        f"SSMs), or '' for none (default: {','.join(map(str, d.state_d_models))})")
+    r.add_argument("--lrs", type=float_list, help="comma-separated learning rates; the best is reported (default: each "
+                                                  "architecture's own, `zoo describe ARCH` shows it)")
     r.add_argument("--vocab-size", type=int, help=f"vocabulary (default: {d.vocab_size})")
     r.add_argument("--train-examples", type=int, help=f"training examples per N (default: {d.train_examples})")
     r.add_argument("--test-examples", type=int, help=f"test examples per N (default: {d.test_examples})")
-    r.add_argument("--max-steps", type=int, help=f"optimizer steps per run; stops early at accuracy > 0.99 (default: {d.max_steps})")
+    r.add_argument("--min-steps", type=int, help=f"steps before a run may stop at a plateau (default: {d.min_steps})")
+    r.add_argument("--max-steps", type=int, help=f"optimizer steps per run; stops early at accuracy > 0.99 on every "
+                                                 f"trained N, or at a plateau after --min-steps (default: {d.max_steps})")
     r.add_argument("--batch-size", type=int, help=f"examples per step (default: {d.batch_size})")
     r.add_argument("--device", help=f"torch device, e.g. cpu or cuda (default: {d.device})")
     r.add_argument("--workers", type=int, help="runs trained at once, each in its own process (default: one per CPU "
                                                "core up to 2 on CPU; 1 on CUDA)")
-    r.add_argument("--seed", type=int, help=f"seed for data, weights and shuffling (default: {d.seed})")
+    r.add_argument("--seeds", type=int_list, help=f"comma-separated seeds for training data, weights and shuffling; the "
+                                                  f"report shows their mean and range (default: {','.join(map(str, d.seeds))})")
     r.add_argument("--out", help=f"output folder (default: {d.out})")
     r.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                    help="run each run as a Ray task: on the cluster at ADDRESS ('auto': the one this machine is in), "
@@ -57,8 +69,9 @@ def add_parser(sub, int_list, name_list) -> None:
     r.set_defaults(func=cmd_recall)
 
 
-OPTION_FIELDS = ("archs", "seq_len", "kv_pairs", "d_models", "lrs", "vocab_size", "train_examples", "test_examples",
-                 "max_steps", "batch_size", "device", "workers", "seed", "ray")
+OPTION_FIELDS = ("archs", "seq_len", "kv_pairs", "held_out_kv_pairs", "d_models", "state_d_models", "lrs", "vocab_size",
+                 "train_examples", "test_examples", "min_steps", "max_steps", "batch_size", "device", "workers", "seeds",
+                 "ray")
 
 
 def cmd_recall(args) -> None:

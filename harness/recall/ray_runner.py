@@ -24,14 +24,15 @@ def connect(address: str) -> None:
         ray.init(address=None if address == "local" else address, include_dashboard=False, log_to_driver=False)
 
 
-def train_on_ray(todo: list[dict], settings: RecallSettings, data, store: ResultStore, bar) -> None:
+def train_on_ray(todo: list[dict], settings: RecallSettings, data: dict, store: ResultStore, bar) -> None:
     import ray
 
     connect(settings.ray)
     on_gpu = settings.device.startswith("cuda")
     task = ray.remote(num_cpus=1, num_gpus=1 if on_gpu else 0)(train_task)
-    data_ref = ray.put(data)  # the training and test sets go to the object store once, not with every task
-    pending = {task.remote(run, settings, data_ref): run for run in todo}
+    # each seed's training and test sets go to the object store once, not with every task
+    refs = {seed: ray.put(seed_data) for seed, seed_data in data.items()}
+    pending = {task.remote(run, settings, refs[run["seed"]]): run for run in todo}
     try:
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)

@@ -16,8 +16,29 @@ from harness.recall.train import RECIPE_LAYERS, convergence  # noqa: E402
 
 
 def per_n(row: dict) -> dict[int, float]:
-    """Accuracy per number of kv pairs (json keys come back as strings)."""
+    """Accuracy per number of kv pairs (json keys come back as strings); the mean where the row has several seeds."""
     return {int(n): acc for n, acc in row["accuracy_per_kv_pairs"].items()}
+
+
+def range_n(row: dict) -> dict[int, tuple[float, float]]:
+    """(min, max) accuracy over seeds per number of kv pairs; empty for a one-seed row."""
+    return {int(n): tuple(span) for n, span in row.get("accuracy_range_per_kv_pairs", {}).items()}
+
+
+def held_out(rows: list[dict]) -> set[int]:
+    """The N the models were tested on but never trained on."""
+    return {int(n) for row in rows for n in str(row.get("held_out_kv_pairs", "")).split(",") if n}
+
+
+def seed_count(row: dict) -> int:
+    return len(row["seed"]) if isinstance(row.get("seed"), list) else 1
+
+
+def accuracy_cell(row: dict, n: int) -> str:
+    if n not in per_n(row):
+        return ""
+    low_high = range_n(row).get(n)
+    return f"{per_n(row)[n]:.3f}" + (f" ({low_high[0]:.3f}–{low_high[1]:.3f})" if low_high else "")
 
 
 def name(row: dict) -> str:
@@ -37,20 +58,24 @@ def converged(row: dict) -> bool:
 
 def markdown_table(best: list[dict]) -> str:
     ns = sorted({n for row in best for n in per_n(row)})
-    header = (["arch", "layers", "d_model", "state (KiB, fp32)", "best lr"] + [f"acc N={n}" for n in ns]
-              + ["acc (all)", "steps", "converged", "wall (s)", "same model as"])
+    unseen = held_out(best)
+    header = (["arch", "layers", "d_model", "state (KiB, fp32)", "best lr", "seeds"]
+              + [f"acc N={n}" + (" (held out)" if n in unseen else "") for n in ns]
+              + ["acc (trained N)", "steps", "converged", "wall (s)", "same model as"])
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for row in best:
-        accs = per_n(row)
         cells = [row["arch"], str(row.get("n_layers", RECIPE_LAYERS)), str(row["d_model"]),
-                 f"{row['state_bytes'] / 1024:.1f}", f"{row['lr']:g}"]
-        cells += [f"{accs[n]:.3f}" if n in accs else "" for n in ns]
+                 f"{row['state_bytes'] / 1024:.1f}", f"{row['lr']:g}", str(seed_count(row))]
+        cells += [accuracy_cell(row, n) for n in ns]
         verdict = status(row) if converged(row) else "**not converged**"
         cells += [f"{row['accuracy']:.3f}", str(row["steps"]), verdict, f"{row['wall_s']:.0f}", row.get("same_model_as", "")]
         lines.append("| " + " | ".join(cells) + " |")
     # why an architecture is also shown deeper than the recipe's 2 layers, one sentence each (its registry entry's)
     notes = [f"- {arch}: {zoo.registry.recall_note(arch)}." for arch in dict.fromkeys(r["arch"] for r in best)
              if zoo.registry.recall_note(arch)]
+    if any(seed_count(row) > 1 for row in best):
+        notes.insert(0, "- Rows of several seeds: mean accuracy (min–max over the seeds); steps: the most any seed "
+                        "took; converged only if every seed did.")
     return "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
 
@@ -70,6 +95,7 @@ def panels(best: list[dict], x_of, xlabel: str, title: str, path: Path, logx: bo
     """One panel per number of kv pairs; in each, accuracy against x, one line per model; a run that had not
     converged when its budget ended is a hollow marker, so its point reads as a lower bound."""
     ns = sorted({n for row in best for n in per_n(row)})
+    unseen = held_out(best)
     series = lines(best)
     colors = plt.get_cmap("tab10" if len(series) <= 10 else "tab20").colors
     fig, axes = plt.subplots(1, len(ns), figsize=(4.6 * len(ns) + 2.4, 4.4), dpi=110, sharey=True, squeeze=False)
@@ -82,15 +108,21 @@ def panels(best: list[dict], x_of, xlabel: str, title: str, path: Path, logx: bo
             for r in rows:
                 ax.plot([x_of(r)], [per_n(r)[n]], marker=marker, color=color, linestyle="none",
                         markerfacecolor=color if converged(r) else "none")
+                if n in range_n(r):  # the spread over seeds
+                    low, high = range_n(r)[n]
+                    ax.vlines(x_of(r), low, high, color=color, linewidth=1.2)
         if logx:
             ax.set_xscale("log")
             ax.xaxis.set_minor_formatter(NullFormatter())  # minor-tick labels (3x10^4, 4x10^4) ran into each other
-        ax.set(title=f"L={best[0]['seq_len']}, N={n}", xlabel=xlabel, ylim=(-0.02, 1.02))
+        ax.set(title=f"L={best[0]['seq_len']}, N={n}" + (" (held out: not trained on)" if n in unseen else ""),
+               xlabel=xlabel, ylim=(-0.02, 1.02))
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("MQAR test accuracy")
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # outside: never over a line
-    if not all(converged(r) for r in best):
-        fig.text(0.99, 0.01, "hollow marker: not converged when the step budget ended", ha="right", fontsize=8)
+    legend = (["hollow marker: not converged when the step budget ended"] if not all(converged(r) for r in best)
+              else []) + (["bar: range over seeds"] if any(range_n(r) for r in best) else [])
+    if legend:
+        fig.text(0.99, 0.01, "; ".join(legend), ha="right", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path)
@@ -110,13 +142,14 @@ def learning_curves(best: list[dict], path: Path) -> Path:
     colors = plt.get_cmap("viridis")([i / max(1, len(widths) - 1) * 0.85 for i in range(len(widths))])
     for ax, arch in zip(axes.flat, archs):
         for row in sorted((r for r in best if name(r) == arch), key=lambda r: r["d_model"]):
-            history = row.get("history", [])
-            steps = [point["step"] for point in history]
-            means = [sum(v for k, v in point.items() if k != "step") / max(1, len(point) - 1) for point in history]
             color = colors[widths.index(row["d_model"])]
-            ax.plot(steps, means, color=color, label=f"d={row['d_model']} ({status(row)})")
-            if steps:
-                ax.plot(steps[-1:], means[-1:], marker="o", color=color, markerfacecolor=color if converged(row) else "none")
+            for i, history in enumerate(row.get("histories") or [row.get("history", [])]):  # one line per seed
+                steps = [point["step"] for point in history]
+                means = [sum(v for k, v in point.items() if k != "step") / max(1, len(point) - 1) for point in history]
+                ax.plot(steps, means, color=color, label=None if i else f"d={row['d_model']} ({status(row)})")
+                if steps:
+                    ax.plot(steps[-1:], means[-1:], marker="o", color=color,
+                            markerfacecolor=color if converged(row) else "none")
         ax.set_title(arch, fontsize=9)
         ax.set_ylim(-0.02, 1.02)
         ax.grid(True, alpha=0.3)
@@ -127,7 +160,7 @@ def learning_curves(best: list[dict], path: Path) -> Path:
         ax.set_xlabel("step")
     for ax in axes[:, 0]:
         ax.set_ylabel("test accuracy (mean over N)")
-    fig.suptitle("MQAR learning curves (best learning rate per width; hollow end: not converged)")
+    fig.suptitle("MQAR learning curves (best learning rate per width, one line per seed; hollow end: not converged)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -14,30 +14,35 @@ from tqdm import tqdm
 
 import zoo
 from harness.recall.data import MQARSetting, make_splits
-from harness.recall.train import RECIPE_LAYERS, TrainConfig, model_identity, train_recall
+from harness.recall.train import RECIPE_LAYERS, TrainConfig, convergence, model_identity, train_recall
 from harness.results import ResultStore, check_output_folder
 from zoo import checks
 
 # The fields that identify a run: a re-run skips rows that match on all of them.
-RUN_KEY = ("arch", "n_layers", "d_model", "lr", "seq_len", "kv_pairs", "vocab_size", "train_examples", "max_steps",
-           "seed")
-KEY_DEFAULTS = {"n_layers": RECIPE_LAYERS}  # rows written before runs had depths were trained at the recipe's
+RUN_KEY = ("arch", "n_layers", "d_model", "lr", "seq_len", "kv_pairs", "held_out_kv_pairs", "vocab_size",
+           "train_examples", "min_steps", "max_steps", "seed")
+# what rows written before a field existed were run with: the recipe's depth, no held-out N, no plateau stop
+KEY_DEFAULTS = {"n_layers": RECIPE_LAYERS, "held_out_kv_pairs": "", "min_steps": None}
 
 
 @dataclass
 class RecallSettings:
     archs: list[str] = field(default_factory=zoo.registry.recall_defaults)  # the entries marked recall_default
     seq_len: int = 64
-    # widths, pairs, lr and steps sized so the CPU default's attention runs reach recall in < 15 min (BENCHMARKS.md)
+    # sized so that the CPU default converges or plateaus in < 15 min on 2 cores (BENCHMARKS.md: the budget search)
     kv_pairs: list[int] = field(default_factory=lambda: [4, 8])  # one model trains on all of them, mixed
+    held_out_kv_pairs: list[int] = field(default_factory=lambda: [16])  # also tested, never trained on
     vocab_size: int = 8192
-    d_models: list[int] = field(default_factory=lambda: [32, 64])
-    lrs: list[float] = field(default_factory=lambda: [2e-3])
+    d_models: list[int] = field(default_factory=lambda: [64])
+    # widths also trained for the fixed-state architectures, whose recall grows with their state (Zoology's trade-off)
+    state_d_models: list[int] = field(default_factory=lambda: [32])
+    lrs: list[float] | None = None  # None: each architecture's registry recall_lr; a list: every run at each
     train_examples: int = 32_000  # per kv-pairs setting
     test_examples: int = 500  # per kv-pairs setting
-    max_steps: int = 800
+    min_steps: int | None = 800  # a run stops at a plateau only after this many steps (None: never)
+    max_steps: int = 2000
     batch_size: int = 64
-    seed: int = 0
+    seeds: list[int] = field(default_factory=lambda: [0])  # several: the report shows their mean and range
     device: str = "cpu"
     workers: int | None = None  # runs trained at once; None = one per CPU core up to 2 on CPU, 1 on CUDA
     out: Path = Path("results/recall")
@@ -54,16 +59,25 @@ class RecallSettings:
         for arch in self.archs:
             zoo.registry.check_architecture(arch)
         checks.integer_list("kv_pairs", self.kv_pairs, minimum=1)
-        for n in self.kv_pairs:
+        if not isinstance(self.held_out_kv_pairs, (list, tuple)):
+            raise ValueError(f"held_out_kv_pairs must be a list of integers >= 1 (may be empty), "
+                             f"got {self.held_out_kv_pairs!r}")
+        checks.integer_list("held_out_kv_pairs", self.held_out_kv_pairs or [1], minimum=1)
+        for n in [*self.kv_pairs, *self.held_out_kv_pairs]:
             MQARSetting(self.seq_len, n, self.vocab_size).validate()
         checks.integer_list("d_models", self.d_models, minimum=1)
-        if not isinstance(self.lrs, (list, tuple)) or not self.lrs:
-            raise ValueError(f"lrs must be a non-empty list of learning rates > 0, got {self.lrs!r}")
-        for lr in self.lrs:
+        if not isinstance(self.state_d_models, (list, tuple)):
+            raise ValueError(f"state_d_models must be a list of integers >= 1 (may be empty), got {self.state_d_models!r}")
+        checks.integer_list("state_d_models", self.state_d_models or [1], minimum=1)
+        if self.lrs is not None and (not isinstance(self.lrs, (list, tuple)) or not self.lrs):
+            raise ValueError(f"lrs must be None (each architecture's own) or a non-empty list of learning rates > 0, "
+                             f"got {self.lrs!r}")
+        for lr in self.lrs or []:
             checks.real("learning rate", lr, minimum=0, open_min=True)
         for name in ("train_examples", "test_examples", "max_steps", "batch_size", "workers"):
             checks.integer(name, getattr(self, name), minimum=1)
-        checks.integer("seed", self.seed, minimum=0, maximum=2**64 - 1)  # what torch.manual_seed takes
+        checks.optional_integer("min_steps", self.min_steps, minimum=1)
+        checks.integer_list("seeds", self.seeds, minimum=0, maximum=2**64 - 1)  # what torch.manual_seed takes
         checks.device("device", self.device)
         if self.ray is not None and (not isinstance(self.ray, str) or not self.ray):
             raise ValueError(f"ray must be a cluster address, 'auto' or 'local', got {self.ray!r}")
@@ -72,10 +86,22 @@ class RecallSettings:
         check_output_folder(self.out)
 
     def runs(self) -> list[dict]:
-        common = {"seq_len": self.seq_len, "kv_pairs": ",".join(map(str, self.kv_pairs)), "vocab_size": self.vocab_size,
-                  "train_examples": self.train_examples, "max_steps": self.max_steps, "seed": self.seed}
-        return [{"arch": a, "n_layers": layers, "d_model": d, "lr": lr, **common}
-                for a in self.archs for layers in zoo.registry.recall_layers(a) for d in self.d_models for lr in self.lrs]
+        common = {"seq_len": self.seq_len, "kv_pairs": ",".join(map(str, self.kv_pairs)),
+                  "held_out_kv_pairs": ",".join(map(str, self.held_out_kv_pairs)), "vocab_size": self.vocab_size,
+                  "train_examples": self.train_examples, "min_steps": self.min_steps, "max_steps": self.max_steps}
+        return [{"arch": a, "n_layers": layers, "d_model": d, "lr": lr, **common, "seed": seed}
+                for a in self.archs for layers in zoo.registry.recall_layers(a) for d in self.widths(a)
+                for lr in self.lrs or [zoo.registry.recall_lr(a)] for seed in self.seeds]
+
+    def widths(self, arch: str) -> list[int]:
+        extra = self.state_d_models if has_fixed_state(arch) else []
+        return sorted(set(self.d_models) | set(extra))
+
+
+def has_fixed_state(arch: str) -> bool:
+    """Every layer keeps a recurrent state of fixed size (linear attention, the SSMs): the family whose recall
+    Zoology plots against state size."""
+    return all(spec.kind == "state" for spec in zoo.build(arch, preset="tiny").cache_specs())
 
 
 def run_recall(settings: RecallSettings, show_progress: bool = True) -> list[dict]:
@@ -87,10 +113,7 @@ def run_recall(settings: RecallSettings, show_progress: bool = True) -> list[dic
     twins = copy_twins(todo, settings, store)  # runs whose model another run trains (or has trained)
     todo = [r for r in todo if r not in twins and not store.done(r)]
     if todo:
-        mqar = [MQARSetting(settings.seq_len, n, settings.vocab_size) for n in settings.kv_pairs]
-        (train_inputs, train_labels, _), tests = make_splits([(s, settings.train_examples) for s in mqar],
-                                                             [(s, settings.test_examples) for s in mqar], settings.seed)
-        data = ((train_inputs, train_labels), dict(zip(setting_names(settings), tests)))
+        data = {seed: make_data(settings, seed) for seed in sorted({run["seed"] for run in todo})}
         bar = tqdm(total=len(todo), desc="zoo recall", unit="run", disable=not show_progress)
         if settings.ray is not None:
             from harness.recall.ray_runner import train_on_ray  # Ray is an optional extra
@@ -98,7 +121,7 @@ def run_recall(settings: RecallSettings, show_progress: bool = True) -> list[dic
             train_on_ray(todo, settings, data, store, bar)
         elif settings.workers == 1:
             for run in todo:
-                store.append(train_run(run, settings, data, lambda text: bar.set_postfix_str(text)))
+                store.append(train_run(run, settings, data[run["seed"]], lambda text: bar.set_postfix_str(text)))
                 bar.update()
         else:
             train_in_workers(sorted(todo, key=expected_cost, reverse=True), settings, data, store, bar)
@@ -106,6 +129,16 @@ def run_recall(settings: RecallSettings, show_progress: bool = True) -> list[dic
     copy_twins(twins, settings, store)
     wanted = {store.key(r) for r in settings.runs()}
     return [r for r in store.rows if store.key(r) in wanted]
+
+
+def make_data(settings: RecallSettings, seed: int):
+    """((train inputs, labels), {test set name: (inputs, labels)}): the trained settings mixed into one training set
+    drawn from `seed`; one test set per trained and held-out N, the same for every seed."""
+    trained = [MQARSetting(settings.seq_len, n, settings.vocab_size) for n in settings.kv_pairs]
+    tested = [MQARSetting(settings.seq_len, n, settings.vocab_size) for n in test_kv_pairs(settings)]
+    (train_inputs, train_labels, _), tests = make_splits([(s, settings.train_examples) for s in trained],
+                                                         [(s, settings.test_examples) for s in tested], seed)
+    return (train_inputs, train_labels), dict(zip(setting_names(settings), tests))
 
 
 def copy_twins(runs: list[dict], settings: RecallSettings, store: ResultStore) -> list[dict]:
@@ -131,14 +164,19 @@ def copy_twins(runs: list[dict], settings: RecallSettings, store: ResultStore) -
 
 
 def train_config(run: dict, settings: RecallSettings) -> TrainConfig:
+    trained = tuple(f"L={settings.seq_len},N={n}" for n in settings.kv_pairs)
     return TrainConfig(arch=run["arch"], n_layers=run["n_layers"], d_model=run["d_model"], lr=run["lr"],
-                       batch_size=settings.batch_size,
-                       max_steps=settings.max_steps, seed=settings.seed, device=settings.device,
-                       vocab_size=settings.vocab_size)
+                       batch_size=settings.batch_size, min_steps=settings.min_steps, max_steps=settings.max_steps,
+                       seed=run["seed"], device=settings.device, vocab_size=settings.vocab_size, trained_sets=trained)
+
+
+def test_kv_pairs(settings: RecallSettings) -> list[int]:
+    """The trained N, then the held-out ones."""
+    return list(dict.fromkeys([*settings.kv_pairs, *settings.held_out_kv_pairs]))
 
 
 def setting_names(settings: RecallSettings) -> list[str]:
-    return [f"L={settings.seq_len},N={n}" for n in settings.kv_pairs]
+    return [f"L={settings.seq_len},N={n}" for n in test_kv_pairs(settings)]
 
 
 def train_run(run: dict, settings: RecallSettings, data, report) -> dict:
@@ -150,14 +188,16 @@ def train_run(run: dict, settings: RecallSettings, data, report) -> dict:
         if "eval" in event:
             report(f"{label} step {event['step']}/{event['max_steps']} acc(min N) {min(event['eval'].values()):.3f}")
 
-    result = train_recall(train_config(run, settings), *data, progress=progress)
+    config = train_config(run, settings)
+    result = train_recall(config, *data, progress=progress)
     names = setting_names(settings)
+    trained = [result["per_setting"][name] for name in config.trained_sets]
     return {
         **run,
-        "accuracy": result["accuracy"],
-        "token_accuracy": result["token_accuracy"],
+        "accuracy": sum(r["accuracy"] for r in trained) / len(trained),  # over the trained N; held-out N shown apart
+        "token_accuracy": sum(r["token_accuracy"] for r in trained) / len(trained),
         "accuracy_per_kv_pairs": {str(n): result["per_setting"][name]["accuracy"]  # json keys are strings
-                                  for n, name in zip(settings.kv_pairs, names)},
+                                  for n, name in zip(test_kv_pairs(settings), names)},
         "state_bytes": result["state_bytes"],
         "parameters": result["parameters"],
         "steps": result["steps"],
@@ -170,7 +210,7 @@ def train_run(run: dict, settings: RecallSettings, data, report) -> dict:
 
 def run_label(run: dict) -> str:
     depth = "" if run["n_layers"] == RECIPE_LAYERS else f" {run['n_layers']} layers"
-    return f"{run['arch']}{depth} d={run['d_model']} lr={run['lr']:g}"
+    return f"{run['arch']}{depth} d={run['d_model']} lr={run['lr']:g} seed={run['seed']}"
 
 
 def expected_cost(run: dict) -> tuple:
@@ -209,7 +249,7 @@ def train_in_workers(todo: list[dict], settings: RecallSettings, data, store: Re
     events = context.Queue()
     with ProcessPoolExecutor(settings.workers, mp_context=context, initializer=_worker_init,
                              initargs=(threads, events)) as pool:
-        pending = {pool.submit(_worker_run, run, settings, data): run for run in todo}
+        pending = {pool.submit(_worker_run, run, settings, data[run["seed"]]): run for run in todo}
         status: dict = {}
         try:
             while pending:
@@ -232,10 +272,39 @@ def train_in_workers(todo: list[dict], settings: RecallSettings, data, store: Re
 
 
 def best_over_lr(rows: list[dict]) -> list[dict]:
-    """Per (architecture, depth, d_model): the run with the best test accuracy, as Zoology reports its sweeps."""
-    best: dict[tuple, dict] = {}
+    """Per (architecture, depth, d_model): the learning rate with the best mean test accuracy over seeds, as Zoology
+    reports its sweeps; see over_seeds for what a row of several seeds holds."""
+    runs: dict[tuple, list[dict]] = {}
     for row in rows:
-        key = (row["arch"], row.get("n_layers", RECIPE_LAYERS), row["d_model"])
-        if key not in best or row["accuracy"] > best[key]["accuracy"]:
-            best[key] = row
-    return sorted(best.values(), key=lambda r: (r["arch"], r.get("n_layers", RECIPE_LAYERS), r["d_model"]))
+        runs.setdefault((row["arch"], row.get("n_layers", RECIPE_LAYERS), row["d_model"], row["lr"]), []).append(row)
+    best: dict[tuple, dict] = {}
+    for (arch, layers, d_model, _), seeds in runs.items():
+        row = over_seeds(seeds)
+        if (arch, layers, d_model) not in best or row["accuracy"] > best[arch, layers, d_model]["accuracy"]:
+            best[arch, layers, d_model] = row
+    return [best[key] for key in sorted(best)]
+
+
+def over_seeds(rows: list[dict]) -> dict:
+    """One run's rows over its seeds as one row: mean accuracies, with the per-N range (min, max) and every seed's
+    learning curve; "not converged" if any seed was, "solved" only if every seed was; the most steps any seed took,
+    the wall time of all. One seed: its row unchanged."""
+    if len(rows) == 1:
+        return rows[0]
+    ns = rows[0]["accuracy_per_kv_pairs"].keys()
+    statuses = {row.get("convergence") or convergence(row.get("history", []), row.get("solved", False)) for row in rows}
+    return {
+        **rows[0],
+        "seed": [row["seed"] for row in rows],
+        "accuracy": sum(row["accuracy"] for row in rows) / len(rows),
+        "token_accuracy": sum(row["token_accuracy"] for row in rows) / len(rows),
+        "accuracy_per_kv_pairs": {n: sum(row["accuracy_per_kv_pairs"][n] for row in rows) / len(rows) for n in ns},
+        "accuracy_range_per_kv_pairs": {n: (min(row["accuracy_per_kv_pairs"][n] for row in rows),
+                                            max(row["accuracy_per_kv_pairs"][n] for row in rows)) for n in ns},
+        "solved": all(row["solved"] for row in rows),
+        "convergence": ("not converged" if "not converged" in statuses else
+                        "solved" if statuses == {"solved"} else "plateau"),
+        "steps": max(row["steps"] for row in rows),
+        "wall_s": sum(row["wall_s"] for row in rows),
+        "histories": [row["history"] for row in rows],
+    }

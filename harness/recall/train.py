@@ -2,12 +2,13 @@
 
 Recipe: 2 layers, no MLP, tied embeddings, pre-norm; AdamW (weight decay 0.1), cosine schedule over
 max_steps, no warmup; cross-entropy over the full vocabulary at the labelled (query) positions only;
-evaluation every eval_every steps, early stop once every test set is above target_accuracy.
+evaluation every eval_every steps, early stop once every trained setting's test set is above target_accuracy.
 
-Converge or explain: a run ends "solved" (every test set above target_accuracy), "plateau" (its held-out accuracy
-gained less than PLATEAU_GAIN over its last PLATEAU_PATIENCE evaluations: more steps would not change the row), or
-"not converged" (the step budget ended while it was still improving). Only the first two are an architecture's
-recall at this setting; reports mark the third.
+Converge or explain: a run ends "solved" (every trained setting's test set above target_accuracy), "plateau" (its
+held-out accuracy gained less than PLATEAU_GAIN over its last PLATEAU_PATIENCE evaluations: more steps would not
+change the row), or "not converged" (the step budget ended while it was still improving). Only the first two are an
+architecture's recall at this setting; reports mark the third. With min_steps set, a run also stops at a plateau
+once it has trained that many steps, and gives its time to the runs that are still learning.
 
 For CPU speed the vocabulary head (8192 wide) runs only at labelled positions: the hidden states
 come from `model.hidden_states` (the forward without the head), then `model.head` on the gathered rows.
@@ -56,9 +57,11 @@ class TrainConfig:
     d_model: int = 64
     n_layers: int = RECIPE_LAYERS
     lr: float = 1e-3
+    warmup_steps: int = 0  # linear warmup before the cosine decay (Zoology's recipe has none)
     weight_decay: float = 0.1
     batch_size: int = 64
     max_steps: int = 2000
+    min_steps: int | None = None  # stop at a plateau after this many steps (None: train on to max_steps)
     eval_every: int = 100
     target_accuracy: float = 0.99
     seed: int = 0
@@ -67,6 +70,7 @@ class TrainConfig:
     n_heads: int | None = None  # default max(1, d_model // 64): head dim 64, Zoology's one head at d_model 64
     eval_batch_size: int = 256
     overrides: dict | None = None  # extra zoo.build settings (replace the per-architecture defaults)
+    trained_sets: tuple[str, ...] | None = None  # test sets of trained settings (early stop); None: all of them
 
 
 def recall_model_config(config: TrainConfig, vocab_size: int, seq_len: int) -> zoo.ModelConfig:
@@ -171,6 +175,10 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
     device = config.device
     train_inputs, train_labels = train_data
     tests = test_set_items(test_sets)
+    unknown = set(config.trained_sets or ()) - {name for name, _ in tests}
+    if unknown or config.trained_sets == ():
+        raise ValueError(f"trained_sets {sorted(unknown) or '()'} must name some of the test sets: "
+                         f"{[name for name, _ in tests]}")
     vocab_size = max([int(train_inputs.max())] + [int(x.max()) for _, (x, _) in tests]) + 1
     vocab_size = max(vocab_size, int(train_labels.max()) + 1)
     vocab_size = config.vocab_size or _round_vocab(vocab_size)
@@ -181,8 +189,7 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
     mask_generator = torch.Generator(device).manual_seed(config.seed + 1)  # a diffusion LM's masking draws
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, config.max_steps) / config.max_steps)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
     generator = torch.Generator().manual_seed(config.seed)
 
     n = len(train_inputs)
@@ -210,10 +217,12 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
         if step % config.eval_every == 0 or step == config.max_steps:
             results = run_eval()
             event["eval"] = {name: r["accuracy"] for name, r in results.items()}
-            solved = all(r["accuracy"] > config.target_accuracy for r in results.values())
+            solved = all(r["accuracy"] > config.target_accuracy for name, r in results.items()
+                         if config.trained_sets is None or name in config.trained_sets)
         if progress is not None:
             progress(event)
-        if solved:
+        if solved or (config.min_steps is not None and step >= config.min_steps and "eval" in event
+                      and convergence(history, solved) == "plateau"):
             break
     if not results:  # max_steps == 0
         results = run_eval()
@@ -232,6 +241,14 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
         "parameters": sum(p.numel() for p in model.parameters()),
         "history": history,
     }
+
+
+def lr_factor(step: int, config: TrainConfig) -> float:
+    """The learning rate at `step` as a fraction of config.lr: linear warmup, then cosine decay to 0 at max_steps."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    decay_steps = max(1, config.max_steps - config.warmup_steps)
+    return 0.5 * (1 + math.cos(math.pi * min(step - config.warmup_steps, decay_steps) / decay_steps))
 
 
 def _round_vocab(v: int) -> int:
