@@ -134,6 +134,9 @@ HISTORY = [{"step": 100 * (i + 1), "L=64,N=4": a, "L=64,N=8": b}
     (HISTORY[:4], False, "not converged"),  # still rising: the last 3 reach 0.705, the first was 0.05
     (HISTORY[:3], False, "not converged"),  # too few evaluations to call a plateau
     ([{"step": s, "a": 0.01} for s in range(100, 900, 100)], False, "plateau"),  # flat at chance: a plateau too
+    # polishing near the top: +0.006 is under 0.01 but over a tenth of the 0.025 error left, so still learning
+    ([{"step": 100 * i, "a": a} for i, a in enumerate([0.9, 0.975, 0.977, 0.979, 0.981], 1)], False, "not converged"),
+    ([{"step": 100 * i, "a": a} for i, a in enumerate([0.9, 0.975, 0.976, 0.977, 0.976], 1)], False, "plateau"),
 ])
 def test_convergence_is_solved_plateau_or_not(history, solved, expected):
     assert convergence(history, solved) == expected

@@ -136,6 +136,8 @@ def test_early_stop_looks_at_trained_settings_only(small_data, monkeypatch):
     config = TrainConfig("gqa", max_steps=5, eval_every=1, batch_size=8, vocab_size=8192, trained_sets=("trained",))
     result = train_recall(config, train, {"trained": test, "held out": held_out})
     assert (result["steps"], result["solved"]) == (1, True)
+    # the held-out set is scored once, at the end: in the result, not in the learning curve
+    assert result["per_setting"]["held out"]["accuracy"] == 0.0 and result["history"] == [{"step": 1, "trained": 1.0}]
     config.trained_sets = None  # every test set must pass: the held-out one never does
     result = train_recall(config, train, {"trained": test, "held out": held_out})
     assert (result["steps"], result["solved"]) == (5, False)

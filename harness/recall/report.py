@@ -159,7 +159,7 @@ def learning_curves(best: list[dict], path: Path) -> Path:
     for ax in axes[-1]:
         ax.set_xlabel("step")
     for ax in axes[:, 0]:
-        ax.set_ylabel("test accuracy (mean over N)")
+        ax.set_ylabel("test accuracy (mean over trained N)")
     fig.suptitle("MQAR learning curves (best learning rate per width, one line per seed; hollow end: not converged)")
     fig.tight_layout()
     fig.savefig(path)

@@ -14,7 +14,8 @@ from tqdm import tqdm
 
 import zoo
 from harness.recall.data import MQARSetting, make_splits
-from harness.recall.train import RECIPE_LAYERS, TrainConfig, convergence, model_identity, train_recall
+from harness.recall.train import (RECIPE_LAYERS, TrainConfig, build_recall_model, convergence, model_identity,
+                                  train_recall, training_loss)
 from harness.results import ResultStore, check_output_folder
 from zoo import checks
 
@@ -39,8 +40,8 @@ class RecallSettings:
     lrs: list[float] | None = None  # None: each architecture's registry recall_lr; a list: every run at each
     train_examples: int = 32_000  # per kv-pairs setting
     test_examples: int = 500  # per kv-pairs setting
-    min_steps: int | None = 800  # a run stops at a plateau only after this many steps (None: never)
-    max_steps: int = 2000
+    min_steps: int | None = 600  # a run stops at a plateau only after this many steps (None: never)
+    max_steps: int = 1500
     batch_size: int = 64
     seeds: list[int] = field(default_factory=lambda: [0])  # several: the report shows their mean and range
     device: str = "cpu"
@@ -124,7 +125,8 @@ def run_recall(settings: RecallSettings, show_progress: bool = True) -> list[dic
                 store.append(train_run(run, settings, data[run["seed"]], lambda text: bar.set_postfix_str(text)))
                 bar.update()
         else:
-            train_in_workers(sorted(todo, key=expected_cost, reverse=True), settings, data, store, bar)
+            cost = {run_label(run): step_seconds(run, settings, data[run["seed"]]) for run in todo}
+            train_in_workers(sorted(todo, key=lambda run: cost[run_label(run)], reverse=True), settings, data, store, bar)
         bar.close()
     copy_twins(twins, settings, store)
     wanted = {store.key(r) for r in settings.runs()}
@@ -213,11 +215,22 @@ def run_label(run: dict) -> str:
     return f"{run['arch']}{depth} d={run['d_model']} lr={run['lr']:g} seed={run['seed']}"
 
 
-def expected_cost(run: dict) -> tuple:
-    """Longest first keeps the last worker from finishing alone: wider runs cost more, and recurrent-state
-    architectures train through a sequential scan on CPU (several times an attention step)."""
-    specs = zoo.build(run["arch"], preset="tiny").cache_specs()
-    return run["d_model"] * run["n_layers"], any(spec.kind == "state" for spec in specs)
+def step_seconds(run: dict, settings: RecallSettings, data) -> float:
+    """One training step of this run's model on one batch, timed (after one untimed): the cost per step
+    that orders the runs, longest first, so the last worker does not finish alone. Recurrent-state models cost
+    two to three times an attention step on CPU, which no shape-based guess captured."""
+    (inputs, labels), _ = data
+    config = train_config(run, settings)
+    torch.manual_seed(0)
+    model = build_recall_model(config, settings.vocab_size, settings.seq_len).to(settings.device)
+    generator = torch.Generator(settings.device).manual_seed(0)
+    x, y = inputs[:settings.batch_size].to(settings.device), labels[:settings.batch_size].to(settings.device)
+    timings = []
+    for _ in range(2):
+        start = time.perf_counter()
+        training_loss(model, x, y, generator).backward()
+        timings.append(time.perf_counter() - start)
+    return timings[-1]
 
 
 _worker_events = None  # in a worker process only: the queue its progress goes to (a Queue passes only at start)
