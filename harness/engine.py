@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.block_manager import BlockManager
+from harness.block_manager import ADMISSIONS, BlockManager
 from harness.cache_pool import LAYOUTS, CachePool, size_cache
 from harness.model_runner import ModelRunner
 from harness.sampling import SamplingParams, sample_token
@@ -64,13 +64,16 @@ class Exclusive:
 class Engine:
     def __init__(self, model, max_batch: int = 8, max_seq_len: int | None = None, kv_cache: str = "contiguous",
                  block_size: int = 16, num_blocks: int | None = None, cache_budget_bytes: int | None = None,
-                 compile: bool = False):
+                 compile: bool = False, admission: str = "reserve"):
         """kv_cache: "contiguous" ([slots, kv_heads, max_seq_len, head_dim] per layer) or "paged" (block pool).
 
         num_blocks / cache_budget_bytes size the paged pool (default: room for max_batch full-length sequences;
         num_blocks is per cache group, i.e. per distinct retention policy in the model);
         for the contiguous layout a budget caps max_batch at the rows that fit.
         compile: torch.compile the decode step (fixed shapes; each new batch size compiles once).
+        admission (paged only): "reserve" admits a request when its worst case fits, so none is preempted;
+        "optimistic" admits on what its prompt needs now and preempts the newest running request (recomputed
+        later, same tokens) when the pool runs out, as vLLM does.
         """
         config = model.config
         if not config.causal:  # each position sees later ones: a new token would change every cached key
@@ -84,6 +87,10 @@ class Engine:
         num_blocks = checks.optional_integer("num_blocks", num_blocks, minimum=1)
         cache_budget_bytes = checks.optional_integer("cache_budget_bytes", cache_budget_bytes, minimum=1)
         checks.boolean("compile", compile)
+        checks.choice("admission", admission, ADMISSIONS)
+        if admission != "reserve" and kv_cache != "paged":
+            raise ValueError(f"admission={admission!r} needs kv_cache='paged': the contiguous layout gives each "
+                             f"request a whole row, so there is nothing to admit optimistically")
         if num_blocks is not None and kv_cache != "paged":
             raise ValueError(f"num_blocks={num_blocks} sizes a paged pool, but kv_cache={kv_cache!r}; the contiguous "
                              f"layout is sized by max_batch or cache_budget_bytes")
@@ -99,7 +106,8 @@ class Engine:
         self.max_batch = max_batch
         self.pool = CachePool(specs, kv_cache, max_batch, max_seq_len, block_size, num_blocks, self.dtype, self.device)
         # one block manager per cache group (paged layout only)
-        self.block_managers = [BlockManager(n, block_size, group.retention) for n, group in zip(num_blocks, self.pool.groups)]
+        self.block_managers = [BlockManager(n, block_size, group.retention, admission)
+                               for n, group in zip(num_blocks, self.pool.groups)]
         self.scheduler = Scheduler(max_batch, self.block_managers)
         self.runner = ModelRunner(model, self.pool, self.block_managers, self.device, max_seq_len, compile)
         self.tokenizer = ByteTokenizer()
@@ -158,6 +166,11 @@ class Engine:
                 seq.output_ids.append(seq.prompt_ids[-1])
             return seqs
 
+    @property
+    def preemptions(self) -> int:
+        """Requests preempted so far (optimistic admission), each recomputed when readmitted."""
+        return self.scheduler.preemptions
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
@@ -199,12 +212,15 @@ class Engine:
         batched decode forward cannot tell whose row broke it, so its failure ends that step's batch."""
         events: list[TokenEvent] = []
         for seq in self.scheduler.admit():
+            resumed = bool(seq.output_ids)  # preempted: its next token is known, and this step's decode feeds it
             try:
                 logits = self.runner.prefill(seq)
             except Exception as error:  # noqa: BLE001 - any failure ends this request only
                 self.fail(seq, error, events)
                 continue
-            self.emit([seq], logits.unsqueeze(0), events)
+            if not resumed:
+                self.emit([seq], logits.unsqueeze(0), events)
+        self.scheduler.make_room()
         running = list(self.scheduler.running)
         if running:
             start = time.perf_counter()

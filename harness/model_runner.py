@@ -23,9 +23,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence) -> torch.Tensor:
-        """Run the whole prompt; returns the last position's logits [vocab]."""
-        n = len(seq.prompt_ids)
-        tokens = torch.tensor([seq.prompt_ids], device=self.device)
+        """Run the whole prompt (a preempted request: its prefill_ids); returns the last position's logits [vocab]."""
+        ids = seq.prefill_ids
+        n = len(ids)
+        tokens = torch.tensor([ids], device=self.device)
         positions = torch.arange(n, device=self.device).unsqueeze(0)
         batch = self.cache_batch([seq], positions, [n], step="prefill")
         logits = self.model(tokens, positions, self.pool.layers, batch, last_only=True)

@@ -1,4 +1,7 @@
-"""First-come-first-served admission into a fixed number of batch slots (continuous batching)."""
+"""First-come-first-served admission into a fixed number of batch slots (continuous batching), and, under optimistic
+admission, preemption: when the running requests cannot all get the blocks their next token needs, the most recently
+admitted one gives its blocks and slot back and waits at the front of the queue to be recomputed (vLLM's policy). The
+oldest running request is never the one preempted while others run, so it always makes progress."""
 from collections import deque
 
 from harness.block_manager import BlockManager
@@ -11,6 +14,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.free_slots = deque(range(max_batch))
         self.block_managers = block_managers  # empty for the contiguous layout
+        self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -20,7 +24,8 @@ class Scheduler:
         admitted = []
         while self.waiting and self.free_slots:
             seq = self.waiting[0]
-            if not all(manager.can_admit(seq.max_length) for manager in self.block_managers):
+            if not all(manager.can_admit(seq, len(seq.all_ids), alone=not self.running)
+                       for manager in self.block_managers):
                 break
             self.waiting.popleft()
             seq.slot = self.free_slots.popleft()
@@ -30,6 +35,28 @@ class Scheduler:
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def make_room(self) -> list[Sequence]:
+        """Preempt the newest running requests until every other one can grow its cache by the token it decodes
+        next; returns the preempted. Under reserve admission the room was promised at admission: none is."""
+        preempted = []
+        while self.running and not all(
+                sum(max(0, manager.new_blocks(s, s.num_cached + 1)) for s in self.running) <= len(manager.free)
+                for manager in self.block_managers):
+            preempted.append(self.preempt(self.running[-1]))
+        return preempted
+
+    def preempt(self, seq: Sequence) -> Sequence:
+        """Free the request's blocks and slot and queue it first; its tokens so far stay, to be recomputed."""
+        self.running.remove(seq)
+        self.free_slots.append(seq.slot)
+        for manager in self.block_managers:
+            manager.release(seq)
+        seq.status, seq.slot, seq.num_cached = Status.WAITING, -1, 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+        return seq
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Free the request's slot and blocks at once, so the next waiting request is admitted next step."""

@@ -25,6 +25,7 @@ class Sequence:
     status: Status = Status.WAITING
     slot: int = -1  # contiguous layout: the cache row this sequence owns
     num_cached: int = 0  # tokens whose keys/values (or state) are in the cache
+    preemptions: int = 0  # times its cache was taken back and recomputed (optimistic admission)
     finish_reason: str = ""
     error: str = ""  # why the request failed (finish_reason "error")
     logits: list[torch.Tensor] = field(default_factory=list)
@@ -34,6 +35,12 @@ class Sequence:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What a prefill feeds: the prompt, and for a preempted request also its tokens before the newest, which
+        the next decode step feeds as usual."""
+        return self.prompt_ids + self.output_ids[:-1]
 
     @property
     def max_length(self) -> int:
@@ -50,11 +57,12 @@ class RequestOutput:
     metrics: RequestMetrics
     logits: list[torch.Tensor]  # filled when SamplingParams.return_logits
     error: str = ""  # the exception that ended the request, when finish_reason is "error"
+    preemptions: int = 0  # times it was preempted and recomputed
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
         return cls(seq.request_id, seq.prompt_ids, list(seq.output_ids), seq.finish_reason,
-                   RequestMetrics.of(seq.arrival, seq.token_times), seq.logits, seq.error)
+                   RequestMetrics.of(seq.arrival, seq.token_times), seq.logits, seq.error, seq.preemptions)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zoo
-from harness import Engine
+from harness import Engine, SamplingParams
 from helpers import assert_not_constant, assert_same_output, greedy, make_prompts, random_model  # tests/ is on sys.path under pytest
 
 # Causal architectures only: a masked diffusion LM (non-causal) has no one-token decode for the engine to run;
@@ -67,6 +67,27 @@ def test_batch_of_mixed_lengths_equals_each_alone(model, arch_name, kv_cache):
     for prompt, p, out in zip(prompts, params, batched):
         alone = engine_for(model, kv_cache, max_batch=1).generate([prompt], p)[0]
         assert_same_output(out, alone, ATOL, f"{arch_name}/{kv_cache} prompt len {len(prompt)}")
+
+
+def test_preempted_requests_equal_their_alone_runs(model, arch_name):
+    """Optimistic admission into a pool too small for every request's worst case: the newest running requests are
+    preempted and recomputed, and every output (greedy, and a seeded sampled one) equals its run alone."""
+    prompts = make_prompts([5, 17, 33, 9, 26], model.config.vocab_size, seed=4)
+    params = [greedy(24)] * 4 + [SamplingParams(max_new_tokens=24, temperature=0.8, seed=7)]
+    managers = engine_for(model, "paged", max_batch=1).block_managers
+    # two blocks over the smallest legal pool (the largest request alone): several requests start, then run out
+    blocks = max([m.peak_blocks(len(p) + 23) for m in managers for p in prompts], default=1) + 2
+    engine = engine_for(model, "paged", max_batch=5, num_blocks=blocks, admission="optimistic")
+    outputs = engine.generate(prompts, params)
+    if managers:  # a model made only of recurrent state has no blocks to run out of
+        assert engine.preemptions > 0 and any(o.preemptions for o in outputs), arch_name
+    for prompt, p, out in zip(prompts, params, outputs):
+        alone = engine_for(model, "paged", max_batch=1).generate([prompt], p)[0]
+        context = f"{arch_name} prompt len {len(prompt)}, preempted {out.preemptions} times"
+        if p.greedy:
+            assert_same_output(out, alone, ATOL, context)
+        else:
+            assert out.token_ids == alone.token_ids, context
 
 
 def test_paged_equals_contiguous(model, arch_name):

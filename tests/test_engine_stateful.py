@@ -1,4 +1,5 @@
-"""Random programs of add_request / step / abort (of running, waiting and ended requests) on a small paged pool. After
+"""Random programs of add_request / step / abort (of running, waiting and ended requests) on a small paged pool, with
+worst-case or optimistic admission (the second preempts). After
 every call the engine's books must balance: every block is free or held by one running request, ended requests hold
 nothing, batch slots are conserved. Every ended request has its requested length or stop reason, and a greedy one the
 tokens it gets alone."""
@@ -67,10 +68,11 @@ class EngineProgram(RuleBasedStateMachine):
         self.live: set[int] = set()
         self.ended: set[int] = set()
 
-    @initialize(num_blocks=st.integers(10, 16))
-    def make_engine(self, num_blocks):
+    @initialize(num_blocks=st.integers(10, 16), admission=st.sampled_from(["reserve", "optimistic"]))
+    def make_engine(self, num_blocks, admission):
+        # optimistic admission into these pools preempts: a preempted request must still end with its alone tokens
         self.engine = Engine(self.workload.model, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN, kv_cache="paged",
-                             block_size=BLOCK_SIZE, num_blocks=num_blocks)
+                             block_size=BLOCK_SIZE, num_blocks=num_blocks, admission=admission)
 
     # ---- the program's calls ----------------------------------------------------------------------------
 
@@ -177,9 +179,11 @@ class EngineProgram(RuleBasedStateMachine):
             held = [block for table in manager.tables.values() for block in table if block >= 0]
             assert len(manager.free) + len(held) == manager.num_blocks
             assert sorted(held + list(manager.free)) == list(range(manager.num_blocks))
-            # blocks promised to running requests (their peak less what they hold) are there to take
-            assert manager.promised == sum(manager.peak_blocks(s.max_length) - manager.held(s) for s in running)
-            assert manager.promised <= len(manager.free)
+            # reserve: blocks promised to running requests (their peak less what they hold) are there to take;
+            # optimistic promises nothing (it preempts instead)
+            promised = 0 if manager.optimistic else sum(manager.peak_blocks(s.max_length) - manager.held(s)
+                                                        for s in running)
+            assert manager.promised == promised and manager.promised <= len(manager.free)
 
     @invariant()
     def ended_requests_hold_nothing(self):
