@@ -3,7 +3,7 @@ waits at the front of the queue and is recomputed; the oldest always makes progr
 import pytest
 
 from harness import Engine, SamplingParams
-from helpers import greedy, make_prompts, random_model  # tests/ is on sys.path under pytest
+from helpers import assert_same_output, greedy, make_prompts, random_model  # tests/ is on sys.path under pytest
 
 
 def optimistic_engine(num_blocks: int, max_batch: int = 4) -> Engine:
@@ -63,3 +63,17 @@ def test_seeded_sampling_survives_preemption():
     for prompt, p, out in zip(prompts, params, outputs):
         alone = Engine(engine.model, max_batch=1, kv_cache="paged", block_size=8, max_seq_len=96).generate([prompt], p)[0]
         assert out.token_ids == alone.token_ids
+
+
+def test_a_preempted_request_recomputes_its_recurrent_state():
+    """A Mamba + attention hybrid: preemption frees the request's blocks and its state slot; the recompute rebuilds
+    both, and the outputs equal the alone-runs."""
+    model = random_model("hybrid", seed=3, layers="mamba,gqa")
+    prompts = make_prompts([5, 17, 33, 9, 26], model.config.vocab_size, seed=4)
+    engine = Engine(model, max_batch=5, kv_cache="paged", block_size=8, max_seq_len=96, num_blocks=9,
+                    admission="optimistic")
+    outputs = engine.generate(prompts, greedy(24))
+    assert engine.preemptions > 0
+    for prompt, out in zip(prompts, outputs):
+        alone = Engine(model, max_batch=1, kv_cache="paged", block_size=8, max_seq_len=96).generate([prompt], greedy(24))[0]
+        assert_same_output(out, alone, 1e-4, f"prompt len {len(prompt)}, preempted {out.preemptions} times")
