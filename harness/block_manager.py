@@ -52,9 +52,6 @@ class BlockManager:
         returned = sum(1 for i in dead if i < len(table) and table[i] >= 0)
         return taken - returned
 
-    def can_grow(self, seq, length: int) -> bool:
-        return self.new_blocks(seq, length) <= len(self.free)
-
     def held(self, seq) -> int:
         return sum(block >= 0 for block in self.tables[seq.request_id])
 

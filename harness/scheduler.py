@@ -36,15 +36,15 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
-    def make_room(self) -> list[Sequence]:
+    def make_room(self) -> None:
         """Preempt the newest running requests until every other one can grow its cache by the token it decodes
-        next; returns the preempted. Under reserve admission the room was promised at admission: none is."""
-        preempted = []
+        next. Reserve managers promised that room at admission, so only optimistic ones are asked (no per-step
+        work under the default)."""
+        optimistic = [manager for manager in self.block_managers if manager.optimistic]
         while self.running and not all(
                 sum(max(0, manager.new_blocks(s, s.num_cached + 1)) for s in self.running) <= len(manager.free)
-                for manager in self.block_managers):
-            preempted.append(self.preempt(self.running[-1]))
-        return preempted
+                for manager in optimistic):
+            self.preempt(self.running[-1])
 
     def preempt(self, seq: Sequence) -> Sequence:
         """Free the request's blocks and slot and queue it first; its tokens so far stay, to be recomputed."""

@@ -91,11 +91,12 @@ def token_ids(name: str, ids, vocab_size: int) -> list[int]:
     return [int(t) for t in ids]
 
 
-def integer_list(name: str, values, minimum: int | None = None, maximum: int | None = None) -> list[int]:
-    """A non-empty list or tuple of integers, each within [minimum, maximum]."""
-    if not isinstance(values, (list, tuple)) or not values:
-        raise ValueError(f"{name} must be a non-empty list of integers {describe_range(minimum, maximum)}, "
-                         f"got {values!r}")
+def integer_list(name: str, values, minimum: int | None = None, maximum: int | None = None,
+                 may_be_empty: bool = False) -> list[int]:
+    """A list or tuple of integers (non-empty unless may_be_empty), each within [minimum, maximum]."""
+    if not isinstance(values, (list, tuple)) or not (values or may_be_empty):
+        kind = "list" if may_be_empty else "non-empty list"
+        raise ValueError(f"{name} must be a {kind} of integers {describe_range(minimum, maximum)}, got {values!r}")
     return [integer(name, value, minimum, maximum) for value in values]
 
 

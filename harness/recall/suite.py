@@ -60,16 +60,11 @@ class RecallSettings:
         for arch in self.archs:
             zoo.registry.check_architecture(arch)
         checks.integer_list("kv_pairs", self.kv_pairs, minimum=1)
-        if not isinstance(self.held_out_kv_pairs, (list, tuple)):
-            raise ValueError(f"held_out_kv_pairs must be a list of integers >= 1 (may be empty), "
-                             f"got {self.held_out_kv_pairs!r}")
-        checks.integer_list("held_out_kv_pairs", self.held_out_kv_pairs or [1], minimum=1)
+        checks.integer_list("held_out_kv_pairs", self.held_out_kv_pairs, minimum=1, may_be_empty=True)
         for n in [*self.kv_pairs, *self.held_out_kv_pairs]:
             MQARSetting(self.seq_len, n, self.vocab_size).validate()
         checks.integer_list("d_models", self.d_models, minimum=1)
-        if not isinstance(self.state_d_models, (list, tuple)):
-            raise ValueError(f"state_d_models must be a list of integers >= 1 (may be empty), got {self.state_d_models!r}")
-        checks.integer_list("state_d_models", self.state_d_models or [1], minimum=1)
+        checks.integer_list("state_d_models", self.state_d_models, minimum=1, may_be_empty=True)
         if self.lrs is not None and (not isinstance(self.lrs, (list, tuple)) or not self.lrs):
             raise ValueError(f"lrs must be None (each architecture's own) or a non-empty list of learning rates > 0, "
                              f"got {self.lrs!r}")
