@@ -98,10 +98,18 @@ class ContiguousKV(KVTensors):
     def __init__(self, spec: CacheSpec, max_batch: int, max_len: int, dtype, device):
         self.rows = spec.retention.rows(max_len)
         self.rolling = self.rows < max_len
+        self.pending = None  # a ring's chunk step: its keys and values, written once its queries have read the ring
         super().__init__(spec, lambda dim: torch.zeros(max_batch, spec.kv_heads, self.rows, dim, dtype=dtype, device=device))
 
     def write(self, k: torch.Tensor, v: torch.Tensor | None, batch: CacheBatch) -> None:
-        """k, v: [B, KVH, T, D] for the tokens at batch.positions; a ring keeps those the newest query still sees."""
+        """k, v: [B, KVH, T, D] for the tokens at batch.positions; a ring keeps those the newest query still sees.
+        A ring's chunk step writes after its attend: a new key may take the row of one an earlier query still sees."""
+        if self.rolling and batch.step == "chunk" and k.shape[2] > 1:
+            self.pending = (k, v)
+            return
+        self.store(k, v, batch)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor | None, batch: CacheBatch) -> None:
         k = k.transpose(1, 2)  # [B, T, KVH, D]
         v = None if v is None else v.transpose(1, 2)
         rows = self.retention.row(batch.positions)
@@ -129,13 +137,35 @@ class ContiguousKV(KVTensors):
                                               slot_range=batch.slot_range)
             return out.unsqueeze(2)
         if self.rolling:
-            raise ValueError("a ring-buffer cache attends one new token per sequence after its prefill")
+            return self.attend_ring_chunk(q, batch, scale, value_dim)
         rows = batch.slots if batch.slot_range is None else batch.slot_range
         k = self.k[rows, :, : batch.max_length]
         v = None if self.v is None else self.v[rows, :, : batch.max_length]
         key_positions = torch.arange(batch.max_length, device=q.device).unsqueeze(0)
         visible = visible_keys(key_positions, batch.positions, self.retention, None if causal else batch.lengths)
         return self.attend_over(q, k, v, visible, scale, value_dim)
+
+
+    def attend_ring_chunk(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None):
+        """Several new tokens per sequence on top of a ring: attend over the ring's rows (each at the newest position
+        it holds) and the step's own keys, masked by the policy, then write the step's keys into the ring."""
+        k_new, v_new = self.pending
+        self.pending = None
+        rows = batch.slots if batch.slot_range is None else batch.slot_range
+        cached = batch.positions[:, :1].long()  # tokens already in each sequence's ring
+        # the newest position in each row: it is among the last `rows` positions, or a sink
+        back = torch.arange(self.rows, device=q.device)
+        candidates = torch.cat([cached - 1 - back, back[: self.retention.sinks].expand(len(cached), -1)], dim=1)
+        candidates = torch.where((candidates >= 0) & (candidates < cached), candidates, -1)
+        row_positions = torch.full((len(cached), self.rows), -1, dtype=torch.long, device=q.device)
+        row_positions.scatter_reduce_(1, self.retention.row(candidates.clamp_min(0)), candidates, "amax")
+        key_positions = torch.cat([row_positions, batch.positions.long()], dim=1)
+        k = torch.cat([self.k[rows], k_new], dim=2)
+        v = None if self.v is None else torch.cat([self.v[rows], v_new], dim=2)
+        visible = visible_keys(key_positions, batch.positions, self.retention)
+        out = self.attend_over(q, k, v, visible, scale, value_dim)
+        self.store(k_new, v_new, batch)
+        return out
 
 
 class PagedKV(KVTensors):

@@ -90,16 +90,18 @@ class Retention:
             return torch.where(positions < self.sinks, positions, recent)
         return positions if positions < self.sinks else recent
 
-    def peak_blocks(self, max_length: int, block_size: int) -> int:
-        """Most `block_size`-token blocks a sequence of up to `max_length` tokens holds at once: the sink blocks,
-        plus a span of at most W (or C) keys, which touches at most (span - 1) // block_size + 2 blocks."""
+    def peak_blocks(self, max_length: int, block_size: int, step_tokens: int = 1) -> int:
+        """Most `block_size`-token blocks a sequence of up to `max_length` tokens holds at once when a step feeds it
+        up to `step_tokens` new tokens on top of its cache (a chunked prefill): the sink blocks, plus the keys the
+        step's first query still sees and the step's own, a span of at most W (or C) + step_tokens - 1 keys, which
+        touches at most (span - 1) // block_size + 2 blocks."""
         whole = -(-max_length // block_size)
         if self.keeps_all:
             return whole
-        if self.chunk is not None and self.chunk % block_size == 0:
+        if self.chunk is not None and self.chunk % block_size == 0 and step_tokens == 1:
             span_blocks = self.chunk // block_size  # chunks start on block boundaries
         else:
-            span_blocks = ((self.chunk or self.window) - 1) // block_size + 2
+            span_blocks = ((self.chunk or self.window) + step_tokens - 2) // block_size + 2
         return min(whole, -(-self.sinks // block_size) + span_blocks)
 
     def dead_blocks(self, length: int, block_size: int) -> range:

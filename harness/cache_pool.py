@@ -66,9 +66,10 @@ class CachePool:
 
 
 def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, block_size: int,
-               num_blocks: int | None, budget: int | None) -> tuple[int, list[int]]:
+               num_blocks: int | None, budget: int | None, step_tokens: int = 1) -> tuple[int, list[int]]:
     """(max_batch, blocks per cache group) the cache can serve; a budget that cannot hold one full-length request
-    is an error. A paged budget is split between groups in proportion to what one request needs of each."""
+    is an error. A paged budget is split between groups in proportion to what one request needs of each.
+    step_tokens: most tokens a step feeds one sequence on top of its cache (Retention.peak_blocks)."""
     element_size = dtype.itemsize
     if kv_cache == "contiguous":
         per_row = sum(spec.bytes(max_seq_len, dtype) for spec in specs)
@@ -79,7 +80,7 @@ def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, bl
             max_batch = min(max_batch, budget // per_row)
         return max_batch, []
     groups = cache_groups(specs)
-    needs = [g.retention.peak_blocks(max_seq_len, block_size) for g in groups]
+    needs = [g.retention.peak_blocks(max_seq_len, block_size, step_tokens) for g in groups]
     if num_blocks is not None:
         return max_batch, [num_blocks] * len(groups)
     if budget is None:

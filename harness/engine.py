@@ -64,7 +64,7 @@ class Exclusive:
 class Engine:
     def __init__(self, model, max_batch: int = 8, max_seq_len: int | None = None, kv_cache: str = "contiguous",
                  block_size: int = 16, num_blocks: int | None = None, cache_budget_bytes: int | None = None,
-                 compile: bool = False, admission: str = "reserve"):
+                 compile: bool = False, admission: str = "reserve", max_num_batched_tokens: int | None = None):
         """kv_cache: "contiguous" ([slots, kv_heads, max_seq_len, head_dim] per layer) or "paged" (block pool).
 
         num_blocks / cache_budget_bytes size the paged pool (default: room for max_batch full-length sequences;
@@ -74,6 +74,10 @@ class Engine:
         admission (paged only): "reserve" admits a request when its worst case fits, so none is preempted;
         "optimistic" admits on what its prompt needs now and preempts the newest running request (recomputed
         later, same tokens) when the pool runs out, as vLLM does.
+        max_num_batched_tokens (vLLM's name): None prefills each admitted prompt whole in the step that admits it.
+        A token budget turns on chunked prefill (Sarathi-Serve): each step, the running decodes take one token each
+        and chunks of waiting prompts fill the rest, a long prompt continuing from its cache over several steps, so
+        a long prompt never stalls the decodes for longer than one budget's worth of work.
         """
         config = model.config
         if not config.causal:  # each position sees later ones: a new token would change every cached key
@@ -88,6 +92,7 @@ class Engine:
         cache_budget_bytes = checks.optional_integer("cache_budget_bytes", cache_budget_bytes, minimum=1)
         checks.boolean("compile", compile)
         checks.choice("admission", admission, ADMISSIONS)
+        max_num_batched_tokens = checks.optional_integer("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
         if admission != "reserve" and kv_cache != "paged":
             raise ValueError(f"admission={admission!r} needs kv_cache='paged': the contiguous layout gives each "
                              f"request a whole row, so there is nothing to admit optimistically")
@@ -101,12 +106,14 @@ class Engine:
         self.model, self.device, self.dtype = model.eval(), param.device, param.dtype
         self.max_seq_len, self.kv_cache = max_seq_len, kv_cache
         specs = model.cache_specs()
+        self.max_num_batched_tokens = max_num_batched_tokens
+        step_tokens = max_num_batched_tokens or 1  # most tokens a step feeds one sequence on top of its cache
         max_batch, num_blocks = size_cache(specs, self.dtype, kv_cache, max_batch, max_seq_len, block_size,
-                                           num_blocks, cache_budget_bytes)
+                                           num_blocks, cache_budget_bytes, step_tokens)
         self.max_batch = max_batch
         self.pool = CachePool(specs, kv_cache, max_batch, max_seq_len, block_size, num_blocks, self.dtype, self.device)
         # one block manager per cache group (paged layout only)
-        self.block_managers = [BlockManager(n, block_size, group.retention, admission)
+        self.block_managers = [BlockManager(n, block_size, group.retention, admission, step_tokens=step_tokens)
                                for n, group in zip(num_blocks, self.pool.groups)]
         self.scheduler = Scheduler(max_batch, self.block_managers)
         self.runner = ModelRunner(model, self.pool, self.block_managers, self.device, max_seq_len, compile)
@@ -160,7 +167,7 @@ class Engine:
         prompt token as the first decode input: decode timed at a context without paying for its prefill
         (benchmarks, harness.decode_probe). The tokens are meaningless; the step's costs are the real ones."""
         with self.exclusive:
-            seqs = self.scheduler.admit()
+            seqs = [seq for seq, _ in self.scheduler.schedule(None)]
             for seq in seqs:
                 seq.num_cached = len(seq.prompt_ids)
                 seq.output_ids.append(seq.prompt_ids[-1])
@@ -208,20 +215,22 @@ class Engine:
             yield from self.step_tokens()
 
     def run_step(self) -> list[TokenEvent]:
-        """A request that raises while it is prefilled or sampled ends alone with finish_reason "error"; the
-        batched decode forward cannot tell whose row broke it, so its failure ends that step's batch."""
+        """Prefill what the scheduler gives this step (whole prompts, or chunks under a token budget), then one
+        decode token for every request whose prefill is done. A request that raises while it is prefilled or
+        sampled ends alone with finish_reason "error"; the batched decode forward cannot tell whose row broke it, so
+        its failure ends that step's batch."""
         events: list[TokenEvent] = []
-        for seq in self.scheduler.admit():
-            resumed = bool(seq.output_ids)  # preempted: its next token is known, and this step's decode feeds it
+        for seq, new_tokens in self.scheduler.make_room(self.scheduler.schedule(self.max_num_batched_tokens)):
+            resumed = bool(seq.output_ids)  # preempted: its next token is known, and a decode step feeds it
             try:
-                logits = self.runner.prefill(seq)
+                logits = self.runner.prefill(seq, new_tokens)
             except Exception as error:  # noqa: BLE001 - any failure ends this request only
                 self.fail(seq, error, events)
                 continue
-            if not resumed:
+            if seq.prefilled and not resumed:
                 self.emit([seq], logits.unsqueeze(0), events)
         self.scheduler.make_room()
-        running = list(self.scheduler.running)
+        running = [seq for seq in self.scheduler.running if seq.prefilled]
         if running:
             start = time.perf_counter()
             try:

@@ -22,15 +22,18 @@ class ModelRunner:
         self.decode_forward = torch.compile(model, dynamic=False) if compile_decode else model
 
     @torch.inference_mode()
-    def prefill(self, seq: Sequence) -> torch.Tensor:
-        """Run the whole prompt (a preempted request: its prefill_ids); returns the last position's logits [vocab]."""
-        ids = seq.prefill_ids
-        n = len(ids)
-        tokens = torch.tensor([ids], device=self.device)
-        positions = torch.arange(n, device=self.device).unsqueeze(0)
-        batch = self.cache_batch([seq], positions, [n], step="prefill")
+    def prefill(self, seq: Sequence, new_tokens: int) -> torch.Tensor:
+        """Feed the next `new_tokens` of the sequence's prefill_ids (the prompt; for a preempted request also its
+        tokens so far): from position 0 a prefill, later a chunk on top of its cache. Returns the last position's
+        logits [vocab]."""
+        start = seq.num_cached
+        end = start + new_tokens
+        tokens = torch.tensor([seq.prefill_ids[start:end]], device=self.device)
+        positions = torch.arange(start, end, device=self.device).unsqueeze(0)
+        batch = self.cache_batch([seq], positions, [end], step="prefill" if not start else "chunk" if new_tokens > 1
+                                 else "decode")
         logits = self.model(tokens, positions, self.pool.layers, batch, last_only=True)
-        seq.num_cached = n
+        seq.num_cached = end
         return logits[0, -1]
 
     @torch.inference_mode()
@@ -56,14 +59,17 @@ class ModelRunner:
             slots=torch.tensor(slots, device=self.device),
             slot_range=slice(slots[0], slots[0] + len(slots)) if consecutive else None,
         )
+        # a step on top of the cache reads its keys there: keep what its first query sees (prefill: none)
+        firsts = [s.num_cached + 1 if s.num_cached else None for s in seqs]
         tables, mappings = [], []
         for manager in self.block_managers:
-            for s, n in zip(seqs, lengths):
-                manager.grow(s, n)
+            for s, n, first in zip(seqs, lengths, firsts):
+                manager.grow(s, n, first)
             rows = [manager.tables[s.request_id] for s in seqs]
             width = manager.blocks_for(self.max_seq_len) if self.compile_decode else max(map(len, rows))
             tables.append(torch.tensor([row + [-1] * (width - len(row)) for row in rows], dtype=torch.int32, device=self.device))
-            mapping = [manager.slot(s, p, n) for s, n, row in zip(seqs, lengths, positions.tolist()) for p in row]
+            mapping = [manager.slot(s, p, first or n)
+                       for s, n, first, row in zip(seqs, lengths, firsts, positions.tolist()) for p in row]
             mappings.append(torch.tensor(mapping, dtype=torch.int64, device=self.device))
         batch.block_tables, batch.slot_mappings = tuple(tables), tuple(mappings)
         return batch

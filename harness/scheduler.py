@@ -2,6 +2,7 @@
 admission, preemption: when the running requests cannot all get the blocks their next token needs, the most recently
 admitted one gives its blocks and slot back and waits at the front of the queue to be recomputed (vLLM's policy). The
 oldest running request is never the one preempted while others run, so it always makes progress."""
+import math
 from collections import deque
 
 from harness.block_manager import BlockManager
@@ -19,32 +20,47 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def admit(self) -> list[Sequence]:
-        """Move waiting requests into free slots, oldest first; stop at the first that does not fit (no starvation)."""
-        admitted = []
-        while self.waiting and self.free_slots:
+    def schedule(self, budget: int | None) -> list[tuple[Sequence, int]]:
+        """This step's prefill work as (sequence, new tokens): the running requests part-way through their prompts
+        first, then waiting ones admitted oldest first while they fit (stopping at the first that does not: no
+        starvation). budget None: whole prompts. A token budget (chunked prefill, as in vLLM and Sarathi-Serve):
+        the running decodes take one token each and prefill chunks the rest, so a long prompt is split over steps."""
+        left = math.inf if budget is None else budget - sum(s.prefilled for s in self.running)
+        chunks = []
+        for seq in self.running:
+            if not seq.prefilled and left > 0:
+                chunks.append((seq, min(len(seq.prefill_ids) - seq.num_cached, left)))
+                left -= chunks[-1][1]
+        while self.waiting and self.free_slots and left > 0:
             seq = self.waiting[0]
-            if not all(manager.can_admit(seq, len(seq.all_ids), alone=not self.running)
-                       for manager in self.block_managers):
+            n = min(len(seq.prefill_ids), left)
+            if not all(manager.can_admit(seq, n, alone=not self.running) for manager in self.block_managers):
                 break
             self.waiting.popleft()
             seq.slot = self.free_slots.popleft()
             seq.status = Status.RUNNING
             for manager in self.block_managers:
-                manager.admit(seq)
+                manager.admit(seq, n)
             self.running.append(seq)
-            admitted.append(seq)
-        return admitted
+            chunks.append((seq, n))
+            left -= n
+        return chunks
 
-    def make_room(self) -> None:
-        """Preempt the newest running requests until every other one can grow its cache by the token it decodes
-        next. Reserve managers promised that room at admission, so only optimistic ones are asked (no per-step
-        work under the default)."""
+    def make_room(self, chunks: list[tuple[Sequence, int]] = ()) -> list[tuple[Sequence, int]]:
+        """Preempt the newest running requests until every other one can get the blocks this step feeds it: one
+        token for each that decodes, its chunk for each listed prefill. Returns the chunks still running. Reserve
+        managers promised that room at admission, so only optimistic ones are asked (no per-step work under the
+        default)."""
         optimistic = [manager for manager in self.block_managers if manager.optimistic]
-        while self.running and not all(
-                sum(max(0, manager.new_blocks(s, s.num_cached + 1)) for s in self.running) <= len(manager.free)
-                for manager in optimistic):
+        while self.running and optimistic and not all(self.fits(manager, chunks) for manager in optimistic):
             self.preempt(self.running[-1])
+        return [(seq, n) for seq, n in chunks if seq.status is Status.RUNNING]
+
+    def fits(self, manager: BlockManager, chunks: list[tuple[Sequence, int]]) -> bool:
+        new_tokens = {seq.request_id: n for seq, n in chunks if seq.status is Status.RUNNING}
+        need = sum(max(0, manager.step_blocks(s, 1 if s.prefilled else new_tokens.get(s.request_id, 0)))
+                   for s in self.running)
+        return need <= len(manager.free)
 
     def preempt(self, seq: Sequence) -> Sequence:
         """Free the request's blocks and slot and queue it first; its tokens so far stay, to be recomputed."""

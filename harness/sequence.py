@@ -43,6 +43,11 @@ class Sequence:
         return self.prompt_ids + self.output_ids[:-1]
 
     @property
+    def prefilled(self) -> bool:
+        """Its prefill_ids are all in the cache: it decodes from here on (a chunked prefill takes several steps)."""
+        return self.num_cached >= len(self.prefill_ids)
+
+    @property
     def max_length(self) -> int:
         """Tokens the cache may have to hold for this request (the last sampled token is never cached)."""
         return len(self.prompt_ids) + self.params.max_new_tokens - 1

@@ -90,6 +90,20 @@ def test_preempted_requests_equal_their_alone_runs(model, arch_name):
             assert out.token_ids == alone.token_ids, context
 
 
+@pytest.mark.parametrize("kv_cache", LAYOUTS)
+@pytest.mark.parametrize("budget", [1, 7, 64])
+def test_chunked_prefill_equals_whole_prefill(model, arch_name, kv_cache, budget):
+    """A token budget per step: decodes first, prompt chunks in the rest, every mixer continuing a chunk from its
+    cache (or state). Prompts longer than the budget and than the tiny preset's window are split over steps."""
+    prompts = make_prompts([40, 3, 29, 1, 17], model.config.vocab_size, seed=5)
+    params = [greedy(n) for n in (9, 14, 6, 11, 8)]
+    whole = engine_for(model, kv_cache, max_batch=3).generate(prompts, params)
+    chunked = engine_for(model, kv_cache, max_batch=3, max_num_batched_tokens=budget).generate(prompts, params)
+    assert_not_constant([t for o in whole for t in o.token_ids], arch_name)
+    for prompt, c, w in zip(prompts, chunked, whole):
+        assert_same_output(c, w, ATOL, f"{arch_name}/{kv_cache} budget {budget}, prompt len {len(prompt)}")
+
+
 def test_paged_equals_contiguous(model, arch_name):
     prompts = make_prompts([2, 9, 16, 31, 45], model.config.vocab_size, seed=3)
     params = greedy(30)

@@ -1,5 +1,5 @@
 """Random programs of add_request / step / abort (of running, waiting and ended requests) on a small paged pool, with
-worst-case or optimistic admission (the second preempts). After
+worst-case or optimistic admission (the second preempts), prompts whole or chunked under a token budget. After
 every call the engine's books must balance: every block is free or held by one running request, ended requests hold
 nothing, batch slots are conserved. Every ended request has its requested length or stop reason, and a greedy one the
 tokens it gets alone."""
@@ -68,11 +68,14 @@ class EngineProgram(RuleBasedStateMachine):
         self.live: set[int] = set()
         self.ended: set[int] = set()
 
-    @initialize(num_blocks=st.integers(10, 16), admission=st.sampled_from(["reserve", "optimistic"]))
-    def make_engine(self, num_blocks, admission):
-        # optimistic admission into these pools preempts: a preempted request must still end with its alone tokens
+    @initialize(num_blocks=st.integers(10, 16), admission=st.sampled_from(["reserve", "optimistic"]),
+                budget=st.sampled_from([None, 1, 5]))
+    def make_engine(self, num_blocks, admission, budget):
+        # optimistic admission into these pools preempts: a preempted request must still end with its alone tokens;
+        # a token budget splits prompts over steps (chunked prefill), preempted part-way through or not
         self.engine = Engine(self.workload.model, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN, kv_cache="paged",
-                             block_size=BLOCK_SIZE, num_blocks=num_blocks, admission=admission)
+                             block_size=BLOCK_SIZE, num_blocks=num_blocks, admission=admission,
+                             max_num_batched_tokens=budget)
 
     # ---- the program's calls ----------------------------------------------------------------------------
 
@@ -130,8 +133,9 @@ class EngineProgram(RuleBasedStateMachine):
             self.engine.abort(self.engine.requests_added + beyond)
 
     def teardown(self):
-        """Every live request runs to its end within its token budget, and the pool is whole again."""
-        for _ in range(MAX_NEW_TOKENS * len(self.live)):
+        """Every live request runs to its end within its steps (a chunked prompt takes up to one a token), and the
+        pool is whole again."""
+        for _ in range((MAX_NEW_TOKENS + max(PROMPT_LENGTHS)) * len(self.live)):
             self.step()
         assert not self.live and not self.engine.has_unfinished()
         for manager in self.engine.block_managers:

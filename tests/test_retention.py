@@ -65,6 +65,19 @@ def test_peak_blocks_bounds_the_blocks_held(policy, max_length, block_size):
         assert max(held) == policy.peak_blocks(max_length, block_size)  # exact where the bound is tight
 
 
+@settings(max_examples=100, deadline=None)
+@given(policy=policies, max_length=st.integers(1, 60), block_size=st.sampled_from([1, 2, 4, 8, 16]),
+       step_tokens=st.integers(1, 20))
+def test_peak_blocks_bounds_a_chunked_step(policy, max_length, block_size, step_tokens):
+    """A step feeding up to step_tokens new tokens on top of `start` cached ones keeps every block its first query
+    still sees plus the blocks its own tokens land in: never more than peak_blocks(..., step_tokens)."""
+    for start in range(max_length):
+        end = min(max_length, start + step_tokens)
+        dead = set(policy.dead_blocks(start + 1, block_size))  # what the step's first query no longer sees
+        held = sum(block not in dead for block in range(-(-end // block_size)))
+        assert held <= policy.peak_blocks(max_length, block_size, step_tokens), (start, end)
+
+
 @pytest.mark.parametrize("settings, match", [
     (dict(window=0), "window must be an integer >= 1"), (dict(chunk=-2), "chunk must be an integer >= 1"),
     (dict(sinks=4), "give window too"), (dict(sinks=-1, window=4), "sinks must be an integer >= 0"),
