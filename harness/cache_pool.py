@@ -61,6 +61,16 @@ class CachePool:
         every layer that shares it."""
         return sum(spec.bytes(tokens, self.dtype) for spec in specs_read(self.specs))
 
+    def copy_blocks(self, group: int, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each (source, destination) block's keys and values, in every layer of the group."""
+        source, destination = (torch.tensor(blocks, device=self.layers[self.groups[group].layers[0]].k.device)
+                               for blocks in zip(*pairs))
+        for i in self.groups[group].layers:
+            layer = self.layers[i]
+            layer.k[destination] = layer.k[source]
+            if layer.v is not None:
+                layer.v[destination] = layer.v[source]
+
     def block_bytes(self, group: int) -> int:
         return self.element_size * self.block_size * self.groups[group].token_elements
 

@@ -64,7 +64,8 @@ class Exclusive:
 class Engine:
     def __init__(self, model, max_batch: int = 8, max_seq_len: int | None = None, kv_cache: str = "contiguous",
                  block_size: int = 16, num_blocks: int | None = None, cache_budget_bytes: int | None = None,
-                 compile: bool = False, admission: str = "reserve", max_num_batched_tokens: int | None = None):
+                 compile: bool = False, admission: str = "reserve", max_num_batched_tokens: int | None = None,
+                 prefix_caching: bool = False):
         """kv_cache: "contiguous" ([slots, kv_heads, max_seq_len, head_dim] per layer) or "paged" (block pool).
 
         num_blocks / cache_budget_bytes size the paged pool (default: room for max_batch full-length sequences;
@@ -78,6 +79,11 @@ class Engine:
         A token budget turns on chunked prefill (Sarathi-Serve): each step, the running decodes take one token each
         and chunks of waiting prompts fill the rest, a long prompt continuing from its cache over several steps, so
         a long prompt never stalls the decodes for longer than one budget's worth of work.
+        prefix_caching (paged only; vLLM's automatic prefix caching): a prompt's leading full blocks that another
+        request already computed are shared instead of recomputed, and finished requests' blocks stay cached until
+        the pool needs them (LRU). Shareable: full-attention, latent and cross-layer caches, and window blocks the
+        next query still sees. A model with a recurrent state cannot resume from a block boundary (its state there
+        is not kept), so prefix caching is off for it, and `prefix_caching_off` says why.
         """
         config = model.config
         if not config.causal:  # each position sees later ones: a new token would change every cached key
@@ -96,6 +102,9 @@ class Engine:
         if admission != "reserve" and kv_cache != "paged":
             raise ValueError(f"admission={admission!r} needs kv_cache='paged': the contiguous layout gives each "
                              f"request a whole row, so there is nothing to admit optimistically")
+        checks.boolean("prefix_caching", prefix_caching)
+        if prefix_caching and kv_cache != "paged":
+            raise ValueError("prefix_caching=True needs kv_cache='paged': requests share cached blocks by reference")
         if num_blocks is not None and kv_cache != "paged":
             raise ValueError(f"num_blocks={num_blocks} sizes a paged pool, but kv_cache={kv_cache!r}; the contiguous "
                              f"layout is sized by max_batch or cache_budget_bytes")
@@ -107,15 +116,22 @@ class Engine:
         self.max_seq_len, self.kv_cache = max_seq_len, kv_cache
         specs = model.cache_specs()
         self.max_num_batched_tokens = max_num_batched_tokens
-        step_tokens = max_num_batched_tokens or 1  # most tokens a step feeds one sequence on top of its cache
+        states = [i for i, spec in enumerate(specs) if spec.kind == "state"]
+        self.prefix_caching_off = "" if not prefix_caching else (
+            f"recurrent state in layers {states} is not kept at block boundaries, so a request cannot resume from a "
+            f"cached prefix" if states else "")
+        prefix_caching = prefix_caching and not states
+        # most tokens a step feeds one sequence on top of its cache: a whole prompt's rest after a prefix hit
+        step_tokens = max_num_batched_tokens or (max_seq_len if prefix_caching else 1)
         max_batch, num_blocks = size_cache(specs, self.dtype, kv_cache, max_batch, max_seq_len, block_size,
                                            num_blocks, cache_budget_bytes, step_tokens)
         self.max_batch = max_batch
         self.pool = CachePool(specs, kv_cache, max_batch, max_seq_len, block_size, num_blocks, self.dtype, self.device)
         # one block manager per cache group (paged layout only)
-        self.block_managers = [BlockManager(n, block_size, group.retention, admission, step_tokens=step_tokens)
+        self.block_managers = [BlockManager(n, block_size, group.retention, admission, step_tokens=step_tokens,
+                                            prefix_caching=prefix_caching)
                                for n, group in zip(num_blocks, self.pool.groups)]
-        self.scheduler = Scheduler(max_batch, self.block_managers)
+        self.scheduler = Scheduler(max_batch, self.block_managers, prefix_caching)
         self.runner = ModelRunner(model, self.pool, self.block_managers, self.device, max_seq_len, compile)
         self.tokenizer = ByteTokenizer()
         self.requests_added = 0  # request ids are 0, 1, 2, ... in order of arrival
@@ -177,6 +193,12 @@ class Engine:
     def preemptions(self) -> int:
         """Requests preempted so far (optimistic admission), each recomputed when readmitted."""
         return self.scheduler.preemptions
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of admitted prefill tokens found in the prefix cache (vLLM's prefix cache hit rate); 0 when off."""
+        scheduler = self.scheduler
+        return scheduler.cached_prompt_tokens / scheduler.prompt_tokens if scheduler.prompt_tokens else 0.0
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

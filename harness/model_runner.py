@@ -34,6 +34,7 @@ class ModelRunner:
                                  else "decode")
         logits = self.model(tokens, positions, self.pool.layers, batch, last_only=True)
         seq.num_cached = end
+        self.name_full_blocks([seq])
         return logits[0, -1]
 
     @torch.inference_mode()
@@ -46,7 +47,14 @@ class ModelRunner:
         logits = self.decode_forward(tokens, positions, self.pool.layers, batch)
         for s in seqs:
             s.num_cached += 1
+        self.name_full_blocks(seqs)
         return logits[:, -1]
+
+    def name_full_blocks(self, seqs: list[Sequence]) -> None:
+        """Once a forward has written them: offer the sequences' newly filled blocks to the prefix caches."""
+        for manager in self.block_managers:
+            for s in seqs:
+                manager.name_full_blocks(s)
 
     def cache_batch(self, seqs: list[Sequence], positions: torch.Tensor, lengths: list[int], step: str) -> CacheBatch:
         slots = [s.slot for s in seqs]
@@ -62,9 +70,12 @@ class ModelRunner:
         # a step on top of the cache reads its keys there: keep what its first query sees (prefill: none)
         firsts = [s.num_cached + 1 if s.num_cached else None for s in seqs]
         tables, mappings = [], []
-        for manager in self.block_managers:
+        for group, manager in enumerate(self.block_managers):
             for s, n, first in zip(seqs, lengths, firsts):
                 manager.grow(s, n, first)
+            if manager.copies:  # copy-on-write: a shared block this step writes into, copied before the write
+                self.pool.copy_blocks(group, manager.copies)
+                manager.copies = []
             rows = [manager.tables[s.request_id] for s in seqs]
             width = manager.blocks_for(self.max_seq_len) if self.compile_decode else max(map(len, rows))
             tables.append(torch.tensor([row + [-1] * (width - len(row)) for row in rows], dtype=torch.int32, device=self.device))

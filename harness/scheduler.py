@@ -10,12 +10,15 @@ from harness.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, block_managers: list[BlockManager]):
+    def __init__(self, max_batch: int, block_managers: list[BlockManager], prefix_caching: bool = False):
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = deque(range(max_batch))
         self.block_managers = block_managers  # empty for the contiguous layout
+        self.prefix_caching = prefix_caching
         self.preemptions = 0
+        self.prompt_tokens = 0  # prefill tokens of every admission (a readmitted request counts again)
+        self.cached_prompt_tokens = 0  # of those, found in the prefix cache
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -33,23 +36,38 @@ class Scheduler:
                 left -= chunks[-1][1]
         while self.waiting and self.free_slots and left > 0:
             seq = self.waiting[0]
-            n = min(len(seq.prefill_ids), left)
-            if not all(manager.can_admit(seq, n, alone=not self.running) for manager in self.block_managers):
+            hit = self.prefix_hit(seq)
+            n = min(len(seq.prefill_ids) - hit, left)
+            if not all(manager.can_admit(seq, hit + n, not self.running, hit) for manager in self.block_managers):
                 break
             self.waiting.popleft()
             seq.slot = self.free_slots.popleft()
             seq.status = Status.RUNNING
+            seq.num_cached = seq.cached_tokens = hit
             for manager in self.block_managers:
-                manager.admit(seq, n)
+                manager.admit(seq, hit + n, hit)
+            self.prompt_tokens += len(seq.prefill_ids)
+            self.cached_prompt_tokens += hit
             self.running.append(seq)
             chunks.append((seq, n))
             left -= n
         return chunks
 
+    def prefix_hit(self, seq: Sequence) -> int:
+        """Leading prefill tokens whose blocks every cache group finds in its prefix cache: whole blocks, and never
+        the last token, whose logits the prefill must produce."""
+        if not self.prefix_caching:
+            return 0
+        block_size = self.block_managers[0].block_size
+        for blocks in range((len(seq.prefill_ids) - 1) // block_size, 0, -1):
+            if all(manager.cached_prefix(seq, blocks) is not None for manager in self.block_managers):
+                return blocks * block_size
+        return 0
+
     def make_room(self, chunks: list[tuple[Sequence, int]] = ()) -> list[tuple[Sequence, int]]:
         """Preempt the newest running requests until every other one can get the blocks this step feeds it: one
         token for each that decodes, its chunk for each listed prefill. Returns the chunks still running. Reserve
-        managers promised that room at admission, so only optimistic ones are asked (no per-step work under the
+        managers reserved that room at admission, so only optimistic ones are asked (no per-step work under the
         default)."""
         optimistic = [manager for manager in self.block_managers if manager.optimistic]
         while self.running and optimistic and not all(self.fits(manager, chunks) for manager in optimistic):
@@ -60,7 +78,7 @@ class Scheduler:
         new_tokens = {seq.request_id: n for seq, n in chunks if seq.status is Status.RUNNING}
         need = sum(max(0, manager.step_blocks(s, 1 if s.prefilled else new_tokens.get(s.request_id, 0)))
                    for s in self.running)
-        return need <= len(manager.free)
+        return need <= manager.num_free
 
     def preempt(self, seq: Sequence) -> Sequence:
         """Free the request's blocks and slot and queue it first; its tokens so far stay, to be recomputed."""

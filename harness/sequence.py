@@ -26,6 +26,8 @@ class Sequence:
     slot: int = -1  # contiguous layout: the cache row this sequence owns
     num_cached: int = 0  # tokens whose keys/values (or state) are in the cache
     preemptions: int = 0  # times its cache was taken back and recomputed (optimistic admission)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was last admitted
+    digests: list[bytes] = field(default_factory=list)  # prefix-cache name of each full block (harness/prefix_cache.py)
     finish_reason: str = ""
     error: str = ""  # why the request failed (finish_reason "error")
     logits: list[torch.Tensor] = field(default_factory=list)
@@ -63,11 +65,13 @@ class RequestOutput:
     logits: list[torch.Tensor]  # filled when SamplingParams.return_logits
     error: str = ""  # the exception that ended the request, when finish_reason is "error"
     preemptions: int = 0  # times it was preempted and recomputed
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's num_cached_tokens)
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestOutput":
         return cls(seq.request_id, seq.prompt_ids, list(seq.output_ids), seq.finish_reason,
-                   RequestMetrics.of(seq.arrival, seq.token_times), seq.logits, seq.error, seq.preemptions)
+                   RequestMetrics.of(seq.arrival, seq.token_times), seq.logits, seq.error, seq.preemptions,
+                   seq.cached_tokens)
 
 
 @dataclass

@@ -104,6 +104,31 @@ def test_chunked_prefill_equals_whole_prefill(model, arch_name, kv_cache, budget
         assert_same_output(c, w, ATOL, f"{arch_name}/{kv_cache} budget {budget}, prompt len {len(prompt)}")
 
 
+@pytest.mark.parametrize("budget", [None, 7])
+def test_prefix_caching_equals_no_prefix_caching(model, arch_name, budget):
+    """Prompts sharing a 20-token prefix, one repeated whole and one a prefix of another, in two waves on one engine
+    (the second finds the first's blocks cached, some evicted by then in the small pool): outputs equal an engine
+    without prefix caching. A model with a recurrent state turns it off and says why."""
+    vocab = model.config.vocab_size
+    shared = make_prompts([20], vocab, seed=6)[0]
+    suffixes = make_prompts([5, 14, 1, 9], vocab, seed=7)
+    first = [shared + suffix for suffix in suffixes[:2]]
+    second = [shared + suffixes[1], shared + suffixes[2], shared[:17], shared + suffixes[3] + suffixes[0]]
+    params = greedy(12)
+    plain = engine_for(model, "paged", max_batch=1)
+    cached = engine_for(model, "paged", max_batch=2, prefix_caching=True, max_num_batched_tokens=budget,
+                        num_blocks=14, admission="optimistic")
+    for wave in (first, second):
+        want = [plain.generate([prompt], params)[0] for prompt in wave]
+        for prompt, got, alone in zip(wave, cached.generate(wave, params), want):
+            assert_same_output(got, alone, ATOL, f"{arch_name} prefix caching, prompt len {len(prompt)}")
+    windowed = any(not manager.retention.keeps_all for manager in cached.block_managers)
+    if cached.prefix_caching_off:
+        assert "recurrent state" in cached.prefix_caching_off and cached.prefix_cache_hit_rate == 0.0
+    elif budget or not windowed:  # a whole prefill skips the keys its window drops, so its early blocks stay private
+        assert cached.prefix_cache_hit_rate > 0.3, arch_name
+
+
 def test_paged_equals_contiguous(model, arch_name):
     prompts = make_prompts([2, 9, 16, 31, 45], model.config.vocab_size, seed=3)
     params = greedy(30)
@@ -183,4 +208,4 @@ def test_paged_cache_bytes_track_analytic(model, arch_name):
         assert in_use == sum(m.used * b for m, b in zip(managers, block_bytes)) + len(running) * pool.state_slot_bytes
         checked += bool(running)
     assert checked > 5
-    assert engine.cache_bytes_in_use() == 0 and all(m.used == 0 and m.promised == 0 for m in managers)
+    assert engine.cache_bytes_in_use() == 0 and all(m.used == 0 and m.reserved == 0 for m in managers)

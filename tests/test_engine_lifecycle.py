@@ -29,7 +29,7 @@ def assert_pool_whole(engine: Engine) -> None:
     assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.unfinished
     assert sorted(engine.scheduler.free_slots) == list(range(engine.max_batch))
     for manager in engine.block_managers:
-        assert manager.used == 0 and manager.promised == 0 and not manager.tables
+        assert manager.used == 0 and manager.reserved == 0 and not manager.tables
         assert sorted(manager.free) == list(range(manager.num_blocks))
 
 

@@ -55,7 +55,7 @@ def greedy_tokens(alone: list[int], params: SamplingParams) -> list[int]:
 def books(engine: Engine) -> tuple:
     """The ids issued, the live requests, the steps run and the free blocks."""
     return (engine.requests_added, sorted(engine.unfinished), engine.decode_stats.steps,
-            [(list(m.free), m.promised) for m in engine.block_managers])
+            [(list(m.free), m.reserved) for m in engine.block_managers])
 
 
 class EngineProgram(RuleBasedStateMachine):
@@ -139,7 +139,7 @@ class EngineProgram(RuleBasedStateMachine):
             self.step()
         assert not self.live and not self.engine.has_unfinished()
         for manager in self.engine.block_managers:
-            assert sorted(manager.free) == list(range(manager.num_blocks)) and manager.promised == 0
+            assert sorted(manager.free) == list(range(manager.num_blocks)) and manager.reserved == 0
 
     # ---- what ended requests return, what refused ones leave ----------------------------------------------
 
@@ -183,11 +183,13 @@ class EngineProgram(RuleBasedStateMachine):
             held = [block for table in manager.tables.values() for block in table if block >= 0]
             assert len(manager.free) + len(held) == manager.num_blocks
             assert sorted(held + list(manager.free)) == list(range(manager.num_blocks))
-            # reserve: blocks promised to running requests (their peak less what they hold) are there to take;
-            # optimistic promises nothing (it preempts instead)
-            promised = 0 if manager.optimistic else sum(manager.peak_blocks(s.max_length) - manager.held(s)
-                                                        for s in running)
-            assert manager.promised == promised and manager.promised <= len(manager.free)
+            # reserve: the running requests' peaks fit the pool, so what each still needs is there to take;
+            # optimistic reserves nothing (it preempts instead)
+            if manager.optimistic:
+                assert manager.reserved == 0
+            else:
+                assert manager.reserved == sum(manager.peak_blocks(s.max_length) for s in running) <= manager.num_blocks
+                assert sum(manager.peak_blocks(s.max_length) - manager.held(s) for s in running) <= len(manager.free)
 
     @invariant()
     def ended_requests_hold_nothing(self):

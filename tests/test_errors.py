@@ -158,7 +158,7 @@ def test_generate_validates_all_prompts_before_any_work(model, kv_cache):
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert engine.decode_stats.steps == 0 and not engine.decode_stats.seconds
     assert len(engine.scheduler.free_slots) == 4
-    assert all(bm.used == 0 and bm.promised == 0 for bm in engine.block_managers)
+    assert all(bm.used == 0 and bm.reserved == 0 for bm in engine.block_managers)
     # and the engine still works afterwards
     assert len(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5, temperature=0))[0].token_ids) == 5
 

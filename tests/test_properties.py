@@ -274,7 +274,7 @@ ENGINE_KWARGS = st.fixed_dictionaries({}, optional={
 def engine_state(engine: Engine) -> tuple:
     """Everything a refused request must leave as it was: the queue, the tokens so far, the slots and the blocks."""
     scheduler = engine.scheduler
-    managers = [(list(m.free), {k: list(v) for k, v in m.tables.items()}, m.promised) for m in engine.block_managers]
+    managers = [(list(m.free), {k: list(v) for k, v in m.tables.items()}, m.reserved) for m in engine.block_managers]
     return (engine.requests_added, {k: len(s.output_ids) for k, s in engine.unfinished.items()},
             [s.request_id for s in scheduler.waiting], [s.request_id for s in scheduler.running],
             list(scheduler.free_slots), engine.decode_stats.steps, managers)
@@ -284,7 +284,7 @@ def assert_pool_whole(engine: Engine) -> None:
     assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.unfinished
     assert sorted(engine.scheduler.free_slots) == list(range(engine.max_batch))
     for manager in engine.block_managers:
-        assert manager.promised == 0 and not manager.tables
+        assert manager.reserved == 0 and not manager.tables
         assert sorted(manager.free) == list(range(manager.num_blocks))
 
 
