@@ -141,10 +141,16 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(self, prompt: "str | list[int]", params: SamplingParams | None = None) -> int:
-        """Validate and queue one request; a bad one raises here and leaves the queue as it was. Returns its id."""
+    def add_request(self, prompt: "str | list[int]", params: SamplingParams | None = None,
+                    arrival: float | None = None) -> int:
+        """Validate and queue one request; a bad one raises here and leaves the queue as it was. Returns its id.
+        arrival: its time.perf_counter() arrival, from which TTFT and E2E count (default: now); a load generator
+        passes the scheduled time, so the lag before it got round to adding the request counts as waiting."""
         with self.exclusive:
-            return self.queue(self.make_sequence(prompt, params)).request_id
+            seq = self.make_sequence(prompt, params)
+            if arrival is not None:
+                seq.arrival = checks.real("arrival (a time.perf_counter() value)", arrival)
+            return self.queue(seq).request_id
 
     def queue(self, seq: Sequence) -> Sequence:
         seq.request_id = self.requests_added
