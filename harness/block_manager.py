@@ -129,10 +129,13 @@ class BlockManager:
 
     def fork(self, parent, child) -> None:
         """The child shares every block of the parent (beam search); a write into a shared block copies it first.
-        Optimistic managers only: a copy takes a block no worst-case reservation counted."""
+        reserve: the child's peak joins the reservation (a copy never makes a sequence hold more than its peak)."""
         if not self.optimistic:
-            raise ValueError("forking a sequence needs admission='optimistic': copy-on-write takes blocks that a "
-                             "worst-case reservation never counted")
+            peak = self.peak_blocks(child.max_length)
+            if peak > self.num_blocks - self.reserved:
+                raise ValueError(f"cannot fork: the child may need {peak} blocks and the pool has "
+                                 f"{self.num_blocks - self.reserved} unreserved")
+            self.reserved += peak
         table = list(self.tables[parent.request_id])
         for block in table:
             if block >= 0:

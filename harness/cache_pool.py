@@ -71,6 +71,13 @@ class CachePool:
             if layer.v is not None:
                 layer.v[destination] = layer.v[source]
 
+    def copy_state(self, source: int, destination: int) -> None:
+        """A forked sequence's recurrent state: every state layer's row of slot `source` into slot `destination`."""
+        for layer in self.layers:
+            if isinstance(layer, StateSlots):
+                for tensor in layer.tensors.values():
+                    tensor[destination] = tensor[source]
+
     def block_bytes(self, group: int) -> int:
         return self.element_size * self.block_size * self.groups[group].token_elements
 

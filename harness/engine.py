@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.beam_search import BeamOutput, BeamSearch, BeamSearchParams
 from harness.block_manager import ADMISSIONS, BlockManager
 from harness.cache_pool import LAYOUTS, CachePool, size_cache
 from harness.model_runner import ModelRunner
@@ -333,6 +334,31 @@ class Engine:
                     if event.finished is not None:
                         done[event.request_id] = event.finished
             return [done[s.request_id] for s in seqs]
+
+    def beam_search(self, prompt: "str | list[int]", params: BeamSearchParams | None = None) -> list[BeamOutput]:
+        """Beam search for one prompt, as transformers' generate(num_beams=...) scores it: the best
+        num_return_sequences hypotheses, best first. The engine must be idle (the beams take its slots), paged, with
+        a slot per beam and room in the pool for every beam's worst case; all checked before any work."""
+        params = BeamSearchParams() if params is None else params
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a harness.BeamSearchParams, got {type(params).__name__}")
+        with self.exclusive:
+            if self.has_unfinished():
+                raise RuntimeError(f"beam_search() needs an idle engine: {len(self.unfinished)} request(s) are "
+                                   f"unfinished; drain them with step() or stream(), or abort them")
+            if self.kv_cache != "paged":
+                raise ValueError("beam_search needs kv_cache='paged': beams share blocks by reference")
+            if params.num_beams > self.max_batch:
+                raise ValueError(f"num_beams={params.num_beams} needs a batch slot per beam; this engine has "
+                                 f"max_batch={self.max_batch}")
+            seq = self.make_sequence(prompt, SamplingParams(max_new_tokens=params.max_new_tokens,
+                                                            stop_token_ids=params.stop_token_ids))
+            for manager in self.block_managers:
+                needed = params.num_beams * manager.peak_blocks(seq.max_length)
+                if needed > manager.num_blocks:
+                    raise ValueError(f"{params.num_beams} beams may need {needed} cache blocks of "
+                                     f"{manager.block_size} tokens; the pool holds {manager.num_blocks}")
+            return BeamSearch(self, seq.prompt_ids, params).run()
 
     # ---- memory ---------------------------------------------------------------------------------
 
