@@ -33,25 +33,54 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def summarize(outputs, duration: float) -> dict[str, float]:
-    """Aggregate metrics over finished requests, keyed by vLLM's benchmark names (times in ms); a request that
-    ended without a token has no latencies to add."""
+def latency_series(outputs) -> dict[str, list[float]]:
+    """Each latency's values in seconds over the requests, by vLLM's short names; a request that ended without a
+    token has none to add, and a one-token output no TPOT."""
     answered = [o for o in outputs if o.token_ids]
-    series = {
-        "TTFT": [o.metrics.ttft for o in answered],
-        "TPOT": [o.metrics.tpot for o in outputs if len(o.token_ids) > 1],
-        "ITL": [gap for o in outputs for gap in o.metrics.itl],
-        "E2EL": [o.metrics.e2e for o in answered],
+    return {
+        "ttft": [o.metrics.ttft for o in answered],
+        "tpot": [o.metrics.tpot for o in outputs if len(o.token_ids) > 1],
+        "itl": [gap for o in outputs for gap in o.metrics.itl],
+        "e2el": [o.metrics.e2e for o in answered],
     }
+
+
+def summarize(outputs, duration: float) -> dict[str, float]:
+    """Aggregate metrics over finished requests, keyed by the names vLLM's benchmark prints (times in ms)."""
     summary = {}
-    for name, values in series.items():
-        values = values or [0.0]
+    for short, values in latency_series(outputs).items():
+        name, values = short.upper(), values or [0.0]
         summary[f"Mean {name} (ms)"] = 1000 * statistics.fmean(values)
         summary[f"Median {name} (ms)"] = 1000 * statistics.median(values)
         summary[f"P99 {name} (ms)"] = 1000 * percentile(values, 99)
     summary["Output token throughput (tok/s)"] = sum(len(o.token_ids) for o in outputs) / duration
     summary["Request throughput (req/s)"] = len(outputs) / duration
     return summary
+
+
+def serving_metrics(outputs, duration: float, ttft_slo_ms: float | None = None,
+                    tpot_slo_ms: float | None = None) -> dict[str, float]:
+    """A load run's figures under the field names of vLLM's benchmark_serving results (times in ms): counts,
+    throughputs, and mean / median (p50) / p90 / p99 of TTFT, TPOT, ITL and E2EL over the completed requests.
+    request_goodput (vLLM's definition, DistServe's idea): completed requests per second that met every SLO given
+    (TTFT <= ttft_slo_ms, TPOT <= tpot_slo_ms); with none given it equals request_throughput."""
+    completed = [o for o in outputs if o.finish_reason in ("length", "stop")]
+    good = [o for o in completed
+            if (ttft_slo_ms is None or 1000 * o.metrics.ttft <= ttft_slo_ms)
+            and (tpot_slo_ms is None or 1000 * o.metrics.tpot <= tpot_slo_ms)]
+    input_tokens = sum(len(o.prompt_ids) for o in completed)
+    output_tokens = sum(len(o.token_ids) for o in completed)
+    row = {"completed": len(completed), "failed": len(outputs) - len(completed), "total_input_tokens": input_tokens,
+           "total_output_tokens": output_tokens, "request_throughput": len(completed) / duration,
+           "request_goodput": len(good) / duration, "output_throughput": output_tokens / duration,
+           "total_token_throughput": (input_tokens + output_tokens) / duration}
+    for name, values in latency_series(completed).items():
+        values = [1000 * v for v in values] or [0.0]  # vLLM reports 0 for a latency no request has
+        row[f"mean_{name}_ms"] = statistics.fmean(values)
+        row[f"median_{name}_ms"] = statistics.median(values)
+        row[f"p90_{name}_ms"] = percentile(values, 90)
+        row[f"p99_{name}_ms"] = percentile(values, 99)
+    return row
 
 
 def measure_copy_bandwidth(device: str | torch.device = "cpu", nbytes: int = 1 << 30, repeats: int = 5) -> float:
