@@ -1,4 +1,5 @@
-"""The `zoo` command: list architectures, compare them, generate text, train them on associative recall."""
+"""The `zoo` command: list architectures, compare them, load-test the engine, generate text, train them on associative
+recall."""
 import argparse
 import sys
 from pathlib import Path
@@ -6,6 +7,7 @@ from pathlib import Path
 import torch
 
 import zoo
+from harness.block_manager import ADMISSIONS
 from harness.charts import write_charts
 from harness.diffusion import DiffusionSampler
 from harness.compare import DTYPES, CompareSettings, run_compare
@@ -13,6 +15,9 @@ from harness.engine import Engine
 from harness.recall import cli as recall_cli
 from harness.results import settings_dict, write_atomic
 from harness.sampling import SamplingParams
+from harness.serve_bench import ServeBenchSettings, run_serve_bench
+from harness.serve_bench import markdown_table as serve_table
+from harness.serve_charts import write_serve_charts
 from harness.table import markdown_table
 from harness.weights import check_weights_file, load_weights
 
@@ -61,6 +66,44 @@ def cmd_compare(args) -> None:
     if rated:
         print(f"roofline ceilings: {rated[-1]['stream_gb_s']:.1f} GB/s stream, {rated[-1]['matmul_gflop_s']:.0f} GFLOP/s "
               f"matmul ({rated[-1]['rates_how']}); floor = max(step bytes / stream, step FLOPs / matmul)")
+    print(f"settings: {settings_dict(settings)}")
+    print(f"wrote {settings.out / 'results.jsonl'}, {settings.out / 'table.md'}, " + ", ".join(str(c) for c in charts))
+
+
+def shared_prefix(text: str) -> tuple[int, int, int]:
+    parts = text.split(":")
+    try:
+        if len(parts) == 3:
+            return tuple(int(part) for part in parts)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected N:PREFIX_LEN:SUFFIX_LEN (three integers), got {text!r}")
+
+
+def optional_ms(text: str) -> float | None:
+    if text.lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds or 'none', got {text!r}") from None
+
+
+def cmd_serve_bench(args) -> None:
+    d = ServeBenchSettings()
+    num_prefixes, prefix_len, suffix_len = args.shared_prefix or (0, d.prefix_len, d.suffix_len)
+    settings = ServeBenchSettings(
+        archs=args.archs, preset=args.preset, request_rates=args.request_rates, concurrency=args.concurrency,
+        num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
+        range_ratio=args.range_ratio, num_prefixes=num_prefixes, prefix_len=prefix_len, suffix_len=suffix_len,
+        ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms, admission=args.admission,
+        max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=args.prefix_caching,
+        max_batch=args.max_batch, num_blocks=args.num_blocks, seed=args.seed, out=Path(args.out))
+    rows = run_serve_bench(settings, show_progress=not args.quiet)
+    table = serve_table(rows, settings.archs)
+    write_atomic(settings.out / "table.md", table)
+    charts = write_serve_charts(rows, settings.out)
+    print(table)
     print(f"settings: {settings_dict(settings)}")
     print(f"wrote {settings.out / 'results.jsonl'}, {settings.out / 'table.md'}, " + ", ".join(str(c) for c in charts))
 
@@ -141,6 +184,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_compare)
 
+    add_serve_bench_parser(sub)
+
     g = sub.add_parser("generate", help="generate text from a prompt (byte-level tokenizer)")
     g.add_argument("--arch", default="gqa", help="architecture (default: gqa)")
     g.add_argument("--preset", default="small", choices=list(zoo.PRESETS), help="model size (default: small)")
@@ -168,6 +213,48 @@ def parser() -> argparse.ArgumentParser:
 
     recall_cli.add_parser(sub, int_list, name_list)
     return p
+
+
+def add_serve_bench_parser(sub) -> None:
+    s = sub.add_parser("serve-bench", help="load-test the engine: Poisson arrivals (or N in flight), vLLM's serving "
+                                           "metrics (TTFT, TPOT, ITL, E2EL, throughput, goodput) per architecture",
+                       description="An open-loop load generator on the engine, in process: synthetic requests arrive "
+                                   "as a Poisson process at each request rate (or, with --concurrency, N at a time in a "
+                                   "closed loop); TTFT counts from each request's scheduled arrival. Rows (vLLM "
+                                   "benchmark_serving's field names) are appended to OUT/results.jsonl as each "
+                                   "architecture x load cell finishes (a re-run skips finished cells); prints a table "
+                                   "and writes OUT/table.md and latency and throughput charts.")
+    d = ServeBenchSettings()
+    s.add_argument("--archs", type=name_list, default=d.archs, help=f"comma-separated architectures (default: {','.join(d.archs)}; see `zoo list`)")
+    s.add_argument("--preset", default=d.preset, choices=list(zoo.PRESETS), help=f"model size (default: {d.preset})")
+    s.add_argument("--request-rates", type=recall_cli.float_list, default=d.request_rates,
+                   help=f"comma-separated Poisson arrival rates in requests/s (default: {','.join(f'{r:g}' for r in d.request_rates)})")
+    s.add_argument("--concurrency", type=int_list, help="comma-separated requests in flight: a closed loop (each "
+                                                        "request that ends lets the next in) instead of --request-rates")
+    s.add_argument("--num-requests", type=int, default=d.num_requests, help=f"requests per cell (default: {d.num_requests})")
+    s.add_argument("--input-len", type=int, default=d.input_len, help=f"mean prompt tokens (default: {d.input_len})")
+    s.add_argument("--output-len", type=int, default=d.output_len, help=f"mean output tokens, decoded in full (default: {d.output_len})")
+    s.add_argument("--range-ratio", type=float, default=d.range_ratio, help="lengths uniform in [len * (1 - r), len * "
+                   f"(1 + r)], r in [0, 1) (default: {d.range_ratio})")
+    s.add_argument("--shared-prefix", type=shared_prefix, metavar="N:PREFIX_LEN:SUFFIX_LEN",
+                   help="the shared-prefix workload instead of --input-len: each prompt is one of N random system "
+                        "prompts of PREFIX_LEN tokens followed by its own SUFFIX_LEN tokens")
+    s.add_argument("--ttft-slo-ms", type=optional_ms, default=d.ttft_slo_ms, help=f"goodput counts requests with TTFT at "
+                   f"most this ('none': no TTFT SLO; default: {d.ttft_slo_ms:g})")
+    s.add_argument("--tpot-slo-ms", type=optional_ms, default=d.tpot_slo_ms, help=f"... and TPOT at most this ('none': "
+                   f"no TPOT SLO; default: {d.tpot_slo_ms:g})")
+    s.add_argument("--admission", default=d.admission, choices=list(ADMISSIONS), help=f"engine admission (default: {d.admission})")
+    s.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step: chunked prefill (default: off, "
+                                                              "whole prompts)")
+    s.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
+                   help="share cached prompt blocks between requests (default: on; off for recurrent-state models)")
+    s.add_argument("--max-batch", type=int, default=d.max_batch, help=f"engine batch slots (default: {d.max_batch})")
+    s.add_argument("--num-blocks", type=int, help="paged pool blocks per cache group (default: room for max-batch "
+                                                  "worst-case requests)")
+    s.add_argument("--seed", type=int, default=d.seed, help=f"seed for weights, workload and arrivals (default: {d.seed})")
+    s.add_argument("--out", default=str(d.out), help=f"output folder (default: {d.out})")
+    s.add_argument("--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_serve_bench)
 
 
 def main(argv=None) -> int:
