@@ -115,6 +115,14 @@ class LinearAttention(nn.Module):
         s, z = states["kv"], states["normalizer"]
         if batch.is_decode:
             out = linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], s, z, self.eps).unsqueeze(2)
+        elif batch.checkpoints:  # the engine may keep any prefix: the state after each token
+            outs, kvs, normalizers = [], [], []
+            for i in range(q.shape[2]):
+                outs.append(linear_attention_step(q[:, :, i], k[:, :, i], v[:, :, i], s, z, self.eps))
+                kvs.append(s.clone())  # the step updates s and z in place
+                normalizers.append(z.clone())
+            cache.write_steps({"kv": torch.stack(kvs, 1), "normalizer": torch.stack(normalizers, 1)}, batch)
+            return self.merge(torch.stack(outs, 2))
         else:
             out, s, z = linear_attention_chunked(q, k, v, s, z, chunk_size=self.chunk_size, eps=self.eps)
         cache.write({"kv": s, "normalizer": z}, batch)

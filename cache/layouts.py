@@ -99,6 +99,9 @@ class ContiguousKV(KVTensors):
         self.rows = spec.retention.rows(max_len)
         self.rolling = self.rows < max_len
         self.pending = None  # a ring's chunk step: its keys and values, written once its queries have read the ring
+        # a ring's checkpointed writes, oldest first: (slots [B], rows [B, T], positions [B, T], the keys and values
+        # they overwrote), so rollback can put back what a rejected token's row held
+        self.overwritten: list[tuple] = []
         super().__init__(spec, lambda dim: torch.zeros(max_batch, spec.kv_heads, self.rows, dim, dtype=dtype, device=device))
 
     def write(self, k: torch.Tensor, v: torch.Tensor | None, batch: CacheBatch) -> None:
@@ -113,14 +116,19 @@ class ContiguousKV(KVTensors):
         k = k.transpose(1, 2)  # [B, T, KVH, D]
         v = None if v is None else v.transpose(1, 2)
         rows = self.retention.row(batch.positions)
-        if self.rolling and k.shape[1] > 1:
+        if self.rolling and k.shape[1] > 1 and not batch.checkpoints:
             # several tokens into a ring: only the kept ones, else two positions could land in one row
             kept = self.retention.visible(batch.positions, (batch.lengths.long() - 1)[:, None])
             seqs, steps = kept.nonzero(as_tuple=True)
             index = (batch.slots[seqs], slice(None), rows[seqs, steps])
             k, v = k[seqs, steps], None if v is None else v[seqs, steps]
         else:
+            # with checkpoints every token is written, as one-token steps would (the engine keeps a step's tokens
+            # within the ring's rows, so no two land in one row): any prefix of them may be kept
             index = (batch.slots[:, None], slice(None), rows)
+            if self.rolling and batch.checkpoints:
+                self.overwritten.append((batch.slots, rows, batch.positions, self.k[index].clone(),
+                                         None if self.v is None else self.v[index].clone()))
         self.k[index] = k
         if self.v is not None:
             self.v[index] = v
@@ -145,6 +153,20 @@ class ContiguousKV(KVTensors):
         visible = visible_keys(key_positions, batch.positions, self.retention, None if causal else batch.lengths)
         return self.attend_over(q, k, v, visible, scale, value_dim)
 
+
+    def rollback(self, lengths: dict[int, int]) -> None:
+        """Keep each slot's first `length` tokens (slot -> length): a ring puts back the rows its checkpointed writes
+        of later positions overwrote, newest write first. An unrolled buffer needs nothing: reads stop at lengths."""
+        for slots, rows, positions, old_k, old_v in reversed(self.overwritten):
+            keep = torch.tensor([lengths.get(slot, 2**62) for slot in slots.tolist()], device=positions.device)
+            seqs, steps = (positions >= keep[:, None]).nonzero(as_tuple=True)
+            index = (slots[seqs], slice(None), rows[seqs, steps])
+            self.k[index] = old_k[seqs, steps]
+            if self.v is not None:
+                self.v[index] = old_v[seqs, steps]
+
+    def forget_steps(self) -> None:
+        self.overwritten.clear()
 
     def attend_ring_chunk(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None):
         """Several new tokens per sequence on top of a ring: attend over the ring's rows (each at the newest position

@@ -32,6 +32,11 @@ class StateView(Protocol):
 
     def write(self, states: dict[str, torch.Tensor], batch: CacheBatch) -> None: ...
 
+    def write_steps(self, states: dict[str, torch.Tensor], batch: CacheBatch) -> None:
+        """A step with batch.checkpoints and several new tokens: the state after each of them, [B, T, *shape] per
+        tensor, instead of write (the engine may keep any prefix of the step's tokens)."""
+        ...
+
 
 @runtime_checkable
 class Mixer(Protocol):
@@ -46,7 +51,8 @@ class Mixer(Protocol):
                 cache: "KVCacheView | StateView | None" = None, batch: CacheBatch | None = None) -> torch.Tensor:
         """x [B, T, d_model] -> [B, T, d_model]. Without a cache: the full causal (or bidirectional) forward from
         nothing. With one: batch.step says what this call is (cache/spec.py STEP_KINDS) and the mixer reads and
-        writes its view accordingly."""
+        writes its view accordingly; a state mixer on a several-token step with batch.checkpoints writes its state
+        after every new token (StateView.write_steps), so the engine can roll back to any of them."""
         ...
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:

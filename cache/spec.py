@@ -8,8 +8,8 @@ from cache.retention import FULL, Retention
 
 CACHE_KINDS = ("kv", "latent", "shared", "state")
 # What one cached forward is: every sequence starting at position 0 ("prefill"), one new token per sequence on top of
-# its cache ("decode"), or several new tokens on top of it ("chunk": a diffusion block; chunked prefill and
-# speculative verification are this kind too).
+# its cache ("decode"), or several new tokens on top of it ("chunk": a diffusion block, a chunked prefill's later
+# chunks, a speculative verification of proposed tokens).
 STEP_KINDS = ("prefill", "decode", "chunk")
 
 
@@ -103,6 +103,10 @@ class CacheBatch:
     slot_range: slice | None = None  # the same rows when they are consecutive: layouts read a view instead of gathering
     block_tables: tuple[torch.Tensor, ...] = ()  # per group [B, max_blocks] int32, -1 = no block (freed or unused)
     slot_mappings: tuple[torch.Tensor, ...] = ()  # per group [B*T] int64 flat pool slot per new token, -1 = not kept
+    # speculative decoding: the engine may roll each sequence back to any length from its first new token on, so a
+    # state mixer hands its view the state after every new token (StateView.write_steps) and a ring buffer keeps
+    # the rows it overwrites; the engine then keeps the accepted prefix (CachePool.rollback)
+    checkpoints: bool = False
 
     def __post_init__(self):
         if self.step not in STEP_KINDS:

@@ -5,5 +5,7 @@ from harness.engine import Engine
 from harness.metrics import RequestMetrics, measure_copy_bandwidth, summarize
 from harness.sampling import SamplingParams
 from harness.sequence import RequestOutput
+from harness.speculative import PROMPT_LOOKUP, SpeculativeConfig, SpeculativeStats
 
-__all__ = ["BeamOutput", "BeamSearchParams", "DiffusionSampler", "Engine", "RequestMetrics", "RequestOutput", "SamplingParams", "measure_copy_bandwidth", "summarize"]
+__all__ = ["BeamOutput", "BeamSearchParams", "DiffusionSampler", "Engine", "PROMPT_LOOKUP", "RequestMetrics", "RequestOutput",
+           "SamplingParams", "SpeculativeConfig", "SpeculativeStats", "measure_copy_bandwidth", "summarize"]

@@ -165,6 +165,15 @@ class BlockManager:
         """Logical blocks of the table that a step writing positions num_cached .. length - 1 writes into."""
         return range(seq.num_cached // self.block_size, min(len(table), self.blocks_for(length)))
 
+    def truncate(self, seq, length: int) -> None:
+        """Speculative decoding kept the sequence's first `length` tokens: the blocks wholly past them go back."""
+        table = self.tables[seq.request_id]
+        keep = self.blocks_for(length)
+        for block in table[keep:]:
+            if block >= 0:
+                self.drop(block)
+        del table[keep:]
+
     def held(self, seq) -> int:
         return sum(block >= 0 for block in self.tables[seq.request_id])
 

@@ -71,6 +71,21 @@ class CachePool:
             if layer.v is not None:
                 layer.v[destination] = layer.v[source]
 
+    def rollback(self, lengths: dict[int, int]) -> None:
+        """Speculative decoding kept each listed slot's first `length` tokens (slot -> length): every layer that
+        remembers what the checkpointed steps since forget_steps changed (state rows, ring-buffer rows) goes back;
+        paged blocks past the length are the block managers' to return."""
+        for layer in self.checkpointing_layers():
+            layer.rollback(lengths)
+
+    def forget_steps(self) -> None:
+        """The start of a speculative round: earlier checkpointed steps will not be rolled back to."""
+        for layer in self.checkpointing_layers():
+            layer.forget_steps()
+
+    def checkpointing_layers(self) -> list:
+        return list({id(layer): layer for layer in self.layers if isinstance(layer, (ContiguousKV, StateSlots))}.values())
+
     def copy_state(self, source: int, destination: int) -> None:
         """A forked sequence's recurrent state: every state layer's row of slot `source` into slot `destination`."""
         for layer in self.layers:

@@ -13,7 +13,8 @@ from harness.cache_pool import LAYOUTS, CachePool, size_cache
 from harness.model_runner import ModelRunner
 from harness.sampling import SamplingParams, sample_token
 from harness.scheduler import Scheduler
-from harness.sequence import RequestOutput, Sequence, TokenEvent
+from harness.sequence import RequestOutput, Sequence, Status, TokenEvent
+from harness.speculative import SpeculativeConfig, SpeculativeDecoder
 from zoo import checks
 from zoo.tokenizer import ByteTokenizer
 
@@ -66,7 +67,7 @@ class Engine:
     def __init__(self, model, max_batch: int = 8, max_seq_len: int | None = None, kv_cache: str = "contiguous",
                  block_size: int = 16, num_blocks: int | None = None, cache_budget_bytes: int | None = None,
                  compile: bool = False, admission: str = "reserve", max_num_batched_tokens: int | None = None,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, speculative: SpeculativeConfig | None = None):
         """kv_cache: "contiguous" ([slots, kv_heads, max_seq_len, head_dim] per layer) or "paged" (block pool).
 
         num_blocks / cache_budget_bytes size the paged pool (default: room for max_batch full-length sequences;
@@ -85,6 +86,9 @@ class Engine:
         the pool needs them (LRU). Shareable: full-attention, latent and cross-layer caches, and window blocks the
         next query still sees. A model with a recurrent state cannot resume from a block boundary (its state there
         is not kept), so prefix caching is off for it, and `prefix_caching_off` says why.
+        speculative: speculative decoding (harness.SpeculativeConfig: a draft model or prompt lookup, k): each
+        decode step the proposer offers k tokens per request and the target verifies them in one forward, keeping
+        the target's distribution exactly (greedy: its argmax tokens); `speculative_stats` has the acceptance.
         """
         config = model.config
         if not config.causal:  # each position sees later ones: a new token would change every cached key
@@ -112,6 +116,7 @@ class Engine:
         if num_blocks is not None and cache_budget_bytes is not None:
             raise ValueError(f"give num_blocks ({num_blocks}) or cache_budget_bytes ({cache_budget_bytes}), not both: "
                              f"each sizes the paged pool")
+        lookahead = check_speculative(speculative, model, compile, kv_cache, max_seq_len)
         param = next(model.parameters())
         self.model, self.device, self.dtype = model.eval(), param.device, param.dtype
         self.max_seq_len, self.kv_cache = max_seq_len, kv_cache
@@ -123,17 +128,21 @@ class Engine:
             f"cached prefix" if states else "")
         prefix_caching = prefix_caching and not states
         # most tokens a step feeds one sequence on top of its cache: a whole prompt's rest after a prefix hit
-        step_tokens = max_num_batched_tokens or (max_seq_len if prefix_caching else 1)
-        max_batch, num_blocks = size_cache(specs, self.dtype, kv_cache, max_batch, max_seq_len, block_size,
+        step_tokens = max(max_num_batched_tokens or (max_seq_len if prefix_caching else 1), lookahead + 1)
+        # a verification caches up to k proposed tokens past the kept ones before it rolls back
+        self.lookahead, cache_len = lookahead, max_seq_len + lookahead
+        max_batch, num_blocks = size_cache(specs, self.dtype, kv_cache, max_batch, cache_len, block_size,
                                            num_blocks, cache_budget_bytes, step_tokens)
         self.max_batch = max_batch
-        self.pool = CachePool(specs, kv_cache, max_batch, max_seq_len, block_size, num_blocks, self.dtype, self.device)
+        self.pool = CachePool(specs, kv_cache, max_batch, cache_len, block_size, num_blocks, self.dtype, self.device)
         # one block manager per cache group (paged layout only)
         self.block_managers = [BlockManager(n, block_size, group.retention, admission, step_tokens=step_tokens,
                                             prefix_caching=prefix_caching)
                                for n, group in zip(num_blocks, self.pool.groups)]
-        self.scheduler = Scheduler(max_batch, self.block_managers, prefix_caching)
-        self.runner = ModelRunner(model, self.pool, self.block_managers, self.device, max_seq_len, compile)
+        self.scheduler = Scheduler(max_batch, self.block_managers, prefix_caching, decode_tokens=lookahead + 1)
+        self.runner = ModelRunner(model, self.pool, self.block_managers, self.device, cache_len, compile)
+        self.speculator = None if speculative is None else SpeculativeDecoder(
+            speculative, self.runner, kv_cache, max_batch, cache_len, block_size)
         self.tokenizer = ByteTokenizer()
         self.requests_added = 0  # request ids are 0, 1, 2, ... in order of arrival
         self.unfinished: dict[int, Sequence] = {}  # waiting or running, by request id
@@ -177,7 +186,7 @@ class Engine:
         if not params.greedy:
             generator = torch.Generator(self.device)
             generator.manual_seed(params.seed) if params.seed is not None else generator.seed()
-        seq = Sequence(-1, ids, params, generator)  # its id is given when it is queued
+        seq = Sequence(-1, ids, params, generator, lookahead=self.lookahead)  # its id is given when it is queued
         for manager in self.block_managers:
             needed = manager.peak_blocks(seq.max_length)
             if needed > manager.num_blocks:
@@ -200,6 +209,12 @@ class Engine:
     def preemptions(self) -> int:
         """Requests preempted so far (optimistic admission), each recomputed when readmitted."""
         return self.scheduler.preemptions
+
+    @property
+    def speculative_stats(self):
+        """harness.SpeculativeStats of the speculative steps so far (acceptance rate, tokens per target forward,
+        draft and target time); None without speculative decoding."""
+        return None if self.speculator is None else self.speculator.stats
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -260,7 +275,9 @@ class Engine:
                 self.emit([seq], logits.unsqueeze(0), events)
         self.scheduler.make_room()
         running = [seq for seq in self.scheduler.running if seq.prefilled]
-        if running:
+        if running and self.speculator is not None:
+            self.speculative_step(running, events)
+        elif running:
             start = time.perf_counter()
             try:
                 logits = self.runner.decode(running)
@@ -272,6 +289,29 @@ class Engine:
             self.emit(running, logits, events)
             self.decode_stats.record(time.perf_counter() - start, len(running), kv_bytes)
         return events
+
+    def speculative_step(self, running: list[Sequence], events: list[TokenEvent]) -> None:
+        """Proposals verified by one target forward: each request gains its accepted tokens and the target's own,
+        stamped at once; then every cache keeps what the requests still running accepted."""
+        start = time.perf_counter()
+        try:
+            verdicts = self.speculator.step(running)
+        except Exception as error:  # noqa: BLE001 - the batched forward cannot tell whose row broke it
+            for seq in running:
+                self.fail(seq, error, events)
+            return
+        now, emitted = time.perf_counter(), 0
+        for seq, (tokens, rows, error) in zip(running, verdicts):
+            if error is not None:
+                self.fail(seq, error, events)
+            for token, row in zip(tokens, rows):
+                events.append(self.append_token(seq, token, now, row))
+                emitted += 1
+                if events[-1].finished is not None:
+                    break
+        self.speculator.keep([seq for seq in running if seq.status is Status.RUNNING])
+        kv_bytes = sum(self.pool.read_bytes(s.num_cached) for s in running)
+        self.decode_stats.record(time.perf_counter() - start, emitted, kv_bytes)
 
     def emit(self, seqs: list[Sequence], logits: torch.Tensor, events: list[TokenEvent]) -> None:
         """Sample one token per sequence from logits [B, vocab]; finish the sequences that are done."""
@@ -348,6 +388,9 @@ class Engine:
                                    f"unfinished; drain them with step() or stream(), or abort them")
             if self.kv_cache != "paged":
                 raise ValueError("beam_search needs kv_cache='paged': beams share blocks by reference")
+            if self.speculator is not None:
+                raise ValueError("beam_search on an engine with speculative decoding: beams are scored on the "
+                                 "target's own distribution token by token; build the engine without speculative")
             if params.num_beams > self.max_batch:
                 raise ValueError(f"num_beams={params.num_beams} needs a batch slot per beam; this engine has "
                                  f"max_batch={self.max_batch}")
@@ -374,3 +417,27 @@ class Engine:
         blocks = sum(self.pool.block_bytes(g) * sum(manager.held(s) for s in running)
                      for g, manager in enumerate(self.block_managers))
         return blocks + self.pool.state_slot_bytes * len(running)
+
+
+def check_speculative(speculative, model, compile: bool, kv_cache: str, max_seq_len: int) -> int:
+    """The lookahead (k) a speculative setting asks the caches for, 0 without one; every reason it cannot run on
+    this engine is an error here, before any work."""
+    if speculative is None:
+        return 0
+    if not isinstance(speculative, SpeculativeConfig):
+        raise ValueError(f"speculative must be a harness.SpeculativeConfig or None, got {type(speculative).__name__}")
+    speculative.check_target(model)
+    if compile:
+        raise ValueError("compile=True compiles the one-token decode step, which speculative decoding does not run "
+                         "(it verifies k + 1 tokens per step): use one or the other")
+    k = speculative.num_speculative_tokens
+    if kv_cache == "contiguous":
+        # a verification writes k + 1 keys into a ring in one step: two in one row would lose one a rollback needs
+        # (a draft writes one token a step, which its rollback undoes newest first, so any ring serves it)
+        rings = [spec.retention.rows(max_seq_len + k) for spec in model.cache_specs() if spec.elements_per_token]
+        rows = min((r for r in rings if r < max_seq_len + k), default=None)
+        if rows is not None and rows < k + 1:
+            raise ValueError(f"num_speculative_tokens={k}: the target's contiguous ring buffer holds {rows} rows, "
+                             f"fewer than the k + 1 = {k + 1} tokens a verification writes; lower k below {rows} or "
+                             f"use kv_cache='paged'")
+    return k

@@ -50,13 +50,46 @@ class ModelRunner:
         self.name_full_blocks(seqs)
         return logits[:, -1]
 
+    @torch.inference_mode()
+    def feed(self, seqs: list, tokens: list[list[int]], checkpoints: bool = False,
+             floors: list[int] | None = None) -> torch.Tensor:
+        """Feed each sequence the same number T of tokens on top of its cache (every sequence from position 0: a
+        prefill) in one forward; returns logits [B, T, vocab]. Speculative decoding's steps: with checkpoints the
+        caches remember enough to roll each sequence back (rollback) to any length from its floor on (default: its
+        length after the step's first token), and the prefix caches are told of full blocks only after that."""
+        t = len(tokens[0])
+        starts = [s.num_cached for s in seqs]
+        step = "prefill" if not any(starts) else "decode" if t == 1 else "chunk"
+        positions = torch.tensor([range(start, start + t) for start in starts], device=self.device)
+        batch = self.cache_batch(seqs, positions, [start + t for start in starts], step, floors)
+        batch.checkpoints = checkpoints
+        logits = self.model(torch.tensor(tokens, device=self.device), positions, self.pool.layers, batch)
+        for s in seqs:
+            s.num_cached += t
+        if not checkpoints:
+            self.name_full_blocks(seqs)
+        return logits
+
+    def rollback(self, seqs: list, lengths: list[int]) -> None:
+        """Keep the first `length` tokens of each sequence's cache (at least its floor in the checkpointed steps
+        since forget_steps): blocks past them go back, state and ring rows return to their values there; then
+        offer its full blocks, now final, to the prefix caches."""
+        for manager in self.block_managers:
+            for s, n in zip(seqs, lengths):
+                manager.truncate(s, n)
+        self.pool.rollback({s.slot: n for s, n in zip(seqs, lengths)})
+        for s, n in zip(seqs, lengths):
+            s.num_cached = n
+        self.name_full_blocks(seqs)
+
     def name_full_blocks(self, seqs: list[Sequence]) -> None:
         """Once a forward has written them: offer the sequences' newly filled blocks to the prefix caches."""
         for manager in self.block_managers:
             for s in seqs:
                 manager.name_full_blocks(s)
 
-    def cache_batch(self, seqs: list[Sequence], positions: torch.Tensor, lengths: list[int], step: str) -> CacheBatch:
+    def cache_batch(self, seqs: list[Sequence], positions: torch.Tensor, lengths: list[int], step: str,
+                    floors: list[int] | None = None) -> CacheBatch:
         slots = [s.slot for s in seqs]
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         batch = CacheBatch(
@@ -67,8 +100,9 @@ class ModelRunner:
             slots=torch.tensor(slots, device=self.device),
             slot_range=slice(slots[0], slots[0] + len(slots)) if consecutive else None,
         )
-        # a step on top of the cache reads its keys there: keep what its first query sees (prefill: none)
-        firsts = [s.num_cached + 1 if s.num_cached else None for s in seqs]
+        # a step on top of the cache reads its keys there: keep what its first query sees (prefill: none), or what
+        # the shortest length a speculative rollback may return to sees
+        firsts = floors or [s.num_cached + 1 if s.num_cached else None for s in seqs]
         tables, mappings = [], []
         for group, manager in enumerate(self.block_managers):
             for s, n, first in zip(seqs, lengths, firsts):

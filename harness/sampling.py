@@ -73,18 +73,32 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, history: list[int], generator: torch.Generator | None) -> int:
-    """logits: [V] for one sequence; history: prompt and generated ids so far.
+    """logits: [V] for one sequence; history: prompt and generated ids so far."""
+    if params.greedy:
+        return int(processed_logits(logits, params, history).argmax())
+    return int(torch.multinomial(token_distribution(logits, params, history), 1, generator=generator))
 
-    Works relative to the largest logit, so no setting overflows: a temperature so small that every other token's
-    scaled logit underflows leaves only the top token(s), i.e. greedy. Float64, so that settings like 1e-300 keep
-    their value instead of rounding to 0 or inf. Logits that are not finite are an error."""
+
+def processed_logits(logits: torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
+    """The logits after the repetition penalty, as float64 (so settings like a temperature of 1e-300 keep their
+    value instead of rounding to 0 or inf); logits that are not finite are an error."""
     logits = logits.double()
     if not bool(torch.isfinite(logits).all()):
         raise FloatingPointError(f"the model produced {int((~torch.isfinite(logits)).sum())} non-finite logit(s)")
     if params.repetition_penalty != 1.0 and history:
         logits = apply_repetition_penalty(logits, torch.tensor(sorted(set(history)), device=logits.device), params.repetition_penalty)
+    return logits
+
+
+def token_distribution(logits: torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
+    """The probabilities [V] (float64) a sampled token is drawn from: repetition penalty, temperature, top-k, top-p
+    (speculative decoding applies the same to the draft's and the target's logits). Greedy: one-hot at the argmax.
+
+    Works relative to the largest logit, so no setting overflows: a temperature so small that every other token's
+    scaled logit underflows leaves only the top token(s), i.e. greedy."""
+    logits = processed_logits(logits, params, history)
     if params.greedy:
-        return int(logits.argmax())
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     shifted = (logits - logits.max()) / params.temperature  # <= 0, the top token(s) exactly 0: softmax is safe
     shifted = top_p_filter(top_k_filter(shifted, params.top_k), params.top_p)
-    return int(torch.multinomial(shifted.softmax(-1), 1, generator=generator))
+    return shifted.softmax(-1)

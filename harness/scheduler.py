@@ -10,12 +10,16 @@ from harness.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, block_managers: list[BlockManager], prefix_caching: bool = False):
+    def __init__(self, max_batch: int, block_managers: list[BlockManager], prefix_caching: bool = False,
+                 decode_tokens: int = 1):
+        """decode_tokens: tokens a running request feeds per decode step (k + 1 under speculative decoding: its
+        newest token and k proposals)."""
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = deque(range(max_batch))
         self.block_managers = block_managers  # empty for the contiguous layout
         self.prefix_caching = prefix_caching
+        self.decode_tokens = decode_tokens
         self.preemptions = 0
         self.prompt_tokens = 0  # prefill tokens of every admission (a readmitted request counts again)
         self.cached_prompt_tokens = 0  # of those, found in the prefix cache
@@ -27,8 +31,9 @@ class Scheduler:
         """This step's prefill work as (sequence, new tokens): the running requests part-way through their prompts
         first, then waiting ones admitted oldest first while they fit (stopping at the first that does not: no
         starvation). budget None: whole prompts. A token budget (chunked prefill, as in vLLM and Sarathi-Serve):
-        the running decodes take one token each and prefill chunks the rest, so a long prompt is split over steps."""
-        left = math.inf if budget is None else budget - sum(s.prefilled for s in self.running)
+        the running decodes take their tokens (one each; k + 1 speculating) and prefill chunks the rest, so a long
+        prompt is split over steps."""
+        left = math.inf if budget is None else budget - self.decode_tokens * sum(s.prefilled for s in self.running)
         chunks = []
         for seq in self.running:
             if not seq.prefilled and left > 0:
@@ -65,8 +70,8 @@ class Scheduler:
         return 0
 
     def make_room(self, chunks: list[tuple[Sequence, int]] = ()) -> list[tuple[Sequence, int]]:
-        """Preempt the newest running requests until every other one can get the blocks this step feeds it: one
-        token for each that decodes, its chunk for each listed prefill. Returns the chunks still running. Reserve
+        """Preempt the newest running requests until every other one can get the blocks this step feeds it: its
+        decode tokens for each that decodes, its chunk for each listed prefill. Returns the chunks still running. Reserve
         managers reserved that room at admission, so only optimistic ones are asked (no per-step work under the
         default)."""
         optimistic = [manager for manager in self.block_managers if manager.optimistic]
@@ -76,7 +81,7 @@ class Scheduler:
 
     def fits(self, manager: BlockManager, chunks: list[tuple[Sequence, int]]) -> bool:
         new_tokens = {seq.request_id: n for seq, n in chunks if seq.status is Status.RUNNING}
-        need = sum(max(0, manager.step_blocks(s, 1 if s.prefilled else new_tokens.get(s.request_id, 0)))
+        need = sum(max(0, manager.step_blocks(s, self.decode_tokens if s.prefilled else new_tokens.get(s.request_id, 0)))
                    for s in self.running)
         return need <= manager.num_free
 

@@ -28,6 +28,7 @@ class Sequence:
     preemptions: int = 0  # times its cache was taken back and recomputed (optimistic admission)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was last admitted
     digests: list[bytes] = field(default_factory=list)  # prefix-cache name of each full block (harness/prefix_cache.py)
+    lookahead: int = 0  # speculative decoding: proposed tokens a verification may cache beyond the kept ones
     finish_reason: str = ""
     error: str = ""  # why the request failed (finish_reason "error")
     logits: list[torch.Tensor] = field(default_factory=list)
@@ -51,8 +52,9 @@ class Sequence:
 
     @property
     def max_length(self) -> int:
-        """Tokens the cache may have to hold for this request (the last sampled token is never cached)."""
-        return len(self.prompt_ids) + self.params.max_new_tokens - 1
+        """Tokens the cache may have to hold for this request (the last sampled token is never cached; a speculative
+        verification may cache `lookahead` proposed tokens past the kept ones before it rolls back)."""
+        return len(self.prompt_ids) + self.params.max_new_tokens - 1 + self.lookahead
 
 
 @dataclass

@@ -111,25 +111,39 @@ class GatedDeltaNet(nn.Module):
             [self.conv_dim, self.n_heads * self.value_dim, self.n_heads, self.n_heads], dim=-1)
         states = cache.read(batch) if cache is not None else None
         history = qkv.new_zeros(b, self.conv_dim, self.d_conv - 1) if states is None else states["conv"]
-        qkv, history = self.conv(qkv, history)
+        window = torch.cat([history.to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)  # the conv's inputs, oldest first
+        qkv, history = self.conv(window)
         q, k, v = self.heads(qkv)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay, <= 0
         beta = torch.sigmoid(beta_logit.float())
         if states is not None and batch.is_decode:
             ssm = states["ssm"]  # updated in place by the step
             o = gated_delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, 0], beta[:, 0], ssm).unsqueeze(2)
+        elif states is not None and batch.checkpoints:  # the engine may keep any prefix: the state after each token
+            ssm, outs, ssms = states["ssm"], [], []
+            for i in range(t):
+                outs.append(gated_delta_step(q[:, :, i], k[:, :, i], v[:, :, i], g[:, i], beta[:, i], ssm))
+                ssms.append(ssm.clone())  # the step updates it in place
+            o = torch.stack(outs, 2)
+            # each token's conv history: the d_conv - 1 inputs ending at it
+            histories = torch.stack([window[..., i + 1: i + self.d_conv] for i in range(t)], 1)
+            cache.write_steps({"conv": histories, "ssm": torch.stack(ssms, 1)}, batch)
+            return self.output(o, gate, x.dtype)
         else:
             o, ssm = gated_delta_chunked(q, k, v, g.transpose(1, 2), beta.transpose(1, 2),
                                          None if states is None else states["ssm"], chunk_size=self.chunk_size)
         if cache is not None:
             cache.write({"conv": history, "ssm": ssm}, batch)
-        y = self.norm(o.transpose(1, 2), gate.unflatten(-1, (self.n_heads, self.value_dim)))
-        return self.out_proj(y.flatten(-2).to(x.dtype))
+        return self.output(o, gate, x.dtype)
 
-    def conv(self, qkv: torch.Tensor, history: torch.Tensor):
-        """qkv [B, T, conv_dim] after the `history` [B, conv_dim, d_conv - 1] inputs before it -> silu(conv) [B, T,
-        conv_dim] and the last d_conv - 1 inputs, the next call's history."""
-        window = torch.cat([history.to(qkv.dtype), qkv.transpose(1, 2)], dim=-1)
+    def output(self, o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """o [B, H, T, dv] -> gated norm, out_proj -> [B, T, d_model]."""
+        y = self.norm(o.transpose(1, 2), gate.unflatten(-1, (self.n_heads, self.value_dim)))
+        return self.out_proj(y.flatten(-2).to(dtype))
+
+    def conv(self, window: torch.Tensor):
+        """window [B, conv_dim, d_conv - 1 + T]: the d_conv - 1 inputs before this call, then its T -> silu(conv)
+        [B, T, conv_dim] and the last d_conv - 1 inputs, the next call's history."""
         # not [..., -(d_conv - 1):], which with d_conv = 1 would keep everything instead of nothing
         history = window[..., window.shape[-1] - (self.d_conv - 1):]
         out = F.silu(F.conv1d(window, self.conv1d.weight, groups=self.conv_dim))

@@ -21,14 +21,15 @@ from ssm.reference import mamba_reference
 from kernels import Linear, cpu_decode, selective_state_update
 from ssm.scan import SelectiveScan, compiled_kernel_fits, scan_forward
 
-def selective_scan(x, dt, A, B, C, D, z, state, last=None):
+def selective_scan(x, dt, A, B, C, D, z, state, last=None, every_state: bool = False):
     """The recurrence over T steps from `state`, one step at a time on [b, d, n] tensors that stay in cache
     (ssm/scan.py; 2-3x faster on CPU than precomputing exp(dt*A) for all steps).
 
     x, dt, z: [b, T, d]; A: [d, n]; B, C: [b, T, n]; D: [d]; state: [b, d, n] (any dtype; arithmetic in at
     least fp32). dt is after bias and softplus. last: [b] index of each row's last real token (a right-padded
     batch keeps each row's state after that token), None = T - 1 for every row.
-    Returns y [b, T, d] and the final state [b, d, n], both fp32 (or wider).
+    Returns y [b, T, d] and the final state [b, d, n], both fp32 (or wider); every_state: the state after each
+    step instead, [b, T, d, n] (a speculative verification's checkpoints).
     """
     t = x.shape[1]
     dtype = torch.promote_types(x.dtype, torch.float32)
@@ -36,7 +37,10 @@ def selective_scan(x, dt, A, B, C, D, z, state, last=None):
     if last is not None:  # dt = 0 after a row's end: decay 1 and no input, so its state stops there
         dt = dt * (torch.arange(t, device=x.device) <= last[:, None]).unsqueeze(-1)
     dtx = dt * x
-    if torch.is_grad_enabled() and any(v.requires_grad for v in (x, dt, A, B, C, state)):
+    if every_state:
+        ys, _, hs = scan_forward(dt, A, dtx, B, C, state.to(dtype), keep_states=True)
+        h = hs.transpose(0, 1)
+    elif torch.is_grad_enabled() and any(v.requires_grad for v in (x, dt, A, B, C, state)):
         ys, h = SelectiveScan.apply(dt, A, dtx, B, C, state.to(dtype))
     elif compiled_kernel_fits(dt, A):
         ys, h = cpu_decode.selective_scan_cpu(dt, A, dtx, B, C, state.to(dtype))
@@ -126,6 +130,10 @@ class Mamba(nn.Module):
         states = cache.read(batch)
         if batch.is_decode:
             out, new_states = self.step(x, states)
+        elif batch.checkpoints:  # several tokens, any prefix of which the engine may keep
+            out, steps = self.forward_scan(x, states, every_state=True)
+            cache.write_steps(steps, batch)
+            return out
         elif batch.is_prefill and x.shape[0] == 1 and x.is_cuda and cuda_kernels() is not None:
             out, new_states = self.forward_cuda(x)
         else:
@@ -144,8 +152,9 @@ class Mamba(nn.Module):
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         return F.linear(dt, self.dt_proj.weight), B, C
 
-    def forward_scan(self, u: torch.Tensor, states: dict, last: torch.Tensor | None = None):
-        """The whole chunk of T tokens from `states`; returns the output and the states after each row's last token."""
+    def forward_scan(self, u: torch.Tensor, states: dict, last: torch.Tensor | None = None, every_state: bool = False):
+        """The whole chunk of T tokens from `states`; returns the output and the states after each row's last token
+        (every_state: after each token, [b, T, ...])."""
         b, t, _ = u.shape
         x, z = self.in_proj(u).chunk(2, dim=-1)
         # conv input: the previous d_conv - 1 inputs (zeros at the start) then the new ones
@@ -156,8 +165,10 @@ class Mamba(nn.Module):
         dtype = torch.promote_types(u.dtype, torch.float32)  # the scan runs in fp32 at least (mamba-ssm does)
         dt = F.softplus(dt.to(dtype) + self.dt_proj.bias.to(dtype))
         A = -torch.exp(self.A_log.to(dtype))
-        y, ssm = selective_scan(xc, dt, A, B, C, self.D, z, states["ssm"], last)
-        if last is None:
+        y, ssm = selective_scan(xc, dt, A, B, C, self.D, z, states["ssm"], last, every_state)
+        if every_state:  # the conv state after token i: the d_conv inputs ending at it
+            conv = window.unfold(2, self.d_conv, 1)[:, :, 1:].transpose(1, 2)
+        elif last is None:
             conv = window[:, :, -self.d_conv:]
         else:  # the d_conv inputs ending at each row's last real token
             idx = (last + 1)[:, None] + torch.arange(self.d_conv, device=u.device)

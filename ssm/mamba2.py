@@ -97,6 +97,10 @@ class Mamba2(nn.Module):
         if states is not None and batch.is_decode:
             y, conv_state, ssm_state = self.step(z[:, 0], xbc[:, 0], dt[:, 0], states["conv"], states["ssm"])
             y = y[:, None]
+        elif states is not None and batch.checkpoints:  # the engine may keep any prefix: the state after each token
+            y, steps = self.steps(z, xbc, dt, states["conv"], states["ssm"])
+            cache.write_steps(steps, batch)
+            return self.out_proj(y)
         else:
             y, conv_state, ssm_state = self.scan(z, xbc, dt, states)
         if cache is not None:
@@ -127,6 +131,17 @@ class Mamba2(nn.Module):
         y, ssm_state = ssd_scan(x, dt, A, B, C, self.chunk_size, D=self.D, initial_state=initial)
         y = self.norm(y.flatten(-2).to(z.dtype), z)
         return y, conv_state, ssm_state
+
+    def steps(self, z, xbc, dt, conv_state, ssm_state):
+        """A few new tokens one recurrent step at a time (a speculative verification): y [B, T, d_inner] and the
+        states after each token, [B, T, ...] each."""
+        ys, convs, ssms = [], [], []
+        for i in range(xbc.shape[1]):
+            y, conv_state, ssm_state = self.step(z[:, i], xbc[:, i], dt[:, i], conv_state, ssm_state)
+            ys.append(y)
+            convs.append(conv_state)
+            ssms.append(ssm_state.clone())  # step updates it in place
+        return torch.stack(ys, 1), {"conv": torch.stack(convs, 1), "ssm": torch.stack(ssms, 1)}
 
     def step(self, z, xbc, dt, conv_state, ssm_state):
         """One new token per sequence: z/xbc/dt [B, ...] -> y [B, d_inner] and the updated states."""

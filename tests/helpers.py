@@ -51,3 +51,21 @@ def assert_same_output(got, want, atol: float = 1e-4, context: str = "") -> None
 def assert_not_constant(token_ids, context: str = "") -> None:
     """Guard: a run whose output is one repeated token cannot distinguish a right cache from a wrong one."""
     assert len(set(token_ids)) > 1, f"{context}: degenerate continuation {token_ids}; the test would prove nothing"
+
+
+@torch.no_grad()
+def coupled_model(arch: str, seed: int, mixing: float = 4.0, vocab_size: int = 64, **overrides) -> nn.Module:
+    """A "tiny" model whose embedding and head are the same for every arch and seed, so its greedy continuation is
+    largely a fixed token -> token map that its layers (weights scaled by `mixing`) bend by context: two such models
+    of any architectures agree on some tokens and not others, which is what speculative decoding's tests need (a
+    draft that always or never agrees would skip the rollback to a middle token)."""
+    torch.manual_seed(seed)
+    model = zoo.build(arch, preset="tiny", tie_embeddings=False, vocab_size=vocab_size, **overrides)
+    shared = torch.Generator().manual_seed(1234)
+    model.embed.weight.copy_(torch.randn(model.embed.weight.shape, generator=shared))
+    model.head.weight.copy_(torch.randn(model.head.weight.shape, generator=shared) * 0.2)
+    for block in model.blocks:
+        for weight in block.parameters():
+            if weight.dim() >= 2:
+                weight.mul_(mixing)
+    return model.eval()

@@ -1,0 +1,121 @@
+"""Who proposes the tokens a target verifies: a draft model with caches of its own, or prompt lookup (no model)."""
+from dataclasses import dataclass
+
+import torch
+
+from harness.block_manager import BlockManager
+from harness.cache_pool import CachePool, size_cache
+from harness.model_runner import ModelRunner
+from harness.sampling import processed_logits, token_distribution
+from harness.sequence import Sequence
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: torch.Tensor | None  # [len(tokens), V]: the distribution each token was drawn from; None: deterministic
+
+
+class PromptLookup:
+    """The tokens that followed the latest earlier occurrence of the context's last n tokens, n from `longest` down
+    to `shortest` (Saxena 2023's prompt lookup decoding; vLLM's ngram proposer): free, and right wherever the output
+    repeats its context (code edits, quoting, lists)."""
+
+    def __init__(self, longest: int, shortest: int):
+        self.longest, self.shortest = longest, shortest
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[Proposal]:
+        return [Proposal(self.lookup(seq.all_ids, limit), None) for seq, limit in zip(seqs, limits)]
+
+    def lookup(self, ids: list[int], limit: int) -> list[int]:
+        if limit < 1:
+            return []
+        context = torch.tensor(ids)
+        for n in range(min(self.longest, len(ids) - 1), self.shortest - 1, -1):
+            # every earlier n-gram (the last one, which is the pattern itself, left out) against the last n tokens
+            hits = (context[:-1].unfold(0, n, 1) == context[-n:]).all(1).nonzero()
+            if len(hits):
+                start = int(hits[-1]) + n
+                return ids[start:start + limit]
+        return []
+
+    def keep(self, seqs: list[Sequence], lengths: list[int]) -> None:
+        """Nothing to roll back: the proposer keeps no state."""
+
+
+class DraftModel:
+    """A draft model run beside the target: a cache of its own in the target's layout, one draft sequence per running
+    request (same id and batch slot), kept level with the request's tokens. Each step it feeds what it has not seen
+    (a new request's context; after all k proposals passed, the last of them), then the request's newest token and
+    k - 1 proposals, one checkpointed decode step each, so the target's verdict can roll it back to any of them."""
+
+    def __init__(self, model, kv_cache: str, max_batch: int, cache_len: int, block_size: int, k: int):
+        param = next(model.parameters())
+        specs = model.cache_specs()
+        self.k = k
+        # room for every slot's worst case, so a draft never waits for blocks (it is small beside its target)
+        _, num_blocks = size_cache(specs, param.dtype, kv_cache, max_batch, cache_len, block_size, None, None, k + 1)
+        self.pool = CachePool(specs, kv_cache, max_batch, cache_len, block_size, num_blocks, param.dtype, param.device)
+        self.managers = [BlockManager(n, block_size, group.retention, "reserve", step_tokens=k + 1)
+                         for n, group in zip(num_blocks, self.pool.groups)]
+        self.runner = ModelRunner(model.eval(), self.pool, self.managers, param.device, cache_len)
+        self.seqs: dict[int, tuple[Sequence, int]] = {}  # request id -> its draft sequence, the request's preemptions
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[Proposal]:
+        drafts = self.level(seqs)
+        self.pool.forget_steps()
+        self.catch_up(seqs, drafts)
+        floors = [len(seq.all_ids) for seq in seqs]  # the newest token stays: rollback never goes below it
+        proposed: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for i in range(max(limits)):
+            # the newest token first, then each proposal but the last (sampled from the logits fed last)
+            tokens = [[mine[-1] if mine else seq.all_ids[-1]] for seq, mine in zip(seqs, proposed)]
+            logits = self.runner.feed(drafts, tokens, checkpoints=True, floors=floors)[:, -1]
+            for seq, row, limit, mine, my_probs in zip(seqs, logits, limits, proposed, probs):
+                history = seq.all_ids + mine
+                if seq.params.greedy or i >= limit:  # past its limit a token is a placeholder: no randomness spent
+                    mine.append(int(processed_logits(row, seq.params, history).argmax()))
+                else:
+                    q = token_distribution(row, seq.params, history)
+                    mine.append(int(torch.multinomial(q, 1, generator=seq.generator)))
+                    my_probs.append(q)
+        return [Proposal(mine[:limit], torch.stack(my_probs[:limit]) if my_probs[:limit] else None)
+                for mine, my_probs, limit in zip(proposed, probs, limits)]
+
+    def level(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Draft sequences for these requests: a request that ended or was preempted since (recomputed from scratch
+        by the target) gives its draft's blocks back; a new or readmitted one gets an empty draft."""
+        live = {seq.request_id: seq for seq in seqs}
+        for request_id, (draft, preemptions) in list(self.seqs.items()):
+            seq = live.get(request_id)
+            if seq is None or seq.preemptions != preemptions:
+                for manager in self.managers:
+                    manager.release(draft)
+                del self.seqs[request_id]
+        for seq in seqs:
+            if seq.request_id not in self.seqs:
+                draft = Sequence(seq.request_id, seq.prompt_ids, seq.params, None, lookahead=self.k)
+                draft.slot = seq.slot
+                for manager in self.managers:
+                    manager.admit(draft, 0)
+                self.seqs[seq.request_id] = (draft, seq.preemptions)
+        return [self.seqs[seq.request_id][0] for seq in seqs]
+
+    def catch_up(self, seqs: list[Sequence], drafts: list[Sequence]) -> None:
+        """Feed each draft the request's tokens it has not seen, all but the newest: batched where they are the same
+        number of tokens on top of a cache; a prefill (from nothing) per request."""
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for i, (seq, draft) in enumerate(zip(seqs, drafts)):
+            behind = len(seq.all_ids) - 1 - draft.num_cached
+            if behind > 0:
+                groups.setdefault((behind, draft.num_cached == 0), []).append(i)
+        for (behind, fresh), members in groups.items():
+            for part in ([[i] for i in members] if fresh else [members]):
+                self.runner.feed([drafts[i] for i in part],
+                                 [seqs[i].all_ids[drafts[i].num_cached:-1] for i in part])
+
+    def keep(self, seqs: list[Sequence], lengths: list[int]) -> None:
+        """The target kept each request's first `length` tokens: its draft keeps as many of them as it has fed."""
+        drafts = [self.seqs[seq.request_id][0] for seq in seqs]
+        self.runner.rollback(drafts, [min(length, draft.num_cached) for draft, length in zip(drafts, lengths)])
