@@ -1,6 +1,6 @@
 """PNG charts of a comparison: cache bytes vs context, decode throughput vs batch, per-token latency vs context,
-measured decode step vs its roofline floor, and for masked diffusion LMs tokens/s vs sampler steps beside
-autoregressive decode."""
+measured decode step vs its roofline floor, for masked diffusion LMs tokens/s vs sampler steps beside
+autoregressive decode, and for trained models (`zoo compare --weights`) validation bits per byte vs cache bytes."""
 from pathlib import Path
 
 import matplotlib
@@ -58,7 +58,56 @@ def write_charts(rows: list[dict], out: Path) -> list[Path]:
     charts = autoregressive_charts(autoregressive, out) if autoregressive else []
     if diffusion:
         charts.append(diffusion_chart(diffusion, autoregressive, out))
+    if any("val_bpb" in r for r in rows):
+        charts.append(quality_chart([r for r in rows if "val_bpb" in r], out))
     return charts
+
+
+def tokens_text(tokens: int) -> str:
+    return f"{tokens / 1e6:.1f}M" if tokens >= 100_000 else f"{tokens / 1e3:.1f}K"
+
+
+def budget_title(rows: list[dict]) -> str:
+    """What each model was trained with: "equal budget: 3 min / 5.1M tokens each on 2-core CPU", a token range
+    where an equal time budget bought different token counts, or each model's budget where they differ."""
+    runs = {r["arch"]: r for r in rows}.values()
+    hardware = {r["train_hardware"] for r in runs}
+    where = f" on {hardware.pop()}" if len(hardware) == 1 else " on different hardware"
+    budgets = {r["train_budget"] for r in runs}
+    if len(budgets) > 1:
+        return "budgets differ: " + ", ".join(f"{r['arch']} {r['train_budget']} / {tokens_text(r['train_tokens'])} "
+                                              f"tokens" for r in runs) + where
+    tokens = sorted({r["train_tokens"] for r in runs})
+    spent = " to ".join(tokens_text(t) for t in dict.fromkeys([tokens[0], tokens[-1]])) + " tokens"
+    return f"equal budget: {budgets.pop()} / {spent} each{where}"
+
+
+def quality_chart(rows: list[dict], out: Path) -> Path:
+    """One labelled point per trained architecture: validation bits per byte against cache bytes per sequence at
+    its largest context (the largest of its rows there: a diffusion LM's dual cache), the unigram baseline as a
+    line. A diffusion LM's point is its ELBO bound, so labelled."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    for i, (arch, rs) in enumerate(by_arch(rows).items()):
+        context = max(r["context"] for r in rs)
+        x = max(r["analytic_cache_bytes"] / r["batch"] for r in rs if r["context"] == context) / 2**20
+        bound = rs[0]["val_metric"] != "bits per byte"
+        ax.scatter([x], [rs[0]["val_bpb"]], marker=MARKERS[i % len(MARKERS)], s=50, zorder=3)
+        ax.annotate(f"{arch} (ELBO bound)" if bound else arch, (x, rs[0]["val_bpb"]), xytext=(5, 4),
+                    textcoords="offset points", fontsize=8)
+    ax.axhline(rows[0]["unigram_bpb"], color="black", linestyle=DASHES[1], linewidth=1,
+               label=f"unigram baseline {rows[0]['unigram_bpb']:.2f}")
+    ax.set_xscale("log")
+    ax.margins(x=0.15)  # room for the labels of the outermost points
+    ax.set(title=budget_title(rows), xlabel=f"cache MiB per sequence at context {max(r['context'] for r in rows)} "
+           f"(+ {rows[0]['new_tokens']} new tokens)", ylabel="validation bits per byte (lower is better)")
+    ax.title.set_fontsize(9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "quality_vs_cache.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def diffusion_chart(diffusion: list[dict], autoregressive: list[dict], out: Path) -> Path:

@@ -1,5 +1,5 @@
-"""The `zoo` command: list architectures, compare them, load-test the engine, generate text, train them on associative
-recall."""
+"""The `zoo` command: list architectures, compare them, load-test the engine, generate text, train them as byte-level
+LMs and on associative recall."""
 import argparse
 import sys
 from pathlib import Path
@@ -19,7 +19,8 @@ from harness.serve_bench import ServeBenchSettings, run_serve_bench
 from harness.serve_bench import markdown_table as serve_table
 from harness.serve_charts import write_serve_charts
 from harness.table import markdown_table
-from harness.weights import check_weights_file, load_weights
+from harness.train import cli as train_cli
+from zoo.weights import check_weights_file, load_weights
 
 
 def int_list(text: str) -> list[int]:
@@ -56,7 +57,8 @@ def cmd_compare(args) -> None:
                                new_tokens=args.new_tokens, dtype=args.dtype, kv_cache=args.kv_cache,
                                block_size=args.block_size, device=args.device, seed=args.seed, out=Path(args.out),
                                diffusion_steps=args.diffusion_steps, block_length=args.block_length,
-                               diffusion_caches=args.diffusion_caches)
+                               diffusion_caches=args.diffusion_caches,
+                               weights=Path(args.weights) if args.weights else None)
     rows = run_compare(settings, show_progress=not args.quiet)
     table = markdown_table(rows)
     write_atomic(settings.out / "table.md", table)
@@ -66,6 +68,11 @@ def cmd_compare(args) -> None:
     if rated:
         print(f"roofline ceilings: {rated[-1]['stream_gb_s']:.1f} GB/s stream, {rated[-1]['matmul_gflop_s']:.0f} GFLOP/s "
               f"matmul ({rated[-1]['rates_how']}); floor = max(step bytes / stream, step FLOPs / matmul)")
+    trained = [r for r in rows if "val_bpb" in r]
+    if trained:
+        print(f"val bpb: measured here on {trained[0]['val_windows']} fixed validation windows at context "
+              f"{trained[0]['val_context']} of the checkpoints' corpus (a diffusion LM's: its ELBO bound); "
+              f"unigram baseline {trained[0]['unigram_bpb']:.3f} bpb")
     print(f"settings: {settings_dict(settings)}")
     print(f"wrote {settings.out / 'results.jsonl'}, {settings.out / 'table.md'}, " + ", ".join(str(c) for c in charts))
 
@@ -165,7 +172,8 @@ def parser() -> argparse.ArgumentParser:
                                    "prints a table and writes OUT/table.md and PNG charts.")
     d = CompareSettings()
     c.add_argument("--archs", type=name_list, default=d.archs, help=f"comma-separated architectures (default: {','.join(d.archs)}; see `zoo list`)")
-    c.add_argument("--preset", default=d.preset, choices=list(zoo.PRESETS), help=f"model size (default: {d.preset})")
+    c.add_argument("--preset", choices=list(zoo.PRESETS), help=f"model size (default: {d.preset}; with --weights, the "
+                                                               f"checkpoints' own, which a given --preset must match)")
     c.add_argument("--contexts", type=int_list, default=d.contexts, help=f"comma-separated prompt lengths in tokens (default: {','.join(map(str, d.contexts))})")
     c.add_argument("--batches", type=int_list, default=d.batches, help=f"comma-separated batch sizes (default: {','.join(map(str, d.batches))})")
     c.add_argument("--new-tokens", type=int, default=d.new_tokens, help=f"tokens decoded per request, greedy (default: {d.new_tokens})")
@@ -181,6 +189,10 @@ def parser() -> argparse.ArgumentParser:
                    "(default: 32 where new_tokens splits into them, else new_tokens)")
     c.add_argument("--diffusion-caches", type=name_list, default=d.diffusion_caches,
                    help=f"masked diffusion LMs: Fast-dLLM caches to measure (default: {','.join(d.diffusion_caches)})")
+    c.add_argument("--weights", metavar="DIR", help="trained models instead of random weights: DIR holds one `zoo "
+                   "train` output folder per architecture, named by it (DIR/gqa, DIR/mamba, ...); each row adds the "
+                   "model's validation bits per byte and training budget, and quality_vs_cache.png is drawn "
+                   "(default: none, random weights)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_compare)
 
@@ -211,6 +223,7 @@ def parser() -> argparse.ArgumentParser:
                                                    "confident (Fast-dLLM parallel decoding) instead of a fixed count")
     g.set_defaults(func=cmd_generate)
 
+    train_cli.add_parser(sub)
     recall_cli.add_parser(sub, int_list, name_list)
     return p
 

@@ -16,18 +16,20 @@ from harness.engine import Engine
 from harness.metrics import summarize
 from harness.results import ResultStore, check_output_folder
 from harness.sampling import SamplingParams
+from harness.train.trained import TrainedModel, read_trained, validation_set
 from zoo import checks
 
 # The fields that identify a cell: a re-run skips rows that match on all of them.
 CELL_KEY = ("arch", "preset", "context", "batch", "new_tokens", "dtype", "kv_cache", "device", "block_size",
-            "steps", "block_length", "diffusion_cache")  # the last three: diffusion cells only (None otherwise)
+            "steps", "block_length", "diffusion_cache",  # these three: diffusion cells only (None otherwise)
+            "weights")  # the trained checkpoint's folder (None: random weights, as every row before --weights)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class CompareSettings:
     archs: list[str] = field(default_factory=zoo.compare_defaults)  # the registry entries marked compare_default
-    preset: str = "small"
+    preset: str | None = None  # None: "small", or with weights the preset the checkpoints were trained at
     contexts: list[int] = field(default_factory=lambda: [256, 1024, 2048])
     batches: list[int] = field(default_factory=lambda: [1, 2, 4])  # 8 made the CPU default prefill-bound (BENCHMARKS.md)
     new_tokens: int = 16
@@ -42,8 +44,13 @@ class CompareSettings:
     diffusion_steps: list[int] | None = None
     block_length: int | None = None
     diffusion_caches: list[str] = field(default_factory=lambda: list(CACHE_MODES))
+    # a folder of `zoo train` outputs, one per architecture named by it (DIR/gqa, ...): those trained models instead
+    # of random weights, each row with its validation bits per byte and training budget (harness/train/trained.py)
+    weights: Path | None = None
 
     def __post_init__(self):
+        if self.preset is None and self.weights is None:
+            self.preset = "small"
         # the diffusion defaults are derived from these two, so they are checked first
         checks.integer("new_tokens (TPOT needs two tokens)", self.new_tokens, minimum=2)
         if self.block_length is None:
@@ -52,13 +59,15 @@ class CompareSettings:
         if self.diffusion_steps is None:
             self.diffusion_steps = default_steps(self.new_tokens, self.block_length)
 
-    def validate(self) -> None:
-        """Every bad setting is reported before any model is built."""
+    def validate(self) -> dict[str, TrainedModel]:
+        """Every bad setting is reported before any model is built; returns the trained models (none without
+        weights), whose preset becomes the comparison's."""
         if not self.archs:
             raise ValueError(f"no architectures to compare (archs is empty); allowed: {', '.join(zoo.architectures())}")
         for arch in self.archs:
             zoo.registry.check_architecture(arch)
-        zoo.presets.preset_settings(self.preset)
+        if self.preset is not None:
+            zoo.presets.preset_settings(self.preset)
         checks.choice("dtype", self.dtype, DTYPES)
         checks.integer_list("contexts", self.contexts, minimum=1)
         checks.integer_list("batches", self.batches, minimum=1)
@@ -67,12 +76,18 @@ class CompareSettings:
         checks.integer("seed", self.seed, minimum=0, maximum=2**64 - 1)  # what torch.manual_seed takes
         checks.device("device", self.device)
         check_output_folder(self.out)
-        limit = zoo.PRESETS[self.preset].max_seq_len
-        if max(self.contexts) + self.new_tokens > limit:
-            raise ValueError(f"context {max(self.contexts)} + new_tokens {self.new_tokens} exceeds the {self.preset!r} "
-                             f"preset's max_seq_len={limit}")
+        trained = {} if self.weights is None else read_trained(self.weights, self.archs, self.preset)
+        if trained:
+            self.preset = next(iter(trained.values())).preset
+        limits = [(t.config.max_seq_len, f"{a}'s checkpoint's") for a, t in trained.items()] or [
+            (zoo.PRESETS[self.preset].max_seq_len, f"the {self.preset!r} preset's")]
+        for limit, whose in limits:
+            if max(self.contexts) + self.new_tokens > limit:
+                raise ValueError(f"context {max(self.contexts)} + new_tokens {self.new_tokens} exceeds {whose} "
+                                 f"max_seq_len={limit}")
         if any(not zoo.is_causal(a) for a in self.archs):
             self.validate_diffusion()
+        return trained
 
     def validate_diffusion(self) -> None:
         if self.new_tokens % self.block_length:
@@ -86,24 +101,28 @@ class CompareSettings:
         if not self.diffusion_caches or unknown:
             raise ValueError(f"unknown diffusion cache {unknown or self.diffusion_caches}; allowed: {', '.join(CACHE_MODES)}")
 
-    def cells(self) -> list[dict]:
+    def cells(self, trained: dict[str, TrainedModel] | None = None) -> list[dict]:
         common = {"preset": self.preset, "new_tokens": self.new_tokens, "dtype": self.dtype,
                   "kv_cache": self.kv_cache, "device": self.device, "block_size": self.block_size}
         autoregressive = {"steps": None, "block_length": None, "diffusion_cache": None}
         cells = []
         for a in self.archs:
+            weights = str(trained[a].folder) if trained else None
             for c in self.contexts:
                 for b in self.batches:
                     if zoo.is_causal(a):
-                        cells.append({"arch": a, "context": c, "batch": b, **common, **autoregressive})
+                        cells.append({"arch": a, "context": c, "batch": b, **common, **autoregressive, "weights": weights})
                     else:  # no-cache first: cached cells measure their agreement against it
-                        cells += [{"arch": a, "context": c, "batch": b, **common, "steps": s,
+                        cells += [{"arch": a, "context": c, "batch": b, **common, "weights": weights, "steps": s,
                                    "block_length": self.block_length, "diffusion_cache": cache}
                                   for s in self.diffusion_steps for cache in self.diffusion_caches]
         return cells
 
 
-def build_model(arch: str, settings: CompareSettings):
+def build_model(arch: str, settings: CompareSettings, trained: TrainedModel | None = None):
+    """The trained model when there is one, else the preset's random weights (seeded)."""
+    if trained is not None:
+        return zoo.load(trained.folder, settings.device).to(dtype=DTYPES[settings.dtype])
     torch.manual_seed(settings.seed)
     return zoo.build(arch, preset=settings.preset).to(device=settings.device, dtype=DTYPES[settings.dtype]).eval()
 
@@ -174,22 +193,26 @@ def measure_rates(settings: CompareSettings) -> roofline.MachineRates:
 
 
 def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[dict]:
-    """Measure every cell not already in results.jsonl; returns all rows of this settings' cells."""
-    settings.validate()
-    store = ResultStore(settings.out / "results.jsonl", CELL_KEY)
-    todo = [c for c in settings.cells() if not store.done(c)]
+    """Measure every cell not already in results.jsonl; returns all rows of this settings' cells. With weights,
+    each architecture's rows also carry its validation figure, measured once per model."""
+    trained = settings.validate()
+    store = ResultStore(settings.out / "results.jsonl", CELL_KEY, defaults={"weights": None})
+    todo = [c for c in settings.cells(trained) if not store.done(c)]
     if todo:
         rates = measure_rates(settings) if any(not c["steps"] for c in todo) else None
-        model_arch, model, reference = None, None, {}
+        validation = validation_set(trained) if trained else None
+        model_arch, model, reference, quality = None, None, {}, {}
         bar = tqdm(todo, desc="zoo compare", unit="cell", disable=not show_progress)
         for cell in bar:
             diffusion = f" steps={cell['steps']} cache={cell['diffusion_cache']}" if cell["steps"] else ""
             bar.set_postfix_str(f"{cell['arch']} ctx={cell['context']} batch={cell['batch']}{diffusion}")
             if cell["arch"] != model_arch:
-                model_arch, model, reference = cell["arch"], build_model(cell["arch"], settings), {}
+                model_arch, reference = cell["arch"], {}
+                model = build_model(model_arch, settings, trained.get(model_arch))
+                quality = validation.fields(model, trained[model_arch]) if validation else {}
             if cell["steps"]:
-                store.append(measure_diffusion_cell(model, cell, settings.seed, reference))
+                store.append({**measure_diffusion_cell(model, cell, settings.seed, reference), **quality})
             else:
-                store.append(measure_cell(model, cell, rates, settings.seed))
-    wanted = {store.key(c) for c in settings.cells()}
+                store.append({**measure_cell(model, cell, rates, settings.seed), **quality})
+    wanted = {store.key(c) for c in settings.cells(trained)}
     return [r for r in store.rows if store.key(r) in wanted]

@@ -1,4 +1,5 @@
-"""The comparison as Markdown tables, one row per measured cell: autoregressive cells, then diffusion cells.
+"""The comparison as Markdown tables, one row per measured cell: autoregressive cells, then diffusion cells; rows of
+trained models (`zoo compare --weights`) add their validation bits per byte (a diffusion LM's: its ELBO bound).
 
 A column is (title, key or tuple of keys, format): a tuple fills one cell from several fields ("measured / floor").
 """
@@ -34,6 +35,8 @@ DIFFUSION_COLUMNS = [
     ("agrees w/ no cache", "agreement_vs_no_cache", "{:.1%}"),
 ]
 CACHE_ORDER = ("none", "prefix", "dual")
+QUALITY_COLUMN = ("val bpb", "val_bpb", "{:.3f}")
+BOUND_COLUMN = ("val bpb (ELBO bound)", "val_bpb", "≤ {:.3f}")
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]], order) -> list[str]:
@@ -55,9 +58,10 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]], order) -> list[
 def markdown_table(rows: list[dict]) -> str:
     autoregressive = [r for r in rows if not r.get("steps")]
     diffusion = [r for r in rows if r.get("steps")]
-    lines = table(autoregressive, COLUMNS, lambda r: (r["arch"], r["context"], r["batch"])) if autoregressive else []
+    columns = COLUMNS + [QUALITY_COLUMN] * any("val_bpb" in r for r in autoregressive)
+    lines = table(autoregressive, columns, lambda r: (r["arch"], r["context"], r["batch"])) if autoregressive else []
     if diffusion:
         lines += ([""] if lines else []) + ["Masked diffusion LM (LLaDA sampler; first block = the TTFT analogue):", ""]
-        lines += table(diffusion, DIFFUSION_COLUMNS,
+        lines += table(diffusion, DIFFUSION_COLUMNS + [BOUND_COLUMN] * any("val_bpb" in r for r in diffusion),
                        lambda r: (r["arch"], r["context"], r["batch"], -r["steps"], CACHE_ORDER.index(r["diffusion_cache"])))
     return "\n".join(lines) + "\n"

@@ -1,15 +1,16 @@
-"""archzoo's front door: build any registered decoder architecture, size its cache, load HF weights."""
+"""archzoo's front door: build any registered decoder architecture, size its cache, save and load it, load HF weights."""
 from zoo.cache import cache_bytes, cache_read_bytes, decode_weight_bytes, parameter_bytes
 from zoo.config import MixerSpec, ModelConfig
 from zoo.hf import from_hf
 from zoo.model import DecoderLM
 from zoo.presets import PRESETS
 from zoo.build import build
+from zoo.checkpoint import load, save
 from zoo.registry import architectures, compare_defaults, describe, details, is_causal, make_config
 from zoo.tokenizer import ByteTokenizer
 
 __all__ = [
     "ByteTokenizer", "DecoderLM", "MixerSpec", "ModelConfig", "PRESETS",
     "architectures", "build", "cache_bytes", "cache_read_bytes", "compare_defaults", "decode_weight_bytes", "describe", "details",
-    "from_hf", "is_causal", "make_config", "parameter_bytes",
+    "from_hf", "is_causal", "load", "make_config", "parameter_bytes", "save",
 ]

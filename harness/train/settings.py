@@ -1,0 +1,107 @@
+"""`zoo train`'s settings: one dataclass, every value checked (and a resumed checkpoint's settings compared) before
+any model is built or any byte of the corpus is read."""
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import zoo
+from harness.results import check_output_folder, settings_dict
+from harness.train.checkpoint import read_train_state
+from harness.train.corpus import check_corpus_path
+from zoo import checks
+
+AUTOCAST = ("auto", "on", "off")
+# Settings a resumed run may change: its budgets, how often it evaluates, and where and how fast it runs. Every
+# other setting decides the model, the data or the trajectory, so a checkpoint written with another value is refused.
+RESUMABLE_CHANGES = ("minutes", "max_steps", "eval_every", "autocast", "device", "out")
+BYTE_VOCAB = 256  # token ids are raw bytes
+
+
+@dataclass
+class TrainSettings:
+    arch: str = "gqa"
+    preset: str = "tiny"
+    overrides: dict = field(default_factory=dict)  # registry settings (`zoo describe ARCH`), e.g. {"window": 32}
+    corpus: Path | None = None  # a text file or a folder of them; None: this Python's standard library sources
+    context: int = 256  # bytes the model reads per window (it predicts each one's next byte)
+    batch_size: int = 32
+    lr: float = 3e-3  # the peak, after warmup (BENCHMARKS.md: the search)
+    warmup_steps: int = 50
+    minutes: float | None = 3.0  # training-time budget (optimizer steps; evaluations not counted); None: steps only
+    max_steps: int | None = None  # step budget; None: time only
+    eval_every: int = 100  # steps between validation figures (one is also taken at the end)
+    eval_windows: int = 256  # fixed validation windows, each context + 1 bytes
+    autocast: str = "auto"  # bf16 autocast: "on", "off", or "auto" (see autocast_enabled)
+    device: str = "cpu"
+    seed: int = 0  # weights, batches and a diffusion LM's masking draws
+    out: Path | None = None  # default: results/train/ARCH-PRESET
+
+    def __post_init__(self):
+        if self.out is None:
+            self.out = Path("results/train") / f"{self.arch}-{self.preset}"
+        self.out = Path(self.out)
+
+    def validate(self) -> zoo.ModelConfig:
+        """Every bad setting is reported before any work; returns the model config the settings build."""
+        zoo.registry.check_architecture(self.arch)
+        zoo.presets.preset_settings(self.preset)
+        if not isinstance(self.overrides, dict) or not all(isinstance(name, str) for name in self.overrides):
+            raise ValueError(f"overrides must map registry setting names to values, got {self.overrides!r}")
+        config = zoo.make_config(self.arch, self.preset, **self.overrides)
+        with torch.device("meta"):  # the mixers' own checks, without allocating any weights
+            zoo.DecoderLM(config)
+        data_vocab = config.vocab_size - (0 if config.causal else 1)  # a diffusion LM's last id is its mask
+        if data_vocab < BYTE_VOCAB:
+            raise ValueError(f"vocab_size {data_vocab} is too small for a byte-level model: token ids are bytes "
+                             f"0..255, so it must be >= {BYTE_VOCAB} (e.g. --set vocab_size=256)")
+        checks.integer("context", self.context, minimum=1)
+        if self.context > config.max_seq_len:
+            raise ValueError(f"context {self.context} is longer than the model's max_seq_len {config.max_seq_len} "
+                             f"({self.arch}, preset {self.preset}): use a shorter context or --set "
+                             f"max_seq_len={self.context}")
+        checks.integer("batch_size", self.batch_size, minimum=1)
+        checks.real("lr", self.lr, minimum=0, open_min=True)
+        checks.integer("warmup_steps", self.warmup_steps, minimum=0)
+        if self.minutes is None and self.max_steps is None:
+            raise ValueError("no budget: give minutes, max_steps or both")
+        if self.minutes is not None:
+            checks.real("minutes", self.minutes, minimum=0, open_min=True)
+        checks.optional_integer("max_steps", self.max_steps, minimum=1)
+        checks.integer("eval_every", self.eval_every, minimum=1)
+        checks.integer("eval_windows", self.eval_windows, minimum=1)
+        checks.choice("autocast", self.autocast, AUTOCAST)
+        checks.device("device", self.device)
+        checks.integer("seed", self.seed, minimum=0, maximum=2**63 - 1)  # torch.manual_seed and numpy both take it
+        check_corpus_path(self.corpus)
+        check_output_folder(self.out)
+        saved = read_train_state(self.out)
+        if saved is not None:
+            self.check_resume(saved["settings"])
+        return config
+
+    def autocast_enabled(self) -> bool:
+        """auto: on for CUDA, and on a CPU where oneDNN has bf16 kernels (AVX-512 or AMX): on this project's 2-core
+        EPYC a training step took as long or less with it, up to 1.5x less (benchmarks/train_autocast.py,
+        BENCHMARKS.md); a CPU without them emulates bf16, so off there."""
+        if self.autocast == "auto":
+            return torch.device(self.device).type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return self.autocast == "on"
+
+    def fixed(self) -> dict:
+        """The settings a resumed run must share with its checkpoint, as they are recorded."""
+        return {name: value for name, value in self.record().items() if name not in RESUMABLE_CHANGES}
+
+    def record(self) -> dict:
+        """The settings as JSON values, the corpus as an absolute path (how a checkpoint records them)."""
+        return {**settings_dict(self), "corpus": None if self.corpus is None else str(Path(self.corpus).resolve())}
+
+    def check_resume(self, saved: dict) -> None:
+        """OUT already holds a checkpoint: these settings may continue it only if they train the same model on the
+        same data the same way (budgets, evaluation cadence, device and autocast may change)."""
+        differ = [f"{name} {saved.get(name)!r} (checkpoint) vs {value!r} (now)" for name, value in self.fixed().items()
+                  if saved.get(name) != value]
+        if differ:
+            raise ValueError(f"{self.out} holds a checkpoint trained with other settings: {'; '.join(differ)}. "
+                             f"Pass the checkpoint's settings to continue it (only {', '.join(RESUMABLE_CHANGES)} may "
+                             f"change), or another --out to start afresh")
