@@ -124,6 +124,8 @@ class LinearAttention(nn.Module):
             cache.write_steps({"kv": torch.stack(kvs, 1), "normalizer": torch.stack(normalizers, 1)}, batch)
             return self.merge(torch.stack(outs, 2))
         else:
+            if batch.padded:  # a padded token's key feature 0 adds nothing to S or z: the state stops at a row's end
+                k = k * batch.real_tokens()[:, None, :, None]
             out, s, z = linear_attention_chunked(q, k, v, s, z, chunk_size=self.chunk_size, eps=self.eps)
         cache.write({"kv": s, "normalizer": z}, batch)
         return self.merge(out)

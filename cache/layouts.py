@@ -116,9 +116,14 @@ class ContiguousKV(KVTensors):
         k = k.transpose(1, 2)  # [B, T, KVH, D]
         v = None if v is None else v.transpose(1, 2)
         rows = self.retention.row(batch.positions)
-        if self.rolling and k.shape[1] > 1 and not batch.checkpoints:
-            # several tokens into a ring: only the kept ones, else two positions could land in one row
+        kept = None
+        if batch.padded and not self.rolling:  # padding past a row's end may lie past the buffer: not written
+            kept = batch.real_tokens()
+        elif self.rolling and k.shape[1] > 1 and not batch.checkpoints:
+            # several tokens into a ring: only the kept ones (never padding, past the newest query), else two
+            # positions could land in one row
             kept = self.retention.visible(batch.positions, (batch.lengths.long() - 1)[:, None])
+        if kept is not None:
             seqs, steps = kept.nonzero(as_tuple=True)
             index = (batch.slots[seqs], slice(None), rows[seqs, steps])
             k, v = k[seqs, steps], None if v is None else v[seqs, steps]

@@ -107,12 +107,23 @@ class CacheBatch:
     # state mixer hands its view the state after every new token (StateView.write_steps) and a ring buffer keeps
     # the rows it overwrites; the engine then keeps the accepted prefix (CachePool.rollback)
     checkpoints: bool = False
+    # several sequences' prefill work in one forward (batched prefill): a row whose tokens end before T is padded on
+    # the right; positions at or past its length are padding, which no layer writes to its cache or state
+    padded: bool = False
 
     def __post_init__(self):
         if self.step not in STEP_KINDS:
             raise ValueError(f"unknown step kind {self.step!r}; allowed: {', '.join(STEP_KINDS)}")
         if self.step == "decode" and self.positions.shape[-1] != 1:
             raise ValueError(f"a decode step carries one new token per sequence, got {self.positions.shape[-1]}")
+
+    def real_tokens(self) -> torch.Tensor:
+        """[B, T] bool: the new tokens that are not padding."""
+        return self.positions < self.lengths[:, None]
+
+    def last_tokens(self) -> torch.Tensor:
+        """[B] index along T of each row's last real new token."""
+        return self.lengths.long() - self.positions[:, 0].long() - 1
 
     @property
     def is_prefill(self) -> bool:

@@ -74,7 +74,7 @@ class BeamSearch:
             manager.admit(self.root, len(self.root.prompt_ids))
         beams = [self.root] * p.num_beams  # transformers starts from num_beams copies, all but the first at NO_HOPE
         try:
-            logits = engine.runner.prefill(self.root, len(self.root.prompt_ids)).unsqueeze(0).expand(p.num_beams, -1)
+            logits = engine.runner.prefill([(self.root, len(self.root.prompt_ids))]).expand(p.num_beams, -1)
             return self.search(beams, logits) if p.num_beams > 1 else self.greedy(logits)
         finally:
             for seq in {id(s): s for s in self.live}.values():

@@ -10,7 +10,7 @@ import torch
 from harness.beam_search import BeamOutput, BeamSearch, BeamSearchParams
 from harness.block_manager import ADMISSIONS, BlockManager
 from harness.cache_pool import LAYOUTS, CachePool, size_cache
-from harness.model_runner import ModelRunner
+from harness.model_runner import ModelRunner, prefill_batches
 from harness.sampling import SamplingParams, sample_token
 from harness.scheduler import Scheduler
 from harness.sequence import RequestOutput, Sequence, Status, TokenEvent
@@ -264,15 +264,8 @@ class Engine:
         sampled ends alone with finish_reason "error"; the batched decode forward cannot tell whose row broke it, so
         its failure ends that step's batch."""
         events: list[TokenEvent] = []
-        for seq, new_tokens in self.scheduler.make_room(self.scheduler.schedule(self.max_num_batched_tokens)):
-            resumed = bool(seq.output_ids)  # preempted: its next token is known, and a decode step feeds it
-            try:
-                logits = self.runner.prefill(seq, new_tokens)
-            except Exception as error:  # noqa: BLE001 - any failure ends this request only
-                self.fail(seq, error, events)
-                continue
-            if seq.prefilled and not resumed:
-                self.emit([seq], logits.unsqueeze(0), events)
+        for chunks in prefill_batches(self.scheduler.make_room(self.scheduler.schedule(self.max_num_batched_tokens))):
+            self.prefill(chunks, events)
         self.scheduler.make_room()
         running = [seq for seq in self.scheduler.running if seq.prefilled]
         if running and self.speculator is not None:
@@ -289,6 +282,24 @@ class Engine:
             self.emit(running, logits, events)
             self.decode_stats.record(time.perf_counter() - start, len(running), kv_bytes)
         return events
+
+    def prefill(self, chunks: list[tuple[Sequence, int]], events: list[TokenEvent]) -> None:
+        """One forward of prefill work; a request whose prompt is now all in the cache gets its first token (a
+        preempted one already has it: the next decode feeds it). If a batched forward raises, one row's failure cannot
+        be told from another's: each request is prefilled again alone, and only those that fail alone end."""
+        first_token = [not seq.output_ids for seq, _ in chunks]
+        try:
+            logits = self.runner.prefill(chunks)
+        except Exception as error:  # noqa: BLE001 - any failure ends its requests only
+            if len(chunks) > 1:  # every row starts from nothing (prefill_batches), so a retry starts clean
+                for chunk in chunks:
+                    self.prefill([chunk], events)
+            else:
+                self.fail(chunks[0][0], error, events)
+            return
+        done = [(seq, row) for (seq, _), row, first in zip(chunks, logits, first_token) if first and seq.prefilled]
+        if done:
+            self.emit([seq for seq, _ in done], torch.stack([row for _, row in done]), events)
 
     def speculative_step(self, running: list[Sequence], events: list[TokenEvent]) -> None:
         """Proposals verified by one target forward: each request gains its accepted tokens and the target's own,

@@ -22,20 +22,25 @@ class ModelRunner:
         self.decode_forward = torch.compile(model, dynamic=False) if compile_decode else model
 
     @torch.inference_mode()
-    def prefill(self, seq: Sequence, new_tokens: int) -> torch.Tensor:
-        """Feed the next `new_tokens` of the sequence's prefill_ids (the prompt; for a preempted request also its
-        tokens so far): from position 0 a prefill, later a chunk on top of its cache. Returns the last position's
-        logits [vocab]."""
-        start = seq.num_cached
-        end = start + new_tokens
-        tokens = torch.tensor([seq.prefill_ids[start:end]], device=self.device)
-        positions = torch.arange(start, end, device=self.device).unsqueeze(0)
-        batch = self.cache_batch([seq], positions, [end], step="prefill" if not start else "chunk" if new_tokens > 1
-                                 else "decode")
+    def prefill(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Feed each sequence the next n tokens of its prefill_ids (the prompt; for a preempted request also its
+        tokens so far) in one forward: all from position 0 (a prefill) or all on top of their caches (a chunk), each
+        row right-padded to the longest (padding is neither cached nor folded into a state). Returns each row's
+        logits at its last real token [B, vocab]."""
+        seqs = [seq for seq, _ in chunks]
+        width = max(n for _, n in chunks)
+        starts = [seq.num_cached for seq in seqs]
+        tokens = torch.tensor([seq.prefill_ids[start:start + n] + [0] * (width - n)
+                               for (seq, n), start in zip(chunks, starts)], device=self.device)
+        positions = torch.tensor([range(start, start + width) for start in starts], device=self.device)
+        step = "prefill" if not any(starts) else "chunk" if width > 1 else "decode"
+        batch = self.cache_batch(seqs, positions, [start + n for (_, n), start in zip(chunks, starts)], step)
+        batch.padded = any(n < width for _, n in chunks)
         logits = self.model(tokens, positions, self.pool.layers, batch, last_only=True)
-        seq.num_cached = end
-        self.name_full_blocks([seq])
-        return logits[0, -1]
+        for seq, n in chunks:
+            seq.num_cached += n
+        self.name_full_blocks(seqs)
+        return logits[:, -1]
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -113,8 +118,26 @@ class ModelRunner:
             rows = [manager.tables[s.request_id] for s in seqs]
             width = manager.blocks_for(self.max_seq_len) if self.compile_decode else max(map(len, rows))
             tables.append(torch.tensor([row + [-1] * (width - len(row)) for row in rows], dtype=torch.int32, device=self.device))
-            mapping = [manager.slot(s, p, first or n)
+            mapping = [manager.slot(s, p, first or n) if p < n else -1  # padding is not written
                        for s, n, first, row in zip(seqs, lengths, firsts, positions.tolist()) for p in row]
             mappings.append(torch.tensor(mapping, dtype=torch.int64, device=self.device))
         batch.block_tables, batch.slot_mappings = tuple(tables), tuple(mappings)
         return batch
+
+
+PADDING_WASTE = 0.25  # a batched prefill pads its rows to the longest: at most this share of its tokens is padding
+
+
+def prefill_batches(chunks: list[tuple[Sequence, int]]) -> list[list[tuple[Sequence, int]]]:
+    """The step's prefill work as forwards: requests starting from nothing batched with others of similar length (the
+    padding stays under PADDING_WASTE of a batch); a chunk continuing from a cache alone, so a failed forward never
+    leaves another request's recurrent state half-updated."""
+    fresh = sorted((c for c in chunks if not c[0].num_cached), key=lambda c: -c[1])
+    batches: list[list[tuple[Sequence, int]]] = [[c] for c in chunks if c[0].num_cached]
+    for chunk in fresh:
+        group = batches[-1] if batches and not batches[-1][0][0].num_cached else None
+        if group and group[0][1] * (len(group) + 1) <= (1 + PADDING_WASTE) * (sum(n for _, n in group) + chunk[1]):
+            group.append(chunk)
+        else:
+            batches.append([chunk])
+    return batches

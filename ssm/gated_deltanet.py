@@ -130,6 +130,11 @@ class GatedDeltaNet(nn.Module):
             cache.write_steps({"conv": histories, "ssm": torch.stack(ssms, 1)}, batch)
             return self.output(o, gate, x.dtype)
         else:
+            if batch is not None and batch.padded:  # past a row's end: no decay, no write, so its state stops there
+                real = batch.real_tokens().unsqueeze(-1)
+                g, beta = g * real, beta * real
+                index = batch.last_tokens()[:, None] + 1 + torch.arange(self.d_conv - 1, device=x.device)
+                history = window.gather(2, index[:, None, :].expand(b, self.conv_dim, self.d_conv - 1))
             o, ssm = gated_delta_chunked(q, k, v, g.transpose(1, 2), beta.transpose(1, 2),
                                          None if states is None else states["ssm"], chunk_size=self.chunk_size)
         if cache is not None:

@@ -102,7 +102,7 @@ class Mamba2(nn.Module):
             cache.write_steps(steps, batch)
             return self.out_proj(y)
         else:
-            y, conv_state, ssm_state = self.scan(z, xbc, dt, states)
+            y, conv_state, ssm_state = self.scan(z, xbc, dt, states, batch.last_tokens() if batch and batch.padded else None)
         if cache is not None:
             cache.write({"conv": conv_state, "ssm": ssm_state}, batch)
         return self.out_proj(y)
@@ -113,8 +113,9 @@ class Mamba2(nn.Module):
         return (x.unflatten(-1, (self.n_heads, self.head_dim)), B.unflatten(-1, (self.n_groups, self.d_state)),
                 C.unflatten(-1, (self.n_groups, self.d_state)))
 
-    def scan(self, z, xbc, dt, states):
-        """Whole-sequence path (uncached forward, prefill, or several new tokens of a running sequence)."""
+    def scan(self, z, xbc, dt, states, last: torch.Tensor | None = None):
+        """Whole-sequence path (uncached forward, prefill, or several new tokens of a running sequence). last [B]: each
+        row's last real token in a right-padded batch, whose states are kept from there (None: the last of all)."""
         b = xbc.shape[0]
         xbc = xbc.transpose(1, 2)  # [B, conv_dim, T]
         if states is None:
@@ -123,10 +124,16 @@ class Mamba2(nn.Module):
         else:
             history, initial = states["conv"][..., 1:].to(xbc.dtype), states["ssm"]
         window = torch.cat([history, xbc], dim=-1)  # the d_conv - 1 inputs before this call, then this call's
-        conv_state = window[..., -self.d_conv:]  # t >= 1, so the window holds at least d_conv inputs
+        if last is None:
+            conv_state = window[..., -self.d_conv:]  # t >= 1, so the window holds at least d_conv inputs
+        else:  # the d_conv inputs ending at each row's last real token
+            index = last[:, None] + torch.arange(self.d_conv, device=window.device)
+            conv_state = window.gather(2, index[:, None, :].expand(b, self.conv_dim, self.d_conv))
         xbc = F.silu(F.conv1d(window, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)).transpose(1, 2)
         x, B, C = self.split_xbc(xbc)
         dt = F.softplus(dt.float() + self.dt_bias.float())
+        if last is not None:  # dt = 0 past a row's end: decay 1 and no input, so its state stops at its last token
+            dt = dt * (torch.arange(dt.shape[1], device=dt.device) <= last[:, None]).unsqueeze(-1)
         A = -torch.exp(self.A_log.float())
         y, ssm_state = ssd_scan(x, dt, A, B, C, self.chunk_size, D=self.D, initial_state=initial)
         y = self.norm(y.flatten(-2).to(z.dtype), z)

@@ -66,7 +66,9 @@ def test_batch_of_mixed_lengths_equals_each_alone(model, arch_name, kv_cache):
     assert_not_constant([t for o in batched for t in o.token_ids], arch_name)
     for prompt, p, out in zip(prompts, params, batched):
         alone = engine_for(model, kv_cache, max_batch=1).generate([prompt], p)[0]
-        assert_same_output(out, alone, ATOL, f"{arch_name}/{kv_cache} prompt len {len(prompt)}")
+        # the prompts are prefilled as one right-padded batch: a recurrence over other matrix shapes rounds fp32
+        # differently (Mamba: batched and alone each within 7e-5 of the float64 forward, 1.05e-4 of each other)
+        assert_same_output(out, alone, 2 * ATOL, f"{arch_name}/{kv_cache} prompt len {len(prompt)}")
 
 
 def test_preempted_requests_equal_their_alone_runs(model, arch_name):

@@ -66,10 +66,10 @@ def test_a_failing_prefill_ends_that_request_only(model, kv_cache, monkeypatch):
     prompts = make_prompts([5, 6, 7], model.config.vocab_size, seed=2)
     real_prefill = engine.runner.prefill
 
-    def prefill(seq, new_tokens):
-        if seq.request_id == 1:
+    def prefill(chunks):
+        if any(seq.request_id == 1 for seq, _ in chunks):
             raise ValueError("injected prefill failure")
-        return real_prefill(seq, new_tokens)
+        return real_prefill(chunks)
 
     monkeypatch.setattr(engine.runner, "prefill", prefill)
     outputs = engine.generate(prompts, greedy(5))

@@ -67,6 +67,16 @@ def test_a_draft_equal_to_the_target_is_always_accepted():
 
 
 @pytest.mark.parametrize("arch", ["gqa", "mamba", "hybrid"])
+def test_self_speculation_drafts_with_the_targets_first_layers(arch):
+    target = coupled_model(arch, 17, n_layers=3)
+    draft = target.first_layers(1)
+    assert draft.blocks[0] is target.blocks[0] and draft.head is target.head
+    assert_exact(target, draft, "paged", f"{arch} target, its first layer as draft")
+    with pytest.raises(ValueError, match=r"n_layers must be an integer in \[1, 2\]"):
+        target.first_layers(3)
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mamba", "hybrid"])
 def test_mixed_batch_lengths_stops_and_seeded_sampling(arch):
     """Greedy and seeded sampled requests in one batch, with stop tokens and outputs of every length: the greedy
     ones equal their alone-runs; a sampled one is reproducible by its seed (its draws differ from the target
@@ -140,7 +150,7 @@ def test_rollback_returns_each_cache_to_the_kept_prefix(kv_cache):
         probe.queue(seq)
     probe.scheduler.schedule(None)
     for seq in seqs:
-        probe.runner.prefill(seq, len(seq.prompt_ids) - 1)
+        probe.runner.prefill([(seq, len(seq.prompt_ids) - 1)])
         seq.output_ids.append(seq.prompt_ids.pop())  # the last prompt token becomes the newest, uncached
     probe.pool.forget_steps()
     noise = make_prompts([5, 5], model.config.vocab_size, seed=7)

@@ -1,4 +1,6 @@
 """The decoder LM: embedding -> pre-norm blocks (mixer + MLP) -> norm -> head."""
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -37,6 +39,20 @@ class DecoderLM(nn.Module):
         self.apply(init_weights)
         check_shared_caches(self.cache_specs())
 
+    def first_layers(self, n_layers: int) -> "DecoderLM":
+        """This model cut after its first n_layers blocks, sharing its weights (embedding, those blocks, final norm,
+        head): a draft for self-speculative decoding (early exit, as LayerSkip, Elhoushi et al. 2024) that costs no
+        weights of its own. It keeps its own caches: the layers it shares compute their keys twice."""
+        if not isinstance(n_layers, int) or not 1 <= n_layers < self.config.n_layers:
+            raise ValueError(f"n_layers must be an integer in [1, {self.config.n_layers - 1}] (fewer than the "
+                             f"model's {self.config.n_layers}), got {n_layers!r}")
+        config = dataclasses.replace(self.config, layers=self.config.layers[:n_layers],
+                                     name=f"{self.config.name}[:{n_layers}]")
+        with torch.device("meta"):  # every module is replaced by this model's own below
+            draft = DecoderLM(config)
+        draft.embed, draft.blocks, draft.norm, draft.head = self.embed, self.blocks[:n_layers], self.norm, self.head
+        return draft.train(self.training)
+
     def cache_specs(self):
         """Each layer's cache declaration, in layer order."""
         return [block.mixer.cache_spec() for block in self.blocks]
@@ -55,7 +71,10 @@ class DecoderLM(nn.Module):
         Without caches this is the full causal forward; the engine passes one cache per layer and a CacheBatch.
         """
         x = self.hidden_states(tokens, positions, caches, batch)
-        return self.head(x[:, -1:] if last_only else x)
+        if last_only:  # each row's last real token (a padded batch's rows end at their lengths)
+            x = x.gather(1, batch.last_tokens()[:, None, None].expand(-1, 1, x.shape[-1])) if batch and batch.padded \
+                else x[:, -1:]
+        return self.head(x)
 
     def hidden_states(self, tokens: torch.Tensor, positions=None, caches=None, batch=None) -> torch.Tensor:
         """The final-norm hidden states [B, T, d_model]: the forward without the head (a trainer that needs

@@ -103,17 +103,15 @@ class DraftModel:
         return [self.seqs[seq.request_id][0] for seq in seqs]
 
     def catch_up(self, seqs: list[Sequence], drafts: list[Sequence]) -> None:
-        """Feed each draft the request's tokens it has not seen, all but the newest: batched where they are the same
-        number of tokens on top of a cache; a prefill (from nothing) per request."""
+        """Feed each draft the request's tokens it has not seen, all but the newest, one forward per group of drafts
+        that feed as many tokens, from nothing (a prefill) or on top of their caches."""
         groups: dict[tuple[int, bool], list[int]] = {}
         for i, (seq, draft) in enumerate(zip(seqs, drafts)):
             behind = len(seq.all_ids) - 1 - draft.num_cached
             if behind > 0:
                 groups.setdefault((behind, draft.num_cached == 0), []).append(i)
-        for (behind, fresh), members in groups.items():
-            for part in ([[i] for i in members] if fresh else [members]):
-                self.runner.feed([drafts[i] for i in part],
-                                 [seqs[i].all_ids[drafts[i].num_cached:-1] for i in part])
+        for members in groups.values():
+            self.runner.feed([drafts[i] for i in members], [seqs[i].all_ids[drafts[i].num_cached:-1] for i in members])
 
     def keep(self, seqs: list[Sequence], lengths: list[int]) -> None:
         """The target kept each request's first `length` tokens: its draft keeps as many of them as it has fed."""
