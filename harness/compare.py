@@ -119,12 +119,13 @@ class CompareSettings:
         return cells
 
 
-def build_model(arch: str, settings: CompareSettings, trained: TrainedModel | None = None):
-    """The trained model when there is one, else the preset's random weights (seeded)."""
-    if trained is not None:
-        return zoo.load(trained.folder, settings.device).to(dtype=DTYPES[settings.dtype])
+def build_model(arch: str, settings: CompareSettings):
     torch.manual_seed(settings.seed)
     return zoo.build(arch, preset=settings.preset).to(device=settings.device, dtype=DTYPES[settings.dtype]).eval()
+
+
+def load_trained(trained: TrainedModel, settings: CompareSettings):
+    return zoo.load(trained.folder, settings.device).to(dtype=DTYPES[settings.dtype])
 
 
 def measure_cell(model, cell: dict, rates: roofline.MachineRates, seed: int) -> dict:
@@ -208,7 +209,7 @@ def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[d
             bar.set_postfix_str(f"{cell['arch']} ctx={cell['context']} batch={cell['batch']}{diffusion}")
             if cell["arch"] != model_arch:
                 model_arch, reference = cell["arch"], {}
-                model = build_model(model_arch, settings, trained.get(model_arch))
+                model = load_trained(trained[model_arch], settings) if trained else build_model(model_arch, settings)
                 quality = validation.fields(model, trained[model_arch]) if validation else {}
             if cell["steps"]:
                 store.append({**measure_diffusion_cell(model, cell, settings.seed, reference), **quality})

@@ -98,9 +98,9 @@ def test_a_checkpoint_is_continued_only_with_its_own_settings(tmp_path, corpus_d
     assert cli.main(TRAIN + out) == 0
     capsys.readouterr()
     monkeypatch.setattr(trainer, "load_corpus", fail_if_called("the corpus"))
-    assert cli.main(TRAIN + out + ["--context", "16", "--lr", "0.01", "--set", "n_kv_heads=4"]) == 2
+    assert cli.main(TRAIN + out + ["--context", "16", "--lr", "0.02", "--set", "n_kv_heads=4"]) == 2
     err = error_line(capsys)
     assert "holds a checkpoint trained with other settings" in err
     assert "overrides {} (checkpoint) vs {'n_kv_heads': 4} (now)" in err
-    assert "context 32 (checkpoint) vs 16 (now)" in err and "lr 0.003 (checkpoint) vs 0.01 (now)" in err
+    assert "context 32 (checkpoint) vs 16 (now)" in err and "lr 0.01 (checkpoint) vs 0.02 (now)" in err
     assert "only minutes, max_steps, eval_every, autocast, device, out may change" in err

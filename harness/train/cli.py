@@ -60,8 +60,9 @@ def add_parser(sub) -> None:
                                                                         f"checkpoints (default: {d.eval_every})")
     t.add_argument("--eval-windows", type=int, default=d.eval_windows, help=f"fixed validation windows of context + 1 "
                                                                             f"bytes (default: {d.eval_windows})")
-    t.add_argument("--autocast", default=d.autocast, choices=list(AUTOCAST), help="bf16 autocast: auto = on for CUDA "
-                   f"and for CPUs with bf16 kernels (AVX-512, AMX), where it is as fast or faster (default: {d.autocast})")
+    t.add_argument("--autocast", default=d.autocast, choices=list(AUTOCAST), help="bf16 autocast: auto = on for CUDA, and on "
+                   "CPUs with bf16 kernels (AVX-512, AMX) for models of d_model >= 512, where it measured 1.6x faster "
+                   f"(default: {d.autocast})")
     t.add_argument("--device", default=d.device, help=f"torch device, e.g. cpu or cuda (default: {d.device})")
     t.add_argument("--seed", type=int, default=d.seed, help=f"seed for weights, batches and masking (default: {d.seed})")
     t.add_argument("--out", help="output folder; an existing checkpoint there is continued (default: "

@@ -16,6 +16,10 @@ AUTOCAST = ("auto", "on", "off")
 # other setting decides the model, the data or the trajectory, so a checkpoint written with another value is refused.
 RESUMABLE_CHANGES = ("minutes", "max_steps", "eval_every", "autocast", "device", "out")
 BYTE_VOCAB = 256  # token ids are raw bytes
+# auto on CPU: bf16 autocast for models at least this wide, where oneDNN's bf16 kernels made a training step 1.6x
+# faster on the project's 2-core EPYC (small preset, gqa and mamba); at the tiny preset (d_model 64) it ranged from
+# 0.67x to 1.3x by architecture, 0.96x for the CPU default (benchmarks/train_autocast.py; BENCHMARKS.md)
+AUTOCAST_MIN_WIDTH = 512
 
 
 @dataclass
@@ -25,12 +29,12 @@ class TrainSettings:
     overrides: dict = field(default_factory=dict)  # registry settings (`zoo describe ARCH`), e.g. {"window": 32}
     corpus: Path | None = None  # a text file or a folder of them; None: this Python's standard library sources
     context: int = 256  # bytes the model reads per window (it predicts each one's next byte)
-    batch_size: int = 32
-    lr: float = 3e-3  # the peak, after warmup (BENCHMARKS.md: the search)
+    batch_size: int = 16  # with lr and context: the best of a measured search on 2 CPU cores (BENCHMARKS.md)
+    lr: float = 1e-2  # the peak, after warmup
     warmup_steps: int = 50
     minutes: float | None = 3.0  # training-time budget (optimizer steps; evaluations not counted); None: steps only
     max_steps: int | None = None  # step budget; None: time only
-    eval_every: int = 100  # steps between validation figures (one is also taken at the end)
+    eval_every: int = 250  # steps between validation figures (one is also taken at the end)
     eval_windows: int = 256  # fixed validation windows, each context + 1 bytes
     autocast: str = "auto"  # bf16 autocast: "on", "off", or "auto" (see autocast_enabled)
     device: str = "cpu"
@@ -80,13 +84,14 @@ class TrainSettings:
             self.check_resume(saved["settings"])
         return config
 
-    def autocast_enabled(self) -> bool:
-        """auto: on for CUDA, and on a CPU where oneDNN has bf16 kernels (AVX-512 or AMX): on this project's 2-core
-        EPYC a training step took as long or less with it, up to 1.5x less (benchmarks/train_autocast.py,
-        BENCHMARKS.md); a CPU without them emulates bf16, so off there."""
-        if self.autocast == "auto":
-            return torch.device(self.device).type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return self.autocast == "on"
+    def autocast_enabled(self, config: zoo.ModelConfig) -> bool:
+        """auto: on for CUDA; on CPU for models of d_model >= AUTOCAST_MIN_WIDTH where oneDNN has bf16 kernels for
+        the CPU (AVX-512 or AMX; without them bf16 is emulated)."""
+        if self.autocast != "auto":
+            return self.autocast == "on"
+        if torch.device(self.device).type == "cuda":
+            return True
+        return config.d_model >= AUTOCAST_MIN_WIDTH and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
     def fixed(self) -> dict:
         """The settings a resumed run must share with its checkpoint, as they are recorded."""

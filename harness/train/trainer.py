@@ -43,7 +43,7 @@ class Run:
     corpus: Corpus
     state: dict
 
-    def done(self) -> float:
+    def fraction_done(self) -> float:
         """Progress through the budget, in [0, 1]."""
         return progress(self.state["step"], self.state["trained_s"], self.settings.max_steps, self.settings.minutes)
 
@@ -118,7 +118,7 @@ def evaluate(run: Run, windows: torch.Tensor, lr: float, losses: list[float]) ->
     row = {"step": state["step"], "tokens": state["tokens"], "trained_s": state["trained_s"], "lr": lr,
            "train_loss_bpb": sum(losses) / len(losses),
            "val_bpb": objective.validation_bpb(run.model, windows, run.settings.batch_size),
-           "val_metric": state["metric"], "unigram_bpb": state["unigram_bpb"], "budget_end": run.done() >= 1.0}
+           "val_metric": state["metric"], "unigram_bpb": state["unigram_bpb"], "budget_end": run.fraction_done() >= 1.0}
     state["history"].append(row)
     return row
 
@@ -143,20 +143,20 @@ def run_train(settings: TrainSettings, show_progress: bool = True) -> dict:
     if state["history"]:  # resumed: results.jsonl as the checkpoint has it
         write_results(state, settings.out)
     windows = validation_windows(run.corpus, settings.eval_windows, settings.context + 1)
-    use_autocast = settings.autocast_enabled()
+    use_autocast = settings.autocast_enabled(run.model.config)
     wall_before, tokens_before, trained_before = state["wall_s"], state["tokens"], state["trained_s"]
     losses: list[float] = []  # bits per byte of the steps since the last evaluation
     bar = tqdm(total=100, desc=f"zoo train {settings.arch}", disable=not show_progress,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}{postfix}")
-    while run.done() < 1.0:
+    while run.fraction_done() < 1.0:
         start = time.perf_counter()
-        lr = settings.lr * lr_factor(state["step"], run.done(), settings.warmup_steps)
+        lr = settings.lr * lr_factor(state["step"], run.fraction_done(), settings.warmup_steps)
         loss = train_step(run, lr, use_autocast) / objective.LN2
         losses.append(loss)
         state["step"] += 1
         state["tokens"] += settings.batch_size * settings.context
         state["trained_s"] += time.perf_counter() - start
-        if state["step"] % settings.eval_every == 0 or run.done() >= 1.0:
+        if state["step"] % settings.eval_every == 0 or run.fraction_done() >= 1.0:
             row = evaluate(run, windows, lr, losses)
             state["wall_s"] = wall_before + time.perf_counter() - started
             save_checkpoint(settings.out, run.model, run.optimizer, state)
@@ -165,7 +165,7 @@ def run_train(settings: TrainSettings, show_progress: bool = True) -> dict:
                       f"{row['unigram_bpb']:.3f}), train loss {row['train_loss_bpb']:.3f} bpb, lr {lr:.2e}")
             losses = []
         tok_s = (state["tokens"] - tokens_before) / max(state["trained_s"] - trained_before, 1e-9)
-        bar.update(round(100 * run.done(), 1) - bar.n)
+        bar.update(round(100 * run.fraction_done(), 1) - bar.n)
         bar.set_postfix_str(f"step {state['step']:,}, loss {loss:.3f} bpb, {tok_s:,.0f} tok/s")
     bar.close()
     return {"arch": settings.arch, "preset": settings.preset, **state["history"][-1], "wall_s": state["wall_s"],
