@@ -9,6 +9,8 @@ matplotlib.use("Agg")  # files only: no display on CI or servers
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import LogFormatter, NullFormatter, ScalarFormatter  # noqa: E402
 
+from harness.train.objective import BPB  # noqa: E402
+
 
 MARKERS = "os^vDP*X"
 DASHES = ("-", "--", "-.", ":")
@@ -90,7 +92,7 @@ def quality_chart(rows: list[dict], out: Path) -> Path:
     for i, (arch, rs) in enumerate(by_arch(rows).items()):
         context = max(r["context"] for r in rs)
         x = max(r["analytic_cache_bytes"] / r["batch"] for r in rs if r["context"] == context) / 2**20
-        bound = rs[0]["val_metric"] != "bits per byte"
+        bound = rs[0]["val_metric"] != BPB
         ax.scatter([x], [rs[0]["val_bpb"]], marker=MARKERS[i % len(MARKERS)], s=50, zorder=3)
         ax.annotate(f"{arch} (ELBO bound)" if bound else arch, (x, rs[0]["val_bpb"]), xytext=(5, 4),
                     textcoords="offset points", fontsize=8)

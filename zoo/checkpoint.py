@@ -74,8 +74,10 @@ def check_checkpoint_folder(path) -> Path:
                          f"{CONFIG_FILE} and {WEIGHTS_FILE})")
     absent = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / name).is_file()]
     if absent:
+        inner = folder / "checkpoint"  # a `zoo train` output folder keeps its newest model there
+        hint = f"; it holds {str(inner)!r}: load that" if (inner / CONFIG_FILE).is_file() else ""
         raise ValueError(f"checkpoint folder {str(folder)!r} has no {' and no '.join(absent)} (zoo.save writes "
-                         f"{CONFIG_FILE} and {WEIGHTS_FILE})")
+                         f"{CONFIG_FILE} and {WEIGHTS_FILE}){hint}")
     return folder
 
 

@@ -18,7 +18,7 @@ RESUMABLE_CHANGES = ("minutes", "max_steps", "eval_every", "autocast", "device",
 BYTE_VOCAB = 256  # token ids are raw bytes
 # auto on CPU: bf16 autocast for models at least this wide, where oneDNN's bf16 kernels made a training step 1.6x
 # faster on the project's 2-core EPYC (small preset, gqa and mamba); at the tiny preset (d_model 64) it ranged from
-# 0.67x to 1.3x by architecture, 0.96x for the CPU default (benchmarks/train_autocast.py; BENCHMARKS.md)
+# 0.67x to 1.3x by architecture, 0.92x for the CPU default (benchmarks/train_autocast.py; BENCHMARKS.md)
 AUTOCAST_MIN_WIDTH = 512
 
 
