@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
                    help="a registry setting (`zoo describe ARCH`), repeatable, e.g. --set layers=swa,gqa --set "
                         "window=32; the value is read as an integer, else a number, else true/false, else text "
                         "(default: none)")
-    t.add_argument("--corpus", help="a text file (its last 5%% is validation) or a folder of files (split by file) "
+    t.add_argument("--corpus", metavar="PATH", help="a text file (its last 5%% is validation) or a folder of files (split by file) "
                                     "(default: this Python's standard library .py sources)")
     t.add_argument("--context", type=int, default=d.context, help=f"bytes per training window (default: {d.context})")
     t.add_argument("--batch-size", type=int, default=d.batch_size, help=f"windows per step (default: {d.batch_size})")
