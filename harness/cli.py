@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 import zoo
+from zoo import checkpoint
 from harness.block_manager import ADMISSIONS
 from harness.charts import write_charts
 from harness.diffusion import DiffusionSampler
@@ -15,6 +16,7 @@ from harness.engine import Engine
 from harness.recall import cli as recall_cli
 from harness.results import settings_dict, write_atomic
 from harness.sampling import SamplingParams
+from harness.speculative import PROMPT_LOOKUP, SpeculativeConfig
 from harness.serve_bench import ServeBenchSettings, run_serve_bench
 from harness.serve_bench import markdown_table as serve_table
 from harness.serve_charts import write_serve_charts
@@ -121,24 +123,44 @@ def cmd_generate(args) -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
                             stop_token_ids=(tokenizer.eos_id,))
-    if args.weights:
+    folder = args.weights is not None and Path(args.weights).is_dir()  # a zoo.save / zoo train folder: its own config
+    if folder:
+        checkpoint.check_checkpoint_folder(args.weights)
+    elif args.weights:
         check_weights_file(args.weights)
+    speculative = speculative_setting(args)
     torch.manual_seed(args.seed if args.seed is not None else 0)
-    model = zoo.build(args.arch, preset=args.preset).to(dtype=DTYPES[args.dtype])
-    if args.weights:
+    if folder:
+        model = zoo.load(args.weights).to(dtype=DTYPES[args.dtype])
+    else:
+        model = zoo.build(args.arch, preset=args.preset).to(dtype=DTYPES[args.dtype])
+    if args.weights and not folder:
         load_weights(model, args.weights, f"{args.arch} (preset {args.preset})")
     prompt_ids = tokenizer.encode(args.prompt)
     if not model.config.causal:
         generate_diffusion(model, prompt_ids, tokenizer, args)
         return
     engine = Engine(model, max_batch=1, max_seq_len=min(model.config.max_seq_len, len(prompt_ids) + args.max_new_tokens),
-                    kv_cache=args.kv_cache)
+                    kv_cache=args.kv_cache, speculative=speculative)
     out = engine.generate([prompt_ids], params)[0]
     print(args.prompt + tokenizer.decode(out.token_ids))
     m = out.metrics
-    print(f"[{args.arch}/{args.preset}: {len(out.token_ids)} tokens, finish={out.finish_reason}, "
+    stats = engine.speculative_stats
+    print(f"[{model.config.name}: {len(out.token_ids)} tokens, finish={out.finish_reason}, "
           f"TTFT {1000 * m.ttft:.1f} ms, TPOT {1000 * m.tpot:.2f} ms, E2E {1000 * m.e2e:.1f} ms"
+          + (f"; draft acceptance {stats.acceptance_rate:.2f}, {stats.tokens_per_forward:.2f} tokens per target "
+             f"forward" if stats else "")
           + ("" if args.weights else "; random weights: pass --weights for a trained model") + "]", file=sys.stderr)
+
+
+def speculative_setting(args) -> SpeculativeConfig | None:
+    """--draft: prompt_lookup, or a zoo.save / zoo train folder (a draft with the target's vocabulary)."""
+    if args.draft is None:
+        return None
+    if args.draft == PROMPT_LOOKUP:
+        return SpeculativeConfig(PROMPT_LOOKUP, num_speculative_tokens=args.num_speculative_tokens)
+    checkpoint.check_checkpoint_folder(args.draft)
+    return SpeculativeConfig(zoo.load(args.draft), num_speculative_tokens=args.num_speculative_tokens)
 
 
 def generate_diffusion(model, prompt_ids: list[int], tokenizer, args) -> None:
@@ -210,7 +232,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="seed for weights and sampling")
     g.add_argument("--kv-cache", default="contiguous", choices=["contiguous", "paged"], help="KV cache layout")
     g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default: float32)")
-    g.add_argument("--weights", default=None, help="a .safetensors (or tensors-only .pt) state dict for this architecture")
+    g.add_argument("--weights", default=None, help="a zoo train output folder (or a zoo.save folder: its own "
+                   "architecture and size), or a .safetensors (or tensors-only .pt) state dict for --arch/--preset")
+    g.add_argument("--draft", default=None, help="speculative decoding: 'prompt_lookup', or a draft model's zoo train "
+                                                  "/ zoo.save folder (same vocabulary as the target)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="k: tokens the draft proposes per step "
+                                                                         "(default: 4)")
     g.add_argument("--steps", type=int, help="masked diffusion LMs: sampler steps (forward passes) for the whole "
                                              "answer (default: max-new-tokens, one token per step)")
     g.add_argument("--block-length", type=int, help="masked diffusion LMs: answer tokens per block (default: the "

@@ -227,8 +227,8 @@ def test_missing_weights_file_fails_before_the_model_is_built(tmp_path, capsys, 
 
 
 def test_weights_folder_fails_before_the_model_is_built(tmp_path, capsys, no_work):
-    assert cli.main(GENERATE + ["--weights", str(tmp_path)]) == 2
-    assert f"weights file '{tmp_path}' is not a file" in error_line(capsys, "generate")
+    assert cli.main(GENERATE + ["--weights", str(tmp_path)]) == 2  # a folder is read as a zoo.save checkpoint
+    assert f"checkpoint folder '{tmp_path}' has no config.json and no model.safetensors" in error_line(capsys, "generate")
 
 
 @pytest.mark.parametrize("suffix,reason", [(".pt", ""), (".safetensors", "Error while deserializing header")])

@@ -189,3 +189,19 @@ def test_bad_speculative_settings_are_errors_before_work():
     spec = engine(target, speculative=SpeculativeConfig(PROMPT_LOOKUP))
     with pytest.raises(ValueError, match="beam_search"):
         spec.beam_search([1, 2, 3])
+
+
+def test_zoo_generate_speculates_with_a_draft_folder_or_prompt_lookup(tmp_path, capsys):
+    from harness.cli import main
+    zoo.save(coupled_model("mamba", 2, vocab_size=512), tmp_path / "draft")
+    base = ["generate", "--arch", "gqa", "--preset", "tiny", "--prompt", "abcabcabc", "--max-new-tokens", "12"]
+    assert main(base) == 0
+    alone = capsys.readouterr().out
+    for draft in ("prompt_lookup", str(tmp_path / "draft")):
+        assert main(base + ["--draft", draft, "--num-speculative-tokens", "3"]) == 0
+        out = capsys.readouterr()
+        assert out.out == alone and "tokens per target forward" in out.err  # greedy: the same text
+    assert main(base + ["--draft", str(tmp_path / "nothing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(base + ["--draft", "prompt_lookup", "--num-speculative-tokens", "0"]) == 2
+    assert "num_speculative_tokens" in capsys.readouterr().err

@@ -73,11 +73,12 @@ def check_checkpoint_folder(path) -> Path:
         raise ValueError(f"checkpoint {str(folder)!r} is not a folder (zoo.save writes a folder holding "
                          f"{CONFIG_FILE} and {WEIGHTS_FILE})")
     absent = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / name).is_file()]
+    inner = folder / "checkpoint"  # a `zoo train` output folder keeps its newest model there
+    if absent and (inner / CONFIG_FILE).is_file():
+        return check_checkpoint_folder(inner)
     if absent:
-        inner = folder / "checkpoint"  # a `zoo train` output folder keeps its newest model there
-        hint = f"; it holds {str(inner)!r}: load that" if (inner / CONFIG_FILE).is_file() else ""
         raise ValueError(f"checkpoint folder {str(folder)!r} has no {' and no '.join(absent)} (zoo.save writes "
-                         f"{CONFIG_FILE} and {WEIGHTS_FILE}){hint}")
+                         f"{CONFIG_FILE} and {WEIGHTS_FILE}; zoo train an output folder whose checkpoint/ holds them)")
     return folder
 
 
@@ -92,10 +93,11 @@ def load_config(path) -> ModelConfig:
 
 
 def load(path, device: str = "cpu") -> DecoderLM:
-    """The model saved in folder `path`, in its saved dtype, in eval mode on `device`."""
+    """The model saved in folder `path` (or the newest checkpoint of a `zoo train` output folder), in its saved
+    dtype, in eval mode on `device`."""
     checks.device("device", device)
     config = load_config(path)
-    file = Path(path) / WEIGHTS_FILE
+    file = check_checkpoint_folder(path) / WEIGHTS_FILE
     state = read_state_dict(file)
     model = DecoderLM(config)
     floating = {tensor.dtype for tensor in state.values() if tensor.is_floating_point()}
