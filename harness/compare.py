@@ -167,8 +167,8 @@ def floor_context(cell: dict) -> int:
 
 def floor_fields(model, cell: dict, step_s: float, rates: roofline.MachineRates) -> dict:
     """The roofline beside the measurement: the decode step's floor at the cell's batch and mean context, and one
-    prompt's prefill floor (the engine prefills prompts one after another, so the mean TTFT at batch b waits for
-    about (b + 1) / 2 of them)."""
+    prompt's prefill floor (the engine prefills prompts of 512 tokens or more one after another, so the mean
+    TTFT at batch b waits for about (b + 1) / 2 of them; shorter ones share a forward)."""
     step = roofline.decode_step_cost(model, cell["batch"], floor_context(cell))
     floor_s = roofline.floor_seconds(step, rates)
     prefill = roofline.prefill_cost(model, 1, cell["context"])

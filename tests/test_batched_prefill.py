@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness import Engine
-from harness.model_runner import PADDING_WASTE, prefill_batches
+from harness.model_runner import BATCH_TOKENS, PADDING_WASTE, prefill_batches
 from harness.sequence import Sequence
 from helpers import greedy, make_prompts, random_model
 
@@ -25,6 +25,10 @@ def test_fresh_prompts_group_by_length_and_continuing_chunks_run_alone():
     for batch in batches:
         tokens = [n for _, n in batch]
         assert max(tokens) * len(tokens) <= (1 + PADDING_WASTE) * sum(tokens)
+    # long prompts: no more rows than fill BATCH_TOKENS
+    long = prefill_batches([(seq(i), 300) for i in range(3)] + [(seq(3), 600), (seq(4), 100), (seq(5), 100)])
+    assert [[s.request_id for s, _ in b] for b in long] == [[3], [0], [1], [2], [4, 5]]
+    assert BATCH_TOKENS == 512
 
 
 @pytest.mark.parametrize("arch", ["gqa", "swa", "mamba", "mamba2", "gdn", "linear", "mla"])
