@@ -1,5 +1,5 @@
-"""Random programs of admit (with prefix-cache hits) / grow / fork / preempt / finish on one block manager whose pool
-is small enough to evict, with every block's contents simulated: after every call, free + held = pool, each block's
+"""Random programs of admit (with prefix-cache hits) / grow / speculate (write proposals, keep a prefix) / fork /
+preempt / finish on one block manager whose pool is small enough to evict, with every block's contents simulated: after every call, free + held = pool, each block's
 reference count is the number of table entries naming it, the prefix cache's maps agree, and every sequence reads its
 own tokens through its table (so sharing, eviction and copy-on-write never hand one sequence another's keys)."""
 import tempfile
@@ -53,8 +53,9 @@ class SharingProgram(RuleBasedStateMachine):
         self.next_id += 1
         return FakeSequence(self.next_id, tokens)
 
-    def write(self, seq: FakeSequence, length: int) -> None:
-        """The runner's part of a step: grow, copy what copy-on-write asks, write the new tokens, name full blocks."""
+    def write(self, seq: FakeSequence, length: int, name: bool = True) -> None:
+        """The runner's part of a step: grow, copy what copy-on-write asks, write the new tokens, name full blocks
+        (a speculative verification names them only once it has kept its accepted prefix)."""
         first = seq.num_cached + 1 if seq.num_cached else None
         self.manager.grow(seq, length, first)
         for source, destination in self.manager.copies:
@@ -65,8 +66,9 @@ class SharingProgram(RuleBasedStateMachine):
             if slot >= 0:
                 self.contents[slot // BLOCK_SIZE][slot % BLOCK_SIZE] = seq.tokens[position]
         seq.num_cached = length
-        self.manager.name_full_blocks(seq)
-        self.named |= set(self.manager.cache.blocks)
+        if name:
+            self.manager.name_full_blocks(seq)
+            self.named |= set(self.manager.cache.blocks)
 
     @property
     def evictions(self) -> int:
@@ -98,6 +100,27 @@ class SharingProgram(RuleBasedStateMachine):
             self.preempt_newest()  # the scheduler's policy: the newest gives its blocks back
         if seq in self.running:
             self.write(seq, len(seq.tokens))
+
+    @precondition(lambda self: self.running)
+    @rule(pick=st.integers(0, 7), proposed=st.lists(st.integers(0, 3), min_size=1, max_size=5),
+          accepted=st.integers(0, 5))
+    def speculate(self, pick, proposed, accepted):
+        """A speculative verification: the newest token and the proposals are written, then only the accepted prefix
+        (and the newest) is kept: the blocks past it go back, and full blocks are named after that."""
+        seq = self.running[pick % len(self.running)]
+        start = seq.num_cached
+        seq.tokens += proposed
+        while seq in self.running and self.manager.step_blocks(seq, len(proposed)) > self.manager.num_free:
+            self.preempt_newest()
+        if seq not in self.running:
+            return
+        self.write(seq, len(seq.tokens), name=False)
+        keep = start + 1 + min(accepted, len(proposed) - 1)
+        self.manager.truncate(seq, keep)
+        del seq.tokens[keep:]
+        seq.num_cached = keep
+        self.manager.name_full_blocks(seq)
+        self.named |= set(self.manager.cache.blocks)
 
     @precondition(lambda self: self.running)
     @rule(pick=st.integers(0, 7))
