@@ -4,6 +4,8 @@ import torch
 
 from cache import specs_read
 
+QUANTIZED_BUFFERS = ("q", "scales", "zeros", "input_scale")  # zoo.quantize.QuantizedLinear's weight
+
 
 def cache_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | None = None) -> int:
     """Bytes of KV cache/state `batch` sequences of `seq_len` tokens hold; dtype defaults to the model's."""
@@ -21,8 +23,10 @@ def cache_read_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | N
 
 
 def parameter_bytes(model) -> int:
-    """Bytes of distinct parameters (a tied embedding/head counts once)."""
-    return sum(p.nbytes for p in model.parameters())
+    """Bytes of the model's weights: distinct parameters (a tied embedding/head counts once) and a quantized layer's
+    stored weight, scales and zeros (its saved buffers: not a layout a kernel derives from them)."""
+    buffers = {id(b): b for name, b in model.named_buffers() if name.rpartition(".")[2] in QUANTIZED_BUFFERS}
+    return sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in buffers.values())
 
 
 def decode_weight_bytes(model) -> int:

@@ -1,0 +1,113 @@
+"""Weight-only quantization (zoo.quantize): the packed CPU kernels equal the dequantize-then-multiply references,
+rounding stays within half a step, every causal architecture's quantized model decodes through the engine exactly
+as its own full forward in both layouts, the bytes counted are the bytes stored, and activation-aware scales never
+do worse than plain rounding on their calibration data."""
+import pytest
+import torch
+
+import zoo
+from harness import Engine
+from helpers import greedy, make_prompts, random_model
+from kernels.quantized_matmul import (int4_cpu_layout, int4_dequantize, int4_matmul, int4_matmul_ref, int8_matmul,
+                                      int8_matmul_ref, pack_int4, unpack_int4)
+from zoo.quantize import QuantizedLinear, plain_linear, quantize_int4, quantize_int8
+
+ARCHS = [name for name in zoo.architectures() if zoo.is_causal(name)]
+SCHEMES = [zoo.QuantizeConfig("int8"), zoo.QuantizeConfig("int4", group_size=32)]
+
+
+def test_int4_packing_round_trips():
+    q = torch.randint(0, 16, (48, 64))
+    assert torch.equal(unpack_int4(pack_int4(q)), q.to(torch.int32))
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])  # bf16: scales rounded, ~4e-3 seen
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_packed_cpu_kernels_equal_the_references(dtype, atol, rows):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 256, generator=generator)
+    x = torch.randn(rows, 256, generator=generator).to(dtype)
+    q8, scales8 = quantize_int8(weight)
+    want = int8_matmul_ref(x.float(), q8, scales8)
+    assert (int8_matmul(x, q8, scales8.to(dtype)).float() - want).abs().max() < atol * want.abs().max().clamp_min(1)
+    q4, scales4, zeros4 = quantize_int4(weight, 64)
+    want = int4_matmul_ref(x.float(), q4, scales4, zeros4, 64)
+    layout = int4_cpu_layout(q4, scales4, zeros4)
+    got = int4_matmul(x, q4, scales4.to(dtype), zeros4.to(dtype), 64, (layout[0], layout[1].to(dtype)))
+    assert (got.float() - want).abs().max() < atol * want.abs().max().clamp_min(1)
+
+
+def test_rounding_is_within_half_a_step():
+    weight = torch.randn(32, 128, generator=torch.Generator().manual_seed(1)) * 3
+    q8, scales8 = quantize_int8(weight)
+    assert ((q8.float() * scales8[:, None] - weight).abs() <= scales8[:, None] / 2 + 1e-6).all()
+    q4, scales4, zeros4 = quantize_int4(weight, 32)
+    error = (int4_dequantize(q4, scales4, zeros4, 32, torch.float32) - weight).abs().unflatten(-1, (-1, 32))
+    assert (error <= scales4[..., None] / 2 + 1e-6).all()
+    layer = QuantizedLinear(plain_linear(weight), "int4", 32)
+    assert torch.allclose(layer.weight, int4_dequantize(q4, scales4, zeros4, 32, torch.float32))
+
+
+@pytest.mark.parametrize("config", SCHEMES, ids=["int8", "int4-g32"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_models_decode_as_their_own_full_forward(arch, config):
+    model = zoo.quantize(random_model(arch, seed=1), config)
+    assert any(isinstance(m, QuantizedLinear) for m in model.modules())
+    prompts = make_prompts([5, 17], model.config.vocab_size, seed=1)
+    runs = {}
+    for layout in ("contiguous", "paged"):
+        runs[layout] = Engine(model, max_batch=2, max_seq_len=64, kv_cache=layout).generate(prompts, greedy(10))
+        for prompt, out in zip(prompts, runs[layout]):
+            with torch.no_grad():
+                full = model(torch.tensor([prompt + out.token_ids[:-1]]))[0, len(prompt) - 1:]
+            assert (full - torch.stack(out.logits)).abs().max() < 1e-4, f"{arch} {config.weights} {layout}"
+    assert [o.token_ids for o in runs["paged"]] == [o.token_ids for o in runs["contiguous"]]
+
+
+@pytest.mark.parametrize("config", SCHEMES + [zoo.QuantizeConfig("int4", group_size=64, head=True)],
+                         ids=["int8", "int4-g32", "int4-g64-head"])
+def test_weight_bytes_count_the_quantized_payload_and_scales(config):
+    model = random_model("gqa", seed=2)
+    quantized = zoo.quantize(model, config)
+    expected = zoo.parameter_bytes(model)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and (name.startswith("blocks.") or name == "head" and config.head):
+            n, k = module.weight.shape
+            per_row = k + 4 if config.weights == "int8" else k // 2 + 2 * 4 * (k // config.group_size)
+            expected += n * per_row - module.weight.nbytes
+    assert zoo.parameter_bytes(quantized) == expected
+    assert zoo.decode_weight_bytes(quantized) == expected - quantized.embed.weight.nbytes  # untied: one row read
+
+
+@pytest.mark.parametrize("weights,group", [("int8", 128), ("int4", 32)])
+def test_activation_aware_scales_do_no_worse_than_rounding(weights, group):
+    """On its calibration tokens, every AWQ layer's output error is at most plain rounding's (alpha = 0 is in the
+    search), so the model's loss is no worse either; and it finds scales worth keeping somewhere."""
+    model = random_model("gqa", seed=3)
+    with torch.no_grad():  # an outlier input channel, the case AWQ is for
+        model.blocks[0].mixer_norm.weight[5] = 8.0
+    tokens = torch.tensor(make_prompts([64] * 4, model.config.vocab_size, seed=5))
+    rtn = zoo.quantize(model, zoo.QuantizeConfig(weights, group_size=group))
+    awq = zoo.quantize(model, zoo.QuantizeConfig(weights, group_size=group, method="awq"), calibration=tokens)
+    assert any(m.input_scale is not None for m in awq.modules() if isinstance(m, QuantizedLinear))
+    with torch.no_grad():
+        want = model(tokens)
+        assert (awq(tokens) - want).pow(2).mean() <= (rtn(tokens) - want).pow(2).mean() * 1.01
+
+
+def test_bad_quantization_settings_are_errors_before_work():
+    with pytest.raises(ValueError, match="unknown weights"):
+        zoo.QuantizeConfig("int3")
+    with pytest.raises(ValueError, match="unknown group_size 48"):
+        zoo.QuantizeConfig("int4", group_size=48)
+    with pytest.raises(ValueError, match="unknown method"):
+        zoo.QuantizeConfig("int8", method="gptq")
+    model = random_model("gqa", seed=4, d_model=96, n_heads=4, mlp_hidden=192)
+    with pytest.raises(ValueError, match=r"group_size=64 does not divide the input width 96 .*allowed group sizes: \[32\]"):
+        zoo.quantize(model, zoo.QuantizeConfig("int4", group_size=64))
+    with pytest.raises(ValueError, match="calibration"):
+        zoo.quantize(model, zoo.QuantizeConfig("int8", method="awq"))
+    with pytest.raises(ValueError, match="calibration"):
+        zoo.quantize(model, zoo.QuantizeConfig("int8", method="awq"), calibration=torch.tensor([[1, 9999]]))
+    with pytest.raises(ValueError, match="QuantizeConfig"):
+        zoo.quantize(model, "int8")

@@ -1,0 +1,186 @@
+"""Weight-only quantization of a model's linear layers: int8 per output channel, or int4 in groups of input columns
+(kernels/quantized_matmul.py has the formats and the matrix multiplies). `zoo.quantize(model, QuantizeConfig(...))`
+returns a copy the engine runs unchanged.
+
+Two ways to round:
+- "rtn", round to nearest: each weight to its nearest level.
+- "awq", activation-aware (Lin et al. 2024, AWQ): the input channels that carry large activations matter most, so
+  each layer's weight columns are scaled up by s = mean|x|^alpha before rounding and the input divided by s at run
+  time (y = Q(W diag(s)) (x / s)). alpha in [0, 1] is searched per layer, on calibration tokens, for the smallest
+  output error. AWQ folds 1/s into the op before; here it stays in the layer (one multiply per input value), which
+  works for every mixer alike.
+
+Which layers: every nn.Linear of the blocks (mixers and MLPs) at least one group wide, and the vocabulary head if
+asked. A layer narrower than one group (Mamba's dt projection at small sizes) keeps its weights. The embedding stays.
+"""
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.quantized_matmul import (int4_cpu_layout, int4_dequantize, int4_matmul, int8_matmul, pack_int4)
+from zoo import checks
+
+WEIGHT_SCHEMES = ("int8", "int4")
+METHODS = ("rtn", "awq")
+GROUP_SIZES = (32, 64, 128)
+AWQ_ALPHAS = tuple(i / 10 for i in range(11))  # the grid AWQ searches (its paper uses 20 points on [0, 1])
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    weights: str = "int8"  # "int8" (per output channel) or "int4" (groups of input columns)
+    group_size: int = 128  # int4: input columns sharing one scale and zero
+    method: str = "rtn"  # "rtn" or "awq" (needs calibration tokens)
+    head: bool = False  # quantize the vocabulary head too (a tied head shares the embedding: it stays)
+
+    def __post_init__(self):
+        checks.choice("weights (quantization scheme)", self.weights, WEIGHT_SCHEMES)
+        checks.choice("method", self.method, METHODS)
+        if self.weights == "int4" and (not checks.is_integer(self.group_size) or self.group_size not in GROUP_SIZES):
+            raise ValueError(f"unknown group_size {self.group_size!r}; allowed: {', '.join(map(str, GROUP_SIZES))}")
+        checks.boolean("head", self.head)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> q [N, K] int8, scales [N]: scale = max|w| / 127 per output channel."""
+    scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12)
+    return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] -> q4 [N, K / 2] uint8, scales and zeros [N, K / group]: the group's min to max in 15 steps."""
+    groups = weight.unflatten(-1, (-1, group_size))
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15).clamp_min(1e-12)
+    q = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15).flatten(-2)
+    return pack_int4(q), scales, low + 8 * scales
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight is int8 or int4 (kernels/quantized_matmul.py), with an optional per-input-channel
+    scale (AWQ) the input is divided by. `weight` gives the dequantized weight back, for code that reads it directly
+    (MLA's absorbed decode, Mamba's dt projection)."""
+
+    def __init__(self, linear: nn.Linear, scheme: str, group_size: int, input_scale: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.scheme, self.group_size = scheme, group_size
+        dtype, device = linear.weight.dtype, linear.weight.device
+        weight = linear.weight.detach().float()
+        if input_scale is not None:
+            weight = weight * input_scale
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.to(dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        if scheme == "int8":
+            q, scales = quantize_int8(weight)
+            self.register_buffer("q", q)
+            self.register_buffer("scales", scales.to(dtype))
+        else:
+            q, scales, zeros = quantize_int4(weight, group_size)
+            self.register_buffer("q", q)
+            self.register_buffer("scales", scales.to(dtype))
+            self.register_buffer("zeros", zeros.to(dtype))
+            # the CPU kernel's own layout, made once (it needs out_features a multiple of 16); not saved
+            layout = int4_cpu_layout(q, scales, zeros) if device.type == "cpu" and self.out_features % 16 == 0 else None
+            self.register_buffer("cpu_packed", None if layout is None else layout[0], persistent=False)
+            self.register_buffer("cpu_scales_zeros", None if layout is None else layout[1].to(dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is not None:
+            x = x / self.input_scale
+        if self.scheme == "int8":
+            y = int8_matmul(x, self.q, self.scales)
+        else:
+            layout = None if self.cpu_packed is None else (self.cpu_packed, self.cpu_scales_zeros)
+            y = int4_matmul(x, self.q, self.scales, self.zeros, self.group_size, layout)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        dtype = self.scales.dtype
+        if self.scheme == "int8":
+            weight = self.q.to(dtype) * self.scales[:, None]
+        else:
+            weight = int4_dequantize(self.q, self.scales, self.zeros, self.group_size, dtype)
+        return weight if self.input_scale is None else weight / self.input_scale
+
+    def extra_repr(self) -> str:
+        group = f", group {self.group_size}" if self.scheme == "int4" else ""
+        return f"{self.in_features} -> {self.out_features}, {self.scheme}{group}{', awq' if self.input_scale is not None else ''}"
+
+
+def quantizable(model: nn.Module, config: QuantizeConfig) -> dict[str, nn.Linear]:
+    """The linear layers `quantize` replaces, by module name: the blocks' at least one group wide, and the head if
+    asked and untied."""
+    width = config.group_size if config.weights == "int4" else 1
+    layers = {f"blocks.{name}": module for name, module in model.blocks.named_modules()
+              if isinstance(module, nn.Linear) and module.in_features >= width}
+    if config.head and not model.config.tie_embeddings:
+        layers["head"] = model.head
+    for name, layer in layers.items():
+        if layer.in_features % width:
+            raise ValueError(f"group_size={config.group_size} does not divide the input width {layer.in_features} of "
+                             f"{name}; allowed group sizes: {[g for g in GROUP_SIZES if layer.in_features % g == 0]}")
+    return layers
+
+
+@torch.no_grad()
+def quantize(model: nn.Module, config: QuantizeConfig, calibration: torch.Tensor | None = None) -> nn.Module:
+    """A copy of `model` with its linear layers quantized (the original is untouched). calibration [B, T]: token
+    ids whose activations the "awq" method searches its scales on (e.g. windows of the training corpus)."""
+    if not isinstance(config, QuantizeConfig):
+        raise ValueError(f"config must be a zoo.QuantizeConfig, got {type(config).__name__}")
+    if config.method == "awq" and calibration is None:
+        raise ValueError("method='awq' searches its scales on calibration text: pass calibration token ids [B, T]")
+    quantized = copy.deepcopy(model)
+    layers = quantizable(quantized, config)
+    if calibration is not None:
+        checks.token_ids("calibration", calibration.flatten().tolist(), model.config.vocab_size)
+    scales = awq_scales(quantized, layers, config, calibration) if config.method == "awq" else {}
+    for name, layer in layers.items():
+        parent, _, attribute = name.rpartition(".")
+        owner = quantized.get_submodule(parent) if parent else quantized
+        setattr(owner, attribute, QuantizedLinear(layer, config.weights, config.group_size, scales.get(name)))
+    quantized.quantization = config
+    return quantized.eval()
+
+
+def awq_scales(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeConfig,
+               calibration: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each layer's input-channel scale s = a^alpha / sqrt(max(a^alpha) min(a^alpha)) (a = mean |x| per channel on
+    the calibration tokens), alpha from AWQ_ALPHAS with the smallest error of the quantized layer's output."""
+    inputs: dict[str, list[torch.Tensor]] = {name: [] for name in layers}
+    hooks = [layer.register_forward_hook(lambda _, args, __, name=name: inputs[name].append(args[0].detach()))
+             for name, layer in layers.items()]
+    try:
+        model(calibration.to(next(model.parameters()).device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    chosen = {}
+    for name, layer in layers.items():
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[name]]).float()
+        weight = layer.weight.float()
+        want = x @ weight.T
+        magnitude = x.abs().mean(dim=0).clamp_min(1e-8)
+        best, best_error = None, math.inf  # alpha 0 is plain rounding, so AWQ is never worse than it here
+        for alpha in AWQ_ALPHAS:
+            s = magnitude ** alpha
+            s = s / (s.max() * s.min()).sqrt()
+            trial = QuantizedLinear(plain_linear(weight), config.weights, config.group_size, s)
+            error = float(((x @ trial.weight.T) - want).pow(2).mean())
+            if error < best_error:
+                best, best_error = (None if alpha == 0 else s), error
+        if best is not None:  # alpha 0 (no scaling, round to nearest) was best: nothing to keep
+            chosen[name] = best
+    return chosen
+
+
+def plain_linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free nn.Linear holding `weight` (what an AWQ trial quantizes)."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    return layer
