@@ -51,8 +51,15 @@ def model_dtype(model, dtype: torch.dtype | None) -> torch.dtype:
 
 
 def weight_elements(model) -> int:
-    """Parameters a decode step reads (every one but an untied embedding table): each is one multiply-add per token."""
-    return zoo.decode_weight_bytes(model) // next(model.parameters()).element_size()
+    """Weights a decode step reads (every one but an untied embedding table): each is one multiply-add per token."""
+    return zoo.cache.decode_weight_elements(model)
+
+
+def weight_bytes(model, dtype: torch.dtype) -> int:
+    """Bytes of those weights: in `dtype`, or as stored where the model is quantized (payload and scales)."""
+    if getattr(model, "quantization", None) is not None:
+        return zoo.decode_weight_bytes(model)
+    return weight_elements(model) * dtype.itemsize
 
 
 def attention_flops(own, read, keys: int) -> int:
@@ -75,7 +82,7 @@ def decode_step_cost(model, batch: int, context: int, dtype: torch.dtype | None 
     keys = context + 1
     write = sum(spec.elements_per_token * size + spec.state_bytes(dtype) for spec in specs if spec.owns_memory)
     attention = sum(attention_flops(own, read, read.tokens_held(keys)) for own, read in zip(specs, specs_read(specs)))
-    return StepCost(weight_bytes=weights * size,
+    return StepCost(weight_bytes=weight_bytes(model, dtype),
                     cache_read_bytes=zoo.cache_read_bytes(model, seq_len=keys, batch=batch, dtype=dtype),
                     cache_write_bytes=batch * write,
                     flops=batch * (2 * weights + attention))
@@ -96,7 +103,7 @@ def prefill_cost(model, batch: int, prompt_len: int, dtype: torch.dtype | None =
             attention += prompt_len * attention_flops(own, read, 0)
         else:  # per (query, key) pair; MLA counted as its absorbed form (the expanded prefill does fewer)
             attention += attention_flops(own, read, read.retention.causal_pairs(prompt_len))
-    return StepCost(weight_bytes=weights * dtype.itemsize, cache_read_bytes=0,
+    return StepCost(weight_bytes=weight_bytes(model, dtype), cache_read_bytes=0,
                     cache_write_bytes=zoo.cache_bytes(model, seq_len=prompt_len, batch=batch, dtype=dtype),
                     flops=batch * (2 * (weights - head) * prompt_len + 2 * head + attention))
 

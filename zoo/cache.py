@@ -3,8 +3,7 @@ head_dim · tokens · bytes per element, as in Pope et al. 2022, "Efficiently Sc
 import torch
 
 from cache import specs_read
-
-QUANTIZED_BUFFERS = ("q", "scales", "zeros", "input_scale")  # zoo.quantize.QuantizedLinear's weight
+from zoo.quantize import QuantizedLinear
 
 
 def cache_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | None = None) -> int:
@@ -25,11 +24,19 @@ def cache_read_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | N
 def parameter_bytes(model) -> int:
     """Bytes of the model's weights: distinct parameters (a tied embedding/head counts once) and a quantized layer's
     stored weight, scales and zeros (its saved buffers: not a layout a kernel derives from them)."""
-    buffers = {id(b): b for name, b in model.named_buffers() if name.rpartition(".")[2] in QUANTIZED_BUFFERS}
-    return sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in buffers.values())
+    quantized = sum(layer.stored_bytes for layer in model.modules() if isinstance(layer, QuantizedLinear))
+    return sum(p.nbytes for p in model.parameters()) + quantized
 
 
 def decode_weight_bytes(model) -> int:
     """Weight bytes one decode step must read: every parameter but an untied embedding table (one row is looked up)."""
     untied_embedding = 0 if model.config.tie_embeddings else model.embed.weight.nbytes
     return parameter_bytes(model) - untied_embedding
+
+
+def decode_weight_elements(model) -> int:
+    """Weights one decode step applies (each one multiply-add per token): decode_weight_bytes' weights counted as
+    values, a quantized layer's as its in x out, whatever its bits."""
+    untied_embedding = 0 if model.config.tie_embeddings else model.embed.weight.numel()
+    quantized = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantizedLinear))
+    return sum(p.numel() for p in model.parameters()) - untied_embedding + quantized

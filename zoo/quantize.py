@@ -99,6 +99,11 @@ class QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     @property
+    def stored_bytes(self) -> int:
+        """The weight as stored: payload, scales, zeros, input scale, bias (not a layout a kernel derives from them)."""
+        return sum(tensor.nbytes for tensor in self.state_dict().values())
+
+    @property
     def weight(self) -> torch.Tensor:
         dtype = self.scales.dtype
         if self.scheme == "int8":
