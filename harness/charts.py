@@ -16,10 +16,17 @@ MARKERS = "os^vDP*X"
 DASHES = ("-", "--", "-.", ":")
 
 
+def series_name(row: dict) -> str:
+    """A row's line in a chart: its architecture, and its weight quantization where it has one."""
+    quant = row.get("quant", "none")
+    return row["arch"] if quant == "none" else f"{row['arch']} {quant}"
+
+
 def by_arch(rows: list[dict]) -> dict[str, list[dict]]:
+    """Rows by series_name, in row order."""
     groups: dict[str, list[dict]] = {}
     for row in rows:
-        groups.setdefault(row["arch"], []).append(row)
+        groups.setdefault(series_name(row), []).append(row)
     return groups
 
 
@@ -62,7 +69,37 @@ def write_charts(rows: list[dict], out: Path) -> list[Path]:
         charts.append(diffusion_chart(diffusion, autoregressive, out))
     if any("val_bpb" in r for r in rows):
         charts.append(quality_chart([r for r in rows if "val_bpb" in r], out))
+        if any(r.get("quant", "none") != "none" for r in rows):
+            charts.append(memory_chart([r for r in rows if "val_bpb" in r], out))
     return charts
+
+
+def memory_chart(rows: list[dict], out: Path) -> Path:
+    """One marker per architecture x weight quantization: validation bits per byte against the memory one sequence
+    needs at the largest context, weights plus cache (a quantized model's weights as stored, scales included)."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    archs = list(dict.fromkeys(r["arch"] for r in rows))
+    quants = list(dict.fromkeys(r.get("quant", "none") for r in rows))
+    context = max(r["context"] for r in rows)
+    for name, rs in by_arch(rows).items():
+        at = [r for r in rs if r["context"] == context]
+        if not at:
+            continue
+        row = min(at, key=lambda r: r["batch"])
+        x = (row["weight_bytes"] + row["analytic_cache_bytes"] / row["batch"]) / 2**20
+        color = plt.get_cmap("tab10")(archs.index(row["arch"]) % 10)
+        ax.scatter([x], [row["val_bpb"]], color=color, marker=MARKERS[quants.index(row.get("quant", "none")) % len(MARKERS)],
+                   s=50, zorder=3, label=name)
+    ax.set_xscale("log")
+    ax.set(title=f"Memory vs quality: weights + cache of one sequence at context {context}",
+           xlabel="MiB (weights as stored + cache)", ylabel="validation bits per byte (lower is better)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out / "memory_vs_quality.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def tokens_text(tokens: int) -> str:
@@ -182,7 +219,7 @@ def floor_bars(ax, rows: list[dict], bar_key: str, bar_label) -> None:
     values = sorted({r[bar_key] for r in rows})
     width = 0.8 / len(values)
     colors = plt.get_cmap("viridis")([(i + 0.5) / len(values) for i in range(len(values))])
-    cells = {(r["arch"], r[bar_key]): r for r in rows}
+    cells = {(series_name(r), r[bar_key]): r for r in rows}
     for j, (value, color) in enumerate(zip(values, colors)):
         xs = [i + (j - (len(values) - 1) / 2) * width for i, a in enumerate(archs) if (a, value) in cells]
         rs = [cells[a, value] for a in archs if (a, value) in cells]

@@ -60,7 +60,8 @@ def cmd_compare(args) -> None:
                                block_size=args.block_size, device=args.device, seed=args.seed, out=Path(args.out),
                                diffusion_steps=args.diffusion_steps, block_length=args.block_length,
                                diffusion_caches=args.diffusion_caches,
-                               weights=Path(args.weights) if args.weights else None)
+                               weights=Path(args.weights) if args.weights else None, quant=args.quant,
+                               quant_group=args.quant_group, quant_method=args.quant_method)
     rows = run_compare(settings, show_progress=not args.quiet)
     table = markdown_table(rows)
     write_atomic(settings.out / "table.md", table)
@@ -215,6 +216,13 @@ def parser() -> argparse.ArgumentParser:
                    "train` output folder per architecture, named by it (DIR/gqa, DIR/mamba, ...); each row adds the "
                    "model's validation bits per byte and training budget, and quality_vs_cache.png is drawn "
                    "(default: none, random weights)")
+    c.add_argument("--quant", type=name_list, default=d.quant, help="comma-separated weight quantizations to run each "
+                   "architecture at: none, int8 (per output channel), int4 (per group of input columns) "
+                   f"(default: {','.join(d.quant)}); with --weights, memory_vs_quality.png is drawn")
+    c.add_argument("--quant-group", type=int, default=d.quant_group, help=f"int4 group size: 32, 64 or 128 "
+                   f"(default: {d.quant_group})")
+    c.add_argument("--quant-method", default=d.quant_method, choices=["rtn", "awq"], help="round to nearest, or "
+                   "activation-aware scales calibrated on training-corpus windows (default: rtn)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_compare)
 

@@ -15,14 +15,17 @@ from harness.cache_pool import LAYOUTS
 from harness.engine import Engine
 from harness.metrics import summarize
 from harness.results import ResultStore, check_output_folder
+from harness.train.corpus import load_corpus, training_batch
 from harness.sampling import SamplingParams
 from harness.train.trained import TrainedModel, read_trained, validation_set
 from zoo import checks
+from zoo.quantize import WEIGHT_SCHEMES
 
 # The fields that identify a cell: a re-run skips rows that match on all of them.
 CELL_KEY = ("arch", "preset", "context", "batch", "new_tokens", "dtype", "kv_cache", "device", "block_size",
             "steps", "block_length", "diffusion_cache",  # these three: diffusion cells only (None otherwise)
-            "weights")  # the trained checkpoint's folder (None: random weights, as every row before --weights)
+            "weights",  # the trained checkpoint's folder (None: random weights, as every row before --weights)
+            "quant")  # weight quantization, quant_label ("none": as every row before --quant)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -47,6 +50,11 @@ class CompareSettings:
     # a folder of `zoo train` outputs, one per architecture named by it (DIR/gqa, ...): those trained models instead
     # of random weights, each row with its validation bits per byte and training budget (harness/train/trained.py)
     weights: Path | None = None
+    # weight-only quantization per model (zoo.quantize): "none", "int8", "int4" (groups of quant_group input columns),
+    # rounded by quant_method ("rtn", or "awq" calibrated on windows of the training corpus)
+    quant: list[str] = field(default_factory=lambda: ["none"])
+    quant_group: int = 128
+    quant_method: str = "rtn"
 
     def __post_init__(self):
         if self.preset is None and self.weights is None:
@@ -87,7 +95,23 @@ class CompareSettings:
                                  f"max_seq_len={limit}")
         if any(not zoo.is_causal(a) for a in self.archs):
             self.validate_diffusion()
+        self.validate_quant(trained)
         return trained
+
+    def validate_quant(self, trained: dict[str, TrainedModel]) -> None:
+        """Each scheme is known and fits every model's layer widths (checked on shapes alone, before any work)."""
+        if not isinstance(self.quant, (list, tuple)) or not self.quant:
+            raise ValueError(f"quant must be a non-empty list of {', '.join(QUANT_CHOICES)}, got {self.quant!r}")
+        for scheme in self.quant:
+            checks.choice("quant", scheme, QUANT_CHOICES)
+        for config in filter(None, (quant_config(scheme, self) for scheme in self.quant)):
+            for arch in self.archs:
+                with torch.device("meta"):
+                    model = zoo.DecoderLM(trained[arch].config if trained else zoo.make_config(arch, self.preset))
+                try:
+                    zoo.quantize_layers(model, config)
+                except ValueError as error:
+                    raise ValueError(f"{arch}: {error}") from None
 
     def validate_diffusion(self) -> None:
         if self.new_tokens % self.block_length:
@@ -108,15 +132,52 @@ class CompareSettings:
         cells = []
         for a in self.archs:
             weights = str(trained[a].folder) if trained else None
-            for c in self.contexts:
-                for b in self.batches:
-                    if zoo.is_causal(a):
-                        cells.append({"arch": a, "context": c, "batch": b, **common, **autoregressive, "weights": weights})
-                    else:  # no-cache first: cached cells measure their agreement against it
-                        cells += [{"arch": a, "context": c, "batch": b, **common, "weights": weights, "steps": s,
-                                   "block_length": self.block_length, "diffusion_cache": cache}
-                                  for s in self.diffusion_steps for cache in self.diffusion_caches]
+            for quant in (quant_label(scheme, self) for scheme in self.quant):
+                model = {"weights": weights, "quant": quant}
+                for c in self.contexts:
+                    for b in self.batches:
+                        if zoo.is_causal(a):
+                            cells.append({"arch": a, "context": c, "batch": b, **common, **autoregressive, **model})
+                        else:  # no-cache first: cached cells measure their agreement against it
+                            cells += [{"arch": a, "context": c, "batch": b, **common, **model, "steps": s,
+                                       "block_length": self.block_length, "diffusion_cache": cache}
+                                      for s in self.diffusion_steps for cache in self.diffusion_caches]
         return cells
+
+
+QUANT_CHOICES = ("none", *WEIGHT_SCHEMES)
+
+
+def quant_config(scheme: str, settings: CompareSettings) -> zoo.QuantizeConfig | None:
+    if scheme == "none":
+        return None
+    return zoo.QuantizeConfig(scheme, group_size=settings.quant_group, method=settings.quant_method)
+
+
+def quant_label(scheme: str, settings: CompareSettings) -> str:
+    """What a row's quant field says: "none", "int8" or "int8/awq", "int4/g128" or "int4/g128/awq"."""
+    config = quant_config(scheme, settings)
+    if config is None:
+        return "none"
+    group = f"/g{config.group_size}" if config.weights == "int4" else ""
+    return f"{config.weights}{group}{'/awq' if config.method == 'awq' else ''}"
+
+
+def quantized(model, scheme_label: str, settings: CompareSettings, corpus: str | None = None):
+    """The model quantized as the cell's label says; AWQ is calibrated on windows of the training split of the
+    model's training corpus (`corpus`; None: the standard library), never on the validation windows it is scored on."""
+    scheme = scheme_label.split("/")[0]
+    config = quant_config(scheme, settings)
+    if config is None:
+        return model
+    calibration = None
+    if config.method == "awq":
+        windows = training_batch(load_corpus(Path(corpus) if corpus else None), settings.seed, 0, AWQ_WINDOWS, AWQ_CONTEXT)
+        calibration = windows.to(settings.device)
+    return zoo.quantize(model, config, calibration)
+
+
+AWQ_WINDOWS, AWQ_CONTEXT = 8, 256  # calibration tokens: 2,048 bytes of the training split
 
 
 def build_model(arch: str, settings: CompareSettings):
@@ -197,7 +258,7 @@ def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[d
     """Measure every cell not already in results.jsonl; returns all rows of this settings' cells. With weights,
     each architecture's rows also carry its validation figure, measured once per model."""
     trained = settings.validate()
-    store = ResultStore(settings.out / "results.jsonl", CELL_KEY, defaults={"weights": None})
+    store = ResultStore(settings.out / "results.jsonl", CELL_KEY, defaults={"weights": None, "quant": "none"})
     todo = [c for c in settings.cells(trained) if not store.done(c)]
     if todo:
         rates = measure_rates(settings) if any(not c["steps"] for c in todo) else None
@@ -207,10 +268,14 @@ def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[d
         for cell in bar:
             diffusion = f" steps={cell['steps']} cache={cell['diffusion_cache']}" if cell["steps"] else ""
             bar.set_postfix_str(f"{cell['arch']} ctx={cell['context']} batch={cell['batch']}{diffusion}")
-            if cell["arch"] != model_arch:
-                model_arch, reference = cell["arch"], {}
-                model = load_trained(trained[model_arch], settings) if trained else build_model(model_arch, settings)
-                quality = validation.fields(model, trained[model_arch]) if validation else {}
+            if (cell["arch"], cell["quant"]) != model_arch:
+                model_arch, reference = (cell["arch"], cell["quant"]), {}
+                arch = cell["arch"]
+                model = load_trained(trained[arch], settings) if trained else build_model(arch, settings)
+                model = quantized(model, cell["quant"], settings,
+                                  trained[arch].state["settings"]["corpus"] if trained else None)
+                quality = validation.fields(model, trained[arch]) if validation else {}
+                quality["weight_bytes"] = zoo.parameter_bytes(model)
             if cell["steps"]:
                 store.append({**measure_diffusion_cell(model, cell, settings.seed, reference), **quality})
             else:

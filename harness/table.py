@@ -18,7 +18,7 @@ COLUMNS = [
     ("MBU", "mbu", "{:.0%}"),
     ("MFU", "mfu", "{:.0%}"),
 ]
-TEXT_KEYS = ("arch", "diffusion_cache", "bound")  # left-aligned
+TEXT_KEYS = ("arch", "diffusion_cache", "bound", "quant")  # left-aligned
 
 DIFFUSION_COLUMNS = [
     ("arch", "arch", "{}"),
@@ -36,6 +36,9 @@ DIFFUSION_COLUMNS = [
 ]
 CACHE_ORDER = ("none", "prefix", "dual")
 QUALITY_COLUMN = ("val bpb", "val_bpb", "{:.3f}")
+QUANT_COLUMN = ("quant", "quant", "{}")
+WEIGHTS_COLUMN = ("weights MiB", "weight_bytes", "{:.2f}")
+MIB_KEYS = ("analytic_cache_bytes", "measured_cache_bytes", "weight_bytes")  # shown in MiB
 BOUND_COLUMN = ("val bpb (ELBO bound)", "val_bpb", "≤ {:.3f}")
 
 
@@ -50,7 +53,7 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]], order) -> list[
             if any(v is None for v in values):  # a diffusion cell, or a row written before the field existed
                 cells.append("—")
             else:
-                cells.append(fmt.format(*(v / 2**20 if k.endswith("cache_bytes") else v for k, v in zip(keys, values))))
+                cells.append(fmt.format(*(v / 2**20 if k in MIB_KEYS else v for k, v in zip(keys, values))))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -58,8 +61,12 @@ def table(rows: list[dict], columns: list[tuple[str, str, str]], order) -> list[
 def markdown_table(rows: list[dict]) -> str:
     autoregressive = [r for r in rows if not r.get("steps")]
     diffusion = [r for r in rows if r.get("steps")]
-    columns = COLUMNS + [QUALITY_COLUMN] * any("val_bpb" in r for r in autoregressive)
-    lines = table(autoregressive, columns, lambda r: (r["arch"], r["context"], r["batch"])) if autoregressive else []
+    quantized = any(r.get("quant", "none") != "none" for r in rows)
+    columns = COLUMNS[:1] + [QUANT_COLUMN, WEIGHTS_COLUMN] * quantized + COLUMNS[1:] + [QUALITY_COLUMN] * any(
+        "val_bpb" in r for r in autoregressive)
+    lines = table(autoregressive, columns, lambda r: (r["arch"], r.get("quant", "none") != "none", r.get("quant", "none"),
+                                                      r["context"], r["batch"])
+                  ) if autoregressive else []
     if diffusion:
         lines += ([""] if lines else []) + ["Masked diffusion LM (LLaDA sampler; first block = the TTFT analogue):", ""]
         lines += table(diffusion, DIFFUSION_COLUMNS + [BOUND_COLUMN] * any("val_bpb" in r for r in diffusion),

@@ -93,3 +93,26 @@ def test_a_folder_named_for_another_architecture_is_refused(tmp_path, weights, n
     (tmp_path / "w" / "mqa").symlink_to(root / "gqa")
     with pytest.raises(ValueError, match="holds a trained 'gqa', not 'mqa'"):
         run_compare(settings(tmp_path / "out", tmp_path / "w", archs=["mqa"]), show_progress=False)
+
+
+def test_quantized_rows_and_the_memory_vs_quality_chart(tmp_path, weights):
+    """--quant adds an axis: each architecture at none, int8 and int4 (RTN and AWQ calibrated on training windows),
+    its weight bytes as stored, its own validation figure; memory_vs_quality.png puts them side by side."""
+    root, _ = weights
+    rows = run_compare(settings(tmp_path, root, quant=["none", "int8", "int4"], quant_group=32, batches=[1]),
+                       show_progress=False)
+    by = {(r["arch"], r["quant"]): r for r in rows}
+    assert set(by) == {(a, q) for a in ARCHS for q in ("none", "int8", "int4/g32")}
+    for arch in ARCHS:
+        none, int8, int4 = by[arch, "none"], by[arch, "int8"], by[arch, "int4/g32"]
+        assert int4["weight_bytes"] < int8["weight_bytes"] < none["weight_bytes"]
+        assert none["weight_bytes"] == zoo.parameter_bytes(zoo.load(root / arch))
+        assert int8["val_bpb"] != none["val_bpb"] and abs(int8["val_bpb"] - none["val_bpb"]) < 0.05
+    assert tmp_path / "memory_vs_quality.png" in write_charts(rows, tmp_path)
+    awq = run_compare(settings(tmp_path / "awq", root, quant=["int4"], quant_group=32, quant_method="awq",
+                               batches=[1]), show_progress=False)
+    assert {r["quant"] for r in awq} == {"int4/g32/awq"}
+    with pytest.raises(ValueError, match="unknown quant 'int3'"):
+        run_compare(settings(tmp_path, root, quant=["int3"]), show_progress=False)
+    with pytest.raises(ValueError, match="gqa: group_size=128 does not divide the input width 192"):
+        run_compare(settings(tmp_path, root, quant=["int4"], quant_group=128), show_progress=False)

@@ -6,12 +6,12 @@ from zoo.model import DecoderLM
 from zoo.presets import PRESETS
 from zoo.build import build
 from zoo.checkpoint import load, save
-from zoo.quantize import QuantizeConfig, quantize
+from zoo.quantize import QuantizeConfig, quantize, quantize_layers
 from zoo.registry import architectures, compare_defaults, describe, details, is_causal, make_config
 from zoo.tokenizer import ByteTokenizer
 
 __all__ = [
     "ByteTokenizer", "DecoderLM", "MixerSpec", "ModelConfig", "PRESETS", "QuantizeConfig",
     "architectures", "build", "cache_bytes", "cache_read_bytes", "compare_defaults", "decode_weight_bytes", "describe", "details",
-    "from_hf", "is_causal", "load", "make_config", "parameter_bytes", "quantize", "save",
+    "from_hf", "is_causal", "load", "make_config", "parameter_bytes", "quantize", "quantize_layers", "save",
 ]

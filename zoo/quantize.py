@@ -117,7 +117,7 @@ class QuantizedLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.scheme}{group}{', awq' if self.input_scale is not None else ''}"
 
 
-def quantizable(model: nn.Module, config: QuantizeConfig) -> dict[str, nn.Linear]:
+def quantize_layers(model: nn.Module, config: QuantizeConfig) -> dict[str, nn.Linear]:
     """The linear layers `quantize` replaces, by module name: the blocks' at least one group wide, and the head if
     asked and untied."""
     width = config.group_size if config.weights == "int4" else 1
@@ -141,7 +141,7 @@ def quantize(model: nn.Module, config: QuantizeConfig, calibration: torch.Tensor
     if config.method == "awq" and calibration is None:
         raise ValueError("method='awq' searches its scales on calibration text: pass calibration token ids [B, T]")
     quantized = copy.deepcopy(model)
-    layers = quantizable(quantized, config)
+    layers = quantize_layers(quantized, config)
     if calibration is not None:
         checks.token_ids("calibration", calibration.flatten().tolist(), model.config.vocab_size)
     scales = awq_scales(quantized, layers, config, calibration) if config.method == "awq" else {}
