@@ -15,6 +15,7 @@ from harness.sampling import SamplingParams, sample_token
 from harness.scheduler import Scheduler
 from harness.sequence import RequestOutput, Sequence, Status, TokenEvent
 from harness.speculative import SpeculativeConfig, SpeculativeDecoder
+import zoo
 from zoo import checks
 from zoo.tokenizer import ByteTokenizer
 
@@ -67,7 +68,8 @@ class Engine:
     def __init__(self, model, max_batch: int = 8, max_seq_len: int | None = None, kv_cache: str = "contiguous",
                  block_size: int = 16, num_blocks: int | None = None, cache_budget_bytes: int | None = None,
                  compile: bool = False, admission: str = "reserve", max_num_batched_tokens: int | None = None,
-                 prefix_caching: bool = False, speculative: SpeculativeConfig | None = None):
+                 prefix_caching: bool = False, speculative: SpeculativeConfig | None = None,
+                 quantize: "zoo.QuantizeConfig | None" = None):
         """kv_cache: "contiguous" ([slots, kv_heads, max_seq_len, head_dim] per layer) or "paged" (block pool).
 
         num_blocks / cache_budget_bytes size the paged pool (default: room for max_batch full-length sequences;
@@ -89,7 +91,16 @@ class Engine:
         speculative: speculative decoding (harness.SpeculativeConfig: a draft model or prompt lookup, k): each
         decode step the proposer offers k tokens per request and the target verifies them in one forward, keeping
         the target's distribution exactly (greedy: its argmax tokens); `speculative_stats` has the acceptance.
+        quantize: run a weight-quantized copy of the model (zoo.QuantizeConfig, round to nearest; for AWQ, which
+        needs calibration text, pass zoo.quantize(model, config, calibration) as the model instead).
         """
+        if quantize is not None:
+            if not isinstance(quantize, zoo.QuantizeConfig):
+                raise ValueError(f"quantize must be a zoo.QuantizeConfig or None, got {type(quantize).__name__}")
+            if quantize.method != "rtn":
+                raise ValueError(f"Engine(quantize=...) rounds to nearest; method={quantize.method!r} needs calibration "
+                                 f"text: pass zoo.quantize(model, config, calibration) as the model instead")
+            model = zoo.quantize(model, quantize)
         config = model.config
         if not config.causal:  # each position sees later ones: a new token would change every cached key
             raise ValueError(f"{config.name!r} is a masked diffusion LM (non-causal); the engine decodes causal models "

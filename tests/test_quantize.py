@@ -111,3 +111,18 @@ def test_bad_quantization_settings_are_errors_before_work():
         zoo.quantize(model, zoo.QuantizeConfig("int8", method="awq"), calibration=torch.tensor([[1, 9999]]))
     with pytest.raises(ValueError, match="QuantizeConfig"):
         zoo.quantize(model, "int8")
+
+
+def test_engine_quantize_runs_a_quantized_copy():
+    model = random_model("hybrid", seed=6, layers="mamba,gqa")
+    config = zoo.QuantizeConfig("int4", group_size=32)
+    engine = Engine(model, max_batch=2, max_seq_len=48, quantize=config)
+    assert isinstance(engine.model.blocks[1].mixer.q_proj, QuantizedLinear)
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())  # the caller's model is untouched
+    prompts = make_prompts([6, 9], model.config.vocab_size, seed=7)
+    want = Engine(zoo.quantize(model, config), max_batch=2, max_seq_len=48).generate(prompts, greedy(6))
+    assert [o.token_ids for o in engine.generate(prompts, greedy(6))] == [o.token_ids for o in want]
+    with pytest.raises(ValueError, match="calibration"):
+        Engine(model, quantize=zoo.QuantizeConfig("int8", method="awq"))
+    with pytest.raises(ValueError, match="QuantizeConfig"):
+        Engine(model, quantize="int8")
