@@ -90,15 +90,6 @@ def shared_prefix(text: str) -> tuple[int, int, int]:
     raise argparse.ArgumentTypeError(f"expected N:PREFIX_LEN:SUFFIX_LEN (three integers), got {text!r}")
 
 
-def optional_ms(text: str) -> float | None:
-    if text.lower() == "none":
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds or 'none', got {text!r}") from None
-
-
 def cmd_serve_bench(args) -> None:
     d = ServeBenchSettings()
     num_prefixes, prefix_len, suffix_len = args.shared_prefix or (0, d.prefix_len, d.suffix_len)
@@ -287,9 +278,9 @@ def add_serve_bench_parser(sub) -> None:
     s.add_argument("--shared-prefix", type=shared_prefix, metavar="N:PREFIX_LEN:SUFFIX_LEN",
                    help="the shared-prefix workload instead of --input-len: each prompt is one of N random system "
                         "prompts of PREFIX_LEN tokens followed by its own SUFFIX_LEN tokens")
-    s.add_argument("--ttft-slo-ms", type=optional_ms, default=d.ttft_slo_ms, help=f"goodput counts requests with TTFT at "
+    s.add_argument("--ttft-slo-ms", type=train_cli.optional_number("milliseconds"), default=d.ttft_slo_ms, help=f"goodput counts requests with TTFT at "
                    f"most this ('none': no TTFT SLO; default: {d.ttft_slo_ms:g})")
-    s.add_argument("--tpot-slo-ms", type=optional_ms, default=d.tpot_slo_ms, help=f"... and TPOT at most this ('none': "
+    s.add_argument("--tpot-slo-ms", type=train_cli.optional_number("milliseconds"), default=d.tpot_slo_ms, help=f"... and TPOT at most this ('none': "
                    f"no TPOT SLO; default: {d.tpot_slo_ms:g})")
     s.add_argument("--admission", default=d.admission, choices=list(ADMISSIONS), help=f"engine admission (default: {d.admission})")
     s.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step: chunked prefill (default: off, "

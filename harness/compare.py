@@ -206,6 +206,7 @@ def measure_cell(model, cell: dict, rates: roofline.MachineRates, seed: int) -> 
     return {
         **cell,
         "params": sum(p.numel() for p in model.parameters()),
+        "weight_bytes": zoo.parameter_bytes(model),  # as stored: a quantized model's payload and scales
         "analytic_cache_bytes": zoo.cache_bytes(model, seq_len=max_seq_len, batch=cell["batch"]),
         "measured_cache_bytes": engine.cache_bytes_allocated,
         "cache_bytes_per_token": zoo.cache_bytes(model, seq_len=1),
@@ -275,7 +276,6 @@ def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[d
                 model = quantized(model, cell["quant"], settings,
                                   trained[arch].state["settings"]["corpus"] if trained else None)
                 quality = validation.fields(model, trained[arch]) if validation else {}
-                quality["weight_bytes"] = zoo.parameter_bytes(model)
             if cell["steps"]:
                 store.append({**measure_diffusion_cell(model, cell, settings.seed, reference), **quality})
             else:

@@ -7,6 +7,7 @@ no-cache sampler's (the speed/quality trade Fast-dLLM makes).
 """
 import torch
 
+import zoo
 from harness.diffusion import DiffusionSampler
 
 CACHE_MODES = ("none", "prefix", "dual")
@@ -50,6 +51,7 @@ def measure_diffusion_cell(model, cell: dict, seed: int, reference: dict) -> dic
     return {
         **cell,
         "params": sum(p.numel() for p in model.parameters()),
+        "weight_bytes": zoo.parameter_bytes(model),
         "analytic_cache_bytes": out.cache_bytes,
         "measured_cache_bytes": out.cache_bytes_allocated,
         "cache_bytes_per_token": 0,

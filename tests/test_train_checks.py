@@ -5,16 +5,10 @@ import pytest
 import zoo
 from harness import cli
 from harness.train import TrainSettings, run_train, trainer
-from test_train import TINY, copy_corpus  # tests/ is on sys.path under pytest
+from test_cli_checks import fail_if_called  # tests/ is on sys.path under pytest
+from test_train import TINY, copy_corpus
 
 TRAIN = ["train", "--context", "32", "--batch-size", "4", "--max-steps", "2", "--eval-windows", "4", "--quiet"]
-
-
-def fail_if_called(what: str):
-    def fail(*args, **kwargs):
-        raise AssertionError(f"{what} ran before the bad option was reported")
-
-    return fail
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from harness.charts import budget_title, write_charts
 from harness.compare import CompareSettings, run_compare
 from harness.train import TrainSettings, run_train, trained
 from test_train import TINY, copy_corpus  # tests/ is on sys.path under pytest
-from test_train_checks import fail_if_called
+from test_cli_checks import fail_if_called
 
 ARCHS = ("gqa", "mamba")
 

@@ -20,13 +20,18 @@ def override(text: str) -> tuple[str, object]:
     return key.strip(), {"true": True, "false": False}.get(value.lower(), value)
 
 
-def optional_minutes(text: str) -> float | None:
-    if text.lower() == "none":
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected minutes or 'none', got {text!r}") from None
+def optional_number(unit: str):
+    """An argparse type: a number of `unit`, or 'none' (no such limit)."""
+
+    def parse(text: str) -> float | None:
+        if text.lower() == "none":
+            return None
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {unit} or 'none', got {text!r}") from None
+
+    return parse
 
 
 def add_parser(sub) -> None:
@@ -52,7 +57,7 @@ def add_parser(sub) -> None:
     t.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate, after warmup; cosine decay to 10%% "
                                                           f"of it (default: {d.lr:g})")
     t.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help=f"linear warmup steps (default: {d.warmup_steps})")
-    t.add_argument("--minutes", type=optional_minutes, default=d.minutes, help=f"training-time budget in minutes, "
+    t.add_argument("--minutes", type=optional_number("minutes"), default=d.minutes, help=f"training-time budget in minutes, "
                    f"evaluations not counted; 'none': steps only (default: {d.minutes:g})")
     t.add_argument("--max-steps", type=int, help="step budget; training stops at whichever budget ends first "
                                                  "(default: none)")
