@@ -4,6 +4,7 @@ shared layers. Which keys a query sees is the layer's retention policy's answer 
 import torch
 import torch.nn.functional as F
 
+from cache.quantized_rows import Int8Rows
 from cache.retention import FULL, Retention
 from cache.spec import CacheBatch, CacheSpec
 from kernels import contiguous_decode_attention, mla_decode_attention, paged_decode_attention, write_paged_kv
@@ -68,11 +69,23 @@ def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 
 
 class KVTensors:
-    """Keys (for a "latent" cache, the one row per token) and values; their bytes are the layer's measured cache."""
+    """Keys (for a "latent" cache, the one row per token) and values; their bytes are the layer's measured cache.
 
-    def __init__(self, spec: CacheSpec, zeros):
-        """zeros(dim): a zeroed tensor of this layout whose rows are `dim` wide."""
+    kv_format "int8" keeps every row as int8 with its own scale (cache/quantized_rows.py): reads through an index
+    dequantize, writes quantize. The decode kernels read float caches in place, so an int8 cache attends through
+    the dequantized rows it gathers (the reference path; a kernel that dequantizes as it reads is not written yet).
+    """
+
+    def __init__(self, spec: CacheSpec, shape, dtype, device, kv_format: str = "auto"):
+        """shape(dim): this layout's shape for rows `dim` wide."""
         self.retention = spec.retention
+        self.quantized = kv_format == "int8"
+
+        def zeros(dim: int):
+            if self.quantized:
+                return Int8Rows.zeros(*shape(dim), dtype=dtype, device=device)
+            return torch.zeros(*shape(dim), dtype=dtype, device=device)
+
         self.k = zeros(spec.head_dim)
         self.v = zeros(spec.value_dim) if spec.kind == "kv" else None
 
@@ -95,14 +108,14 @@ class ContiguousKV(KVTensors):
     retention.row(p), and a sequence's live keys are its first retention.rows_held(length) rows.
     """
 
-    def __init__(self, spec: CacheSpec, max_batch: int, max_len: int, dtype, device):
+    def __init__(self, spec: CacheSpec, max_batch: int, max_len: int, dtype, device, kv_format: str = "auto"):
         self.rows = spec.retention.rows(max_len)
         self.rolling = self.rows < max_len
         self.pending = None  # a ring's chunk step: its keys and values, written once its queries have read the ring
         # a ring's checkpointed writes, oldest first: (slots [B], rows [B, T], positions [B, T], the keys and values
         # they overwrote), so rollback can put back what a rejected token's row held
         self.overwritten: list[tuple] = []
-        super().__init__(spec, lambda dim: torch.zeros(max_batch, spec.kv_heads, self.rows, dim, dtype=dtype, device=device))
+        super().__init__(spec, lambda dim: (max_batch, spec.kv_heads, self.rows, dim), dtype, device, kv_format)
 
     def write(self, k: torch.Tensor, v: torch.Tensor | None, batch: CacheBatch) -> None:
         """k, v: [B, KVH, T, D] for the tokens at batch.positions; a ring keeps those the newest query still sees.
@@ -141,7 +154,9 @@ class ContiguousKV(KVTensors):
     def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None = None,
                causal: bool = True) -> torch.Tensor:
         """causal=False: each query sees every cached key of its row before batch.lengths, not only earlier ones."""
-        if q.shape[2] == 1:
+        if q.shape[2] == 1 and self.quantized and self.rolling:
+            return self.attend_ring_rows(q, batch, scale, value_dim)
+        if q.shape[2] == 1 and not self.quantized:
             # one query per sequence sees every live row: a ring holds just the visible keys, unordered, which softmax
             # does not mind; an unrolled buffer is at least max_len wide, so the policy never binds there
             lengths = self.retention.rows_held(batch.lengths) if self.rolling else batch.lengths
@@ -158,6 +173,16 @@ class ContiguousKV(KVTensors):
         visible = visible_keys(key_positions, batch.positions, self.retention, None if causal else batch.lengths)
         return self.attend_over(q, k, v, visible, scale, value_dim)
 
+
+    def attend_ring_rows(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None):
+        """One query per sequence over a ring's live rows (its first rows_held, unordered), read dequantized."""
+        rows = batch.slots if batch.slot_range is None else batch.slot_range
+        held = self.retention.rows_held(batch.lengths)
+        width = min(self.rows, batch.max_length)
+        visible = (torch.arange(width, device=q.device) < held[:, None]).unsqueeze(1)  # [B, 1, rows]
+        k = self.k[rows, :, :width]
+        v = None if self.v is None else self.v[rows, :, :width]
+        return self.attend_over(q, k, v, visible, scale, value_dim)
 
     def rollback(self, lengths: dict[int, int]) -> None:
         """Keep each slot's first `length` tokens (slot -> length): a ring puts back the rows its checkpointed writes
@@ -204,15 +229,25 @@ class PagedKV(KVTensors):
     rows strided by the other heads (bf16 paged attention 2x faster on CPU at 16 x 4096 keys).
     """
 
-    def __init__(self, spec: CacheSpec, num_blocks: int, block_size: int, group: int, dtype, device):
-        super().__init__(spec, lambda dim: torch.zeros(num_blocks, spec.kv_heads, block_size, dim, dtype=dtype,
-                                                       device=device).transpose(1, 2))
+    def __init__(self, spec: CacheSpec, num_blocks: int, block_size: int, group: int, dtype, device,
+                 kv_format: str = "auto"):
+        super().__init__(spec, lambda dim: (num_blocks, spec.kv_heads, block_size, dim), dtype, device, kv_format)
+        self.k = self.k.transpose(1, 2)  # head-major storage, block-major view
+        self.v = None if self.v is None else self.v.transpose(1, 2)
         self.block_size, self.group = block_size, group
 
     def write(self, k: torch.Tensor, v: torch.Tensor | None, batch: CacheBatch) -> None:
         b, kvh, t, _ = k.shape
         flat_k = k.transpose(1, 2).reshape(b * t, kvh, -1)
         flat_v = None if v is None else v.transpose(1, 2).reshape(b * t, kvh, -1)
+        if self.quantized:  # each kept token's rows quantized into its block and offset
+            slots = batch.slot_mappings[self.group]
+            kept = (slots >= 0).nonzero()[:, 0]
+            index = (slots[kept] // self.block_size, slots[kept] % self.block_size)
+            self.k[index] = flat_k[kept]
+            if self.v is not None:
+                self.v[index] = flat_v[kept]
+            return
         write_paged_kv(flat_k, flat_v, self.k, self.v, batch.slot_mappings[self.group])
 
     def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None = None,
@@ -220,14 +255,14 @@ class PagedKV(KVTensors):
         """causal=False: each query sees every cached key of its row before batch.lengths, not only earlier ones
         (the one-query kernels already read every key before lengths: the same keys in both modes)."""
         table = batch.block_tables[self.group]
-        if q.shape[2] == 1 and self.v is None:
+        if q.shape[2] == 1 and self.v is None and not self.quantized:
             return mla_decode_attention(q[:, :, 0], self.k[:, :, 0], table, batch.lengths, scale, value_dim).unsqueeze(2)
-        if q.shape[2] == 1:
+        if q.shape[2] == 1 and not self.quantized:
             starts = None if self.retention.keeps_all else self.retention.span_starts(batch.lengths)
             out = paged_decode_attention(q[:, :, 0], self.k, self.v, table, batch.lengths, scale, starts=starts,
                                          sinks=self.retention.sinks, max_keys=self.retention.capacity)
             return out.unsqueeze(2)
-        # Several new tokens on top of cached ones: gather the blocks, then mask.
+        # Several new tokens on top of cached ones (or an int8 cache's one): gather the blocks, then mask.
         k, v = self.gather(table, batch.max_length)
         key_positions = torch.arange(batch.max_length, device=q.device).unsqueeze(0)
         visible = visible_keys(key_positions, batch.positions, self.retention, None if causal else batch.lengths)

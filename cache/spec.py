@@ -11,6 +11,10 @@ CACHE_KINDS = ("kv", "latent", "shared", "state")
 # its cache ("decode"), or several new tokens on top of it ("chunk": a diffusion block, a chunked prefill's later
 # chunks, a speculative verification of proposed tokens).
 STEP_KINDS = ("prefill", "decode", "chunk")
+# How per-token caches store their rows: "auto" in the model's dtype; "int8" one byte an element plus a scale (in the
+# model's dtype) per token and KV head for keys and for values (cache/quantized_rows.py). Recurrent state keeps its
+# declared dtype: it is rewritten every token, so rounding would compound, and it does not grow with the context.
+KV_FORMATS = ("auto", "int8")
 
 
 @dataclass(frozen=True)
@@ -68,9 +72,24 @@ class CacheSpec:
         """Bytes of the fixed per-sequence state for a model in `dtype`."""
         return self.state_elements * (self.state_dtype or dtype).itemsize
 
-    def bytes(self, seq_len: int, dtype: torch.dtype) -> int:
+    @property
+    def rows_per_token(self) -> int:
+        """Rows one cached token stores (each int8 row has its own scale): a key and a value per KV head, or the
+        latent row."""
+        if self.kind in ("shared", "state"):
+            return 0
+        return self.kv_heads * (1 if self.kind == "latent" else 2)
+
+    def token_bytes(self, dtype: torch.dtype, kv_format: str = "auto") -> int:
+        """Bytes one cached token costs in this layer: its elements in `dtype`, or int8 elements and a scale in
+        `dtype` per row."""
+        if kv_format == "int8":
+            return self.elements_per_token + self.rows_per_token * dtype.itemsize
+        return self.elements_per_token * dtype.itemsize
+
+    def bytes(self, seq_len: int, dtype: torch.dtype, kv_format: str = "auto") -> int:
         """Cache bytes one sequence of `seq_len` tokens holds in this layer, for a model in `dtype`."""
-        tokens = self.elements_per_token * self.tokens_held(seq_len) * dtype.itemsize
+        tokens = self.token_bytes(dtype, kv_format) * self.tokens_held(seq_len)
         return tokens + (self.state_bytes(dtype) if seq_len > 0 else 0)
 
     def tokens_held(self, seq_len: int) -> int:

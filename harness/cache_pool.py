@@ -16,7 +16,10 @@ LAYOUTS = ("contiguous", "paged")
 class CacheGroup:
     retention: Retention
     layers: list[int]  # memory-owning layers whose blocks live and die together
-    token_elements: int  # cache elements one token costs across those layers
+
+    def token_bytes(self, specs: list[CacheSpec], dtype: torch.dtype, kv_format: str = "auto") -> int:
+        """Cache bytes one token costs across the group's layers."""
+        return sum(specs[i].token_bytes(dtype, kv_format) for i in self.layers)
 
 
 def cache_groups(specs: list[CacheSpec]) -> list[CacheGroup]:
@@ -25,25 +28,24 @@ def cache_groups(specs: list[CacheSpec]) -> list[CacheGroup]:
     groups: dict[Retention, CacheGroup] = {}
     for i, spec in enumerate(specs):
         if spec.elements_per_token > 0:
-            group = groups.setdefault(spec.retention, CacheGroup(spec.retention, [], 0))
-            group.layers.append(i)
-            group.token_elements += spec.elements_per_token
+            groups.setdefault(spec.retention, CacheGroup(spec.retention, [])).layers.append(i)
     return list(groups.values())
 
 
 class CachePool:
     def __init__(self, specs: list[CacheSpec], layout: str, max_batch: int, max_seq_len: int,
-                 block_size: int, num_blocks: list[int], dtype: torch.dtype, device):
-        """num_blocks: pool size of each cache group (paged layout)."""
+                 block_size: int, num_blocks: list[int], dtype: torch.dtype, device, kv_format: str = "auto"):
+        """num_blocks: pool size of each cache group (paged layout). kv_format: how per-token caches store rows
+        (cache.KV_FORMATS)."""
         self.specs, self.layout, self.block_size = specs, layout, block_size
-        self.dtype = dtype
-        self.element_size = dtype.itemsize
+        self.dtype, self.kv_format = dtype, kv_format
         self.groups = cache_groups(specs)
         self.layers = [None] * len(specs)
         for g, group in enumerate(self.groups):
             for i in group.layers:
-                self.layers[i] = (ContiguousKV(specs[i], max_batch, max_seq_len, dtype, device) if layout == "contiguous"
-                                  else PagedKV(specs[i], num_blocks[g], block_size, g, dtype, device))
+                self.layers[i] = (ContiguousKV(specs[i], max_batch, max_seq_len, dtype, device, kv_format)
+                                  if layout == "contiguous"
+                                  else PagedKV(specs[i], num_blocks[g], block_size, g, dtype, device, kv_format))
         for i, spec in enumerate(specs):
             if spec.kind == "state":  # one row per batch slot, in either layout
                 self.layers[i] = StateSlots(spec, max_batch, dtype, device)
@@ -59,7 +61,7 @@ class CachePool:
     def read_bytes(self, tokens: int) -> int:
         """Analytic cache bytes a decode step reads for one sequence of `tokens` tokens; a shared cache is read by
         every layer that shares it."""
-        return sum(spec.bytes(tokens, self.dtype) for spec in specs_read(self.specs))
+        return sum(spec.bytes(tokens, self.dtype, self.kv_format) for spec in specs_read(self.specs))
 
     def copy_blocks(self, group: int, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (source, destination) block's keys and values, in every layer of the group."""
@@ -94,17 +96,17 @@ class CachePool:
                     tensor[destination] = tensor[source]
 
     def block_bytes(self, group: int) -> int:
-        return self.element_size * self.block_size * self.groups[group].token_elements
+        return self.block_size * self.groups[group].token_bytes(self.specs, self.dtype, self.kv_format)
 
 
 def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, block_size: int,
-               num_blocks: int | None, budget: int | None, step_tokens: int = 1) -> tuple[int, list[int]]:
+               num_blocks: int | None, budget: int | None, step_tokens: int = 1,
+               kv_format: str = "auto") -> tuple[int, list[int]]:
     """(max_batch, blocks per cache group) the cache can serve; a budget that cannot hold one full-length request
     is an error. A paged budget is split between groups in proportion to what one request needs of each.
     step_tokens: most tokens a step feeds one sequence on top of its cache (Retention.peak_blocks)."""
-    element_size = dtype.itemsize
     if kv_cache == "contiguous":
-        per_row = sum(spec.bytes(max_seq_len, dtype) for spec in specs)
+        per_row = sum(spec.bytes(max_seq_len, dtype, kv_format) for spec in specs)
         if budget is not None:
             if budget < per_row:
                 raise ValueError(f"cache budget {budget} B is too small for one request: one contiguous row of "
@@ -117,7 +119,7 @@ def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, bl
         return max_batch, [num_blocks] * len(groups)
     if budget is None:
         return max_batch, [max_batch * need for need in needs]
-    block_bytes = [element_size * block_size * g.token_elements for g in groups]
+    block_bytes = [block_size * g.token_bytes(specs, dtype, kv_format) for g in groups]
     per_request = sum(need * b for need, b in zip(needs, block_bytes))
     state_bytes = sum(spec.state_bytes(dtype) for spec in specs)
     if state_bytes:

@@ -9,6 +9,7 @@ import torch
 
 from harness.beam_search import BeamOutput, BeamSearch, BeamSearchParams
 from harness.block_manager import ADMISSIONS, BlockManager
+from cache import KV_FORMATS
 from harness.cache_pool import LAYOUTS, CachePool, size_cache
 from harness.model_runner import ModelRunner, prefill_batches
 from harness.sampling import SamplingParams, sample_token
@@ -69,7 +70,7 @@ class Engine:
                  block_size: int = 16, num_blocks: int | None = None, cache_budget_bytes: int | None = None,
                  compile: bool = False, admission: str = "reserve", max_num_batched_tokens: int | None = None,
                  prefix_caching: bool = False, speculative: SpeculativeConfig | None = None,
-                 quantize: "zoo.QuantizeConfig | None" = None):
+                 quantize: "zoo.QuantizeConfig | None" = None, kv_dtype: str = "auto"):
         """kv_cache: "contiguous" ([slots, kv_heads, max_seq_len, head_dim] per layer) or "paged" (block pool).
 
         num_blocks / cache_budget_bytes size the paged pool (default: room for max_batch full-length sequences;
@@ -93,6 +94,8 @@ class Engine:
         the target's distribution exactly (greedy: its argmax tokens); `speculative_stats` has the acceptance.
         quantize: run a weight-quantized copy of the model (zoo.QuantizeConfig, round to nearest; for AWQ, which
         needs calibration text, pass zoo.quantize(model, config, calibration) as the model instead).
+        kv_dtype: "auto" (the model's dtype) or "int8": per-token caches (keys, values, MLA latents) stored as int8
+        with a scale per token and KV head, about half the bytes of bf16; recurrent state keeps its declared dtype.
         """
         if quantize is not None:
             if not isinstance(quantize, zoo.QuantizeConfig):
@@ -119,6 +122,10 @@ class Engine:
             raise ValueError(f"admission={admission!r} needs kv_cache='paged': the contiguous layout gives each "
                              f"request a whole row, so there is nothing to admit optimistically")
         checks.boolean("prefix_caching", prefix_caching)
+        checks.choice("kv_dtype", kv_dtype, KV_FORMATS)
+        if kv_dtype != "auto" and not any(spec.elements_per_token for spec in model.cache_specs()):
+            raise ValueError(f"kv_dtype={kv_dtype!r}: {config.name!r} keeps no per-token cache, only recurrent state, "
+                             f"which stays in its declared dtype (rounding would compound over every token)")
         if prefix_caching and kv_cache != "paged":
             raise ValueError("prefix_caching=True needs kv_cache='paged': requests share cached blocks by reference")
         if num_blocks is not None and kv_cache != "paged":
@@ -143,9 +150,10 @@ class Engine:
         # a verification caches up to k proposed tokens past the kept ones before it rolls back
         self.lookahead, cache_len = lookahead, max_seq_len + lookahead
         max_batch, num_blocks = size_cache(specs, self.dtype, kv_cache, max_batch, cache_len, block_size,
-                                           num_blocks, cache_budget_bytes, step_tokens)
-        self.max_batch = max_batch
-        self.pool = CachePool(specs, kv_cache, max_batch, cache_len, block_size, num_blocks, self.dtype, self.device)
+                                           num_blocks, cache_budget_bytes, step_tokens, kv_dtype)
+        self.max_batch, self.kv_dtype = max_batch, kv_dtype
+        self.pool = CachePool(specs, kv_cache, max_batch, cache_len, block_size, num_blocks, self.dtype, self.device,
+                              kv_dtype)
         # one block manager per cache group (paged layout only)
         self.block_managers = [BlockManager(n, block_size, group.retention, admission, step_tokens=step_tokens,
                                             prefix_caching=prefix_caching)

@@ -2,23 +2,27 @@
 head_dim · tokens · bytes per element, as in Pope et al. 2022, "Efficiently Scaling Transformer Inference")."""
 import torch
 
-from cache import specs_read
+from cache import KV_FORMATS, specs_read
+from zoo import checks
 from zoo.quantize import QuantizedLinear
 
 
-def cache_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | None = None) -> int:
-    """Bytes of KV cache/state `batch` sequences of `seq_len` tokens hold; dtype defaults to the model's."""
+def cache_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | None = None, kv_format: str = "auto") -> int:
+    """Bytes of KV cache/state `batch` sequences of `seq_len` tokens hold; dtype defaults to the model's. kv_format
+    "int8": per-token caches in int8 with a scale per token and KV head (cache.KV_FORMATS); states as declared."""
     if seq_len < 0 or batch < 0:
         raise ValueError(f"seq_len and batch must be >= 0, got seq_len={seq_len}, batch={batch}")
+    checks.choice("kv_format", kv_format, KV_FORMATS)
     dtype = dtype or next(model.parameters()).dtype
-    return batch * sum(spec.bytes(seq_len, dtype) for spec in model.cache_specs())
+    return batch * sum(spec.bytes(seq_len, dtype, kv_format) for spec in model.cache_specs())
 
 
-def cache_read_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | None = None) -> int:
+def cache_read_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | None = None,
+                     kv_format: str = "auto") -> int:
     """Cache bytes one decode step's attention reads: like cache_bytes, but a layer that shares another's cache
     (cross-layer attention) reads it again, so it counts what it reads, not what it owns."""
     dtype = dtype or next(model.parameters()).dtype
-    return batch * sum(spec.bytes(seq_len, dtype) for spec in specs_read(model.cache_specs()))
+    return batch * sum(spec.bytes(seq_len, dtype, kv_format) for spec in specs_read(model.cache_specs()))
 
 
 def parameter_bytes(model) -> int:
