@@ -73,7 +73,8 @@ class KVTensors:
 
     kv_format "int8" keeps every row as int8 with its own scale (cache/quantized_rows.py): reads through an index
     dequantize, writes quantize. The decode kernels read float caches in place, so an int8 cache attends through
-    the dequantized rows it gathers (the reference path; a kernel that dequantizes as it reads is not written yet).
+    the dequantized rows it gathers, except paged keys and values, whose decode kernel folds the scales in as it reads
+    (kernels/paged_attention.py).
     """
 
     def __init__(self, spec: CacheSpec, shape, dtype, device, kv_format: str = "auto"):
@@ -257,10 +258,13 @@ class PagedKV(KVTensors):
         table = batch.block_tables[self.group]
         if q.shape[2] == 1 and self.v is None and not self.quantized:
             return mla_decode_attention(q[:, :, 0], self.k[:, :, 0], table, batch.lengths, scale, value_dim).unsqueeze(2)
-        if q.shape[2] == 1 and not self.quantized:
+        if q.shape[2] == 1 and self.v is not None:
             starts = None if self.retention.keeps_all else self.retention.span_starts(batch.lengths)
-            out = paged_decode_attention(q[:, :, 0], self.k, self.v, table, batch.lengths, scale, starts=starts,
-                                         sinks=self.retention.sinks, max_keys=self.retention.capacity)
+            pools = ((self.k.values, self.v.values, self.k.scales, self.v.scales) if self.quantized
+                     else (self.k, self.v, None, None))
+            out = paged_decode_attention(q[:, :, 0], pools[0], pools[1], table, batch.lengths, scale, starts=starts,
+                                         sinks=self.retention.sinks, max_keys=self.retention.capacity,
+                                         k_scales=pools[2], v_scales=pools[3])
             return out.unsqueeze(2)
         # Several new tokens on top of cached ones (or an int8 cache's one): gather the blocks, then mask.
         k, v = self.gather(table, batch.max_length)

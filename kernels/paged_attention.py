@@ -14,6 +14,10 @@ its chunk. Keys outside are never read: the engine returns blocks that leave the
 sets their table entries to -1. max_keys bounds the keys any query sees (the policy's capacity; None:
 the block table's), which sizes the Triton splits without a device sync.
 
+int8 pools (the engine's kv_dtype="int8", cache/quantized_rows.py): k_pool and v_pool hold int8 rows and k_scales,
+v_scales [num_blocks, block_size, KVH, 1] one scale per row; a key is k * k_scale. The kernel folds the scales into
+the scores (q . k_int8 * k_scale) and the probabilities (p * v_scale before p . v_int8), so no row is dequantized.
+
 The PyTorch reference is the CPU path and the oracle. The Triton kernel is split-K
 "flash-decoding": stage 1 gives each (sequence, KV head, split) program the whole GQA group of
 query heads and one slice of the sequence, walked through the block table with an online softmax;
@@ -69,7 +73,8 @@ def visible_positions(seq_lens, starts, sinks: int) -> tuple[torch.Tensor, torch
 
 
 def paged_decode_attention_ref(
-    q, k_pool, v_pool, block_table, seq_lens, scale: float, starts=None, sinks: int = 0, max_keys: int | None = None
+    q, k_pool, v_pool, block_table, seq_lens, scale: float, starts=None, sinks: int = 0, max_keys: int | None = None,
+    k_scales=None, v_scales=None,
 ) -> torch.Tensor:
     _check_args(q, k_pool, v_pool, block_table, seq_lens, starts, sinks, max_keys)
     batch, num_heads, _ = q.shape
@@ -81,8 +86,11 @@ def paged_decode_attention_ref(
     # invalid positions may map to unused table entries (-1): point them at block 0, masked below
     pages, offsets = torch.where(valid, pages, 0), positions % block_size
     keys = k_pool[pages, offsets].float()  # [B, L, KVH, Dk]
+    values = v_pool[pages, offsets].float()
+    if k_scales is not None:  # int8 rows: each times its scale
+        keys, values = keys * k_scales[pages, offsets].float(), values * v_scales[pages, offsets].float()
     # zero the masked values: a never-written slot of a torch.empty pool may hold NaN
-    values = v_pool[pages, offsets].float().masked_fill(~valid[:, :, None, None], 0.0)
+    values = values.masked_fill(~valid[:, :, None, None], 0.0)
     queries = q.float().reshape(batch, num_kv_heads, num_heads // num_kv_heads, -1)
     scores = torch.einsum("bkgd,blkd->bkgl", queries, keys) * scale
     probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(dim=-1)
@@ -92,14 +100,16 @@ def paged_decode_attention_ref(
 
 def _split_kernel(
     q_ptr, k_pool_ptr, v_pool_ptr, block_table_ptr, seq_lens_ptr, starts_ptr, partial_out_ptr, partial_lse_ptr,
+    k_scales_ptr, v_scales_ptr,
     scale, sinks, split_len,
     stride_q_seq, stride_q_head, stride_q_dim,
     stride_k_block, stride_k_pos, stride_k_head, stride_k_dim,
     stride_v_block, stride_v_pos, stride_v_head, stride_v_dim,
     stride_table_seq, stride_table_entry,
+    stride_ks_block, stride_ks_pos, stride_ks_head, stride_vs_block, stride_vs_pos, stride_vs_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     DIM_K: tl.constexpr, DIM_K_PAD: tl.constexpr, DIM_V: tl.constexpr, DIM_V_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, KEYS_PER_STEP: tl.constexpr, HAS_STARTS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KEYS_PER_STEP: tl.constexpr, HAS_STARTS: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -123,7 +133,10 @@ def _split_kernel(
     q = tl.load(
         q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims_k[None, :] * stride_q_dim,
         mask=row_ok[:, None] & dim_k_ok[None, :], other=0.0,
-    ).to(k_pool_ptr.dtype.element_ty)
+    )
+    # int8 rows are multiplied in the scales' dtype (exact: |int8| <= 127); float pools in their own
+    compute_dtype = k_scales_ptr.dtype.element_ty if QUANTIZED else k_pool_ptr.dtype.element_ty
+    q = q.to(compute_dtype)
 
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_PAD], tl.float32)
@@ -139,9 +152,13 @@ def _split_kernel(
         in_block = positions % BLOCK_SIZE
         k_rows = k_pool_ptr + block * stride_k_block + in_block * stride_k_pos + kv_head * stride_k_head
         keys = tl.load(k_rows[:, None] + dims_k[None, :] * stride_k_dim,
-                       mask=pos_ok[:, None] & dim_k_ok[None, :], other=0.0)
+                       mask=pos_ok[:, None] & dim_k_ok[None, :], other=0.0).to(compute_dtype)
         # "ieee": fp32 inputs would otherwise be rounded to tf32; ignored for 16-bit inputs
         scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
+        if QUANTIZED:
+            k_scale = tl.load(k_scales_ptr + block * stride_ks_block + in_block * stride_ks_pos
+                              + kv_head * stride_ks_head, mask=pos_ok, other=0.0).to(tl.float32)
+            scores = scores * k_scale[None, :]
         scores = tl.where(pos_ok[None, :], scores, float("-inf"))
 
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -150,8 +167,13 @@ def _split_kernel(
         running_sum = running_sum * rescale + tl.sum(probs, axis=1)
         v_rows = v_pool_ptr + block * stride_v_block + in_block * stride_v_pos + kv_head * stride_v_head
         values = tl.load(v_rows[:, None] + dims_v[None, :] * stride_v_dim,
-                         mask=pos_ok[:, None] & dim_v_ok[None, :], other=0.0)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values, input_precision="ieee")
+                         mask=pos_ok[:, None] & dim_v_ok[None, :], other=0.0).to(compute_dtype)
+        weighted = probs
+        if QUANTIZED:
+            v_scale = tl.load(v_scales_ptr + block * stride_vs_block + in_block * stride_vs_pos
+                              + kv_head * stride_vs_head, mask=pos_ok, other=0.0).to(tl.float32)
+            weighted = probs * v_scale[None, :]
+        acc = acc * rescale[:, None] + tl.dot(weighted.to(compute_dtype), values, input_precision="ieee")
         running_max = new_max
 
     # a split past the end of a short sequence saw no keys: output 0 with weight exp(-inf) = 0
@@ -207,7 +229,7 @@ def _default_num_splits(max_len: int, programs_per_split: int, device: torch.dev
 
 def paged_decode_attention_triton(
     q, k_pool, v_pool, block_table, seq_lens, scale: float, num_splits: int | None = None, starts=None,
-    sinks: int = 0, max_keys: int | None = None
+    sinks: int = 0, max_keys: int | None = None, k_scales=None, v_scales=None,
 ) -> torch.Tensor:
     _check_args(q, k_pool, v_pool, block_table, seq_lens, starts, sinks, max_keys)
     split_kernel, merge_kernel = _jitted_kernels()
@@ -221,7 +243,9 @@ def paged_decode_attention_triton(
     if num_splits is None:
         num_splits = _default_num_splits(span, batch * num_kv_heads, q.device)
     dim_k_pad, dim_v_pad = padded(dim_k), padded(dim_v)
-    keys_per_step, num_warps = _tile_shape(max(dim_k_pad, dim_v_pad), k_pool.element_size())
+    quantized = k_scales is not None
+    compute_size = k_scales.element_size() if quantized else k_pool.element_size()
+    keys_per_step, num_warps = _tile_shape(max(dim_k_pad, dim_v_pad), compute_size)
     split_len = cdiv(cdiv(span, num_splits), keys_per_step) * keys_per_step
 
     partial_out = torch.empty(batch, num_heads, num_splits, dim_v, dtype=torch.float32, device=q.device)
@@ -229,11 +253,13 @@ def paged_decode_attention_triton(
     out = torch.empty(batch, num_heads, dim_v, dtype=q.dtype, device=q.device)
     split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_pool, v_pool, block_table, seq_lens, seq_lens if starts is None else starts, partial_out, partial_lse,
+        k_scales if quantized else q, v_scales if quantized else q,  # unread without QUANTIZED
         scale, sinks, split_len,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *block_table.stride(),
+        *(k_scales.stride()[:3] + v_scales.stride()[:3] if quantized else (0,) * 6),
         GROUP=group, GROUP_PAD=padded(group), DIM_K=dim_k, DIM_K_PAD=dim_k_pad,
         DIM_V=dim_v, DIM_V_PAD=dim_v_pad, BLOCK_SIZE=block_size, KEYS_PER_STEP=keys_per_step,
-        HAS_STARTS=starts is not None, num_warps=num_warps,
+        HAS_STARTS=starts is not None, QUANTIZED=quantized, num_warps=num_warps,
     )
     merge_kernel[(batch, num_heads)](
         partial_out, partial_lse, out, *out.stride(),
@@ -244,11 +270,15 @@ def paged_decode_attention_triton(
 
 
 def paged_decode_attention(
-    q, k_pool, v_pool, block_table, seq_lens, scale: float, starts=None, sinks: int = 0, max_keys: int | None = None
+    q, k_pool, v_pool, block_table, seq_lens, scale: float, starts=None, sinks: int = 0, max_keys: int | None = None,
+    k_scales=None, v_scales=None,
 ) -> torch.Tensor:
+    """k_scales, v_scales: an int8 pool's row scales (None: float pools)."""
     args = (q, k_pool, v_pool, block_table, seq_lens, scale)
+    scales = dict(k_scales=k_scales, v_scales=v_scales)
     if use_triton(q, k_pool, v_pool, block_table, seq_lens):
-        return paged_decode_attention_triton(*args, starts=starts, sinks=sinks, max_keys=max_keys)
-    if use_cpu_kernel(q, k_pool, v_pool) and cpu_decode.fits(q, k_pool, k_pool.shape[2], v_pool.shape[3]):
+        return paged_decode_attention_triton(*args, starts=starts, sinks=sinks, max_keys=max_keys, **scales)
+    if k_scales is None and use_cpu_kernel(q, k_pool, v_pool) and cpu_decode.fits(q, k_pool, k_pool.shape[2],
+                                                                                  v_pool.shape[3]):
         return cpu_decode.paged_decode_attention_cpu(*args, starts=starts, sinks=sinks, max_keys=max_keys)
-    return paged_decode_attention_ref(*args, starts=starts, sinks=sinks, max_keys=max_keys)
+    return paged_decode_attention_ref(*args, starts=starts, sinks=sinks, max_keys=max_keys, **scales)

@@ -24,14 +24,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
-from kernels import gated_delta, linear_attention, mla_attention, paged_attention, paged_write
+from kernels import gated_delta, linear_attention, mla_attention, paged_attention, paged_write, quantized_matmul
 
 ssu = importlib.import_module("kernels.selective_state_update")  # the package exports a function of that name
 
 TARGETS = {"sm_80": 80, "sm_90": 90}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
-                 torch.int64: "*i64"}
+                 torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8"}
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
@@ -120,6 +120,33 @@ def paged_case(dtype, span=False, head_dim=128, heads=(32, 8)):
     return paged_attention, call
 
 
+def paged_int8_case(dtype):
+    """The int8 KV pool (kv_dtype="int8"): int8 rows, a scale per row in the model's dtype."""
+    def call():
+        blocks, block_size = 64, 16
+        q = torch.empty(4, 32, 128, dtype=dtype)
+        pool = torch.empty(blocks, 8, block_size, 128, dtype=torch.int8).transpose(1, 2)
+        scales = torch.empty(blocks, 8, block_size, 1, dtype=dtype).transpose(1, 2)
+        paged_attention.paged_decode_attention_triton(q, pool, pool, torch.zeros(4, 16, dtype=torch.int32),
+                                                      torch.full((4,), 200, dtype=torch.int32), 0.1,
+                                                      k_scales=scales, v_scales=scales)
+    return paged_attention, call
+
+
+def gemv_case(dtype, int4: bool):
+    """A base-size weight (2048 x 768) at decode batch 4: int8 per channel, or int4 in groups of 128."""
+    def call():
+        x = torch.empty(4, 768, dtype=dtype)
+        if int4:
+            quantized_matmul.quantized_gemv_triton(x, torch.empty(2048, 384, dtype=torch.uint8),
+                                                   torch.empty(2048, 6, dtype=dtype), torch.empty(2048, 6, dtype=dtype),
+                                                   128)
+        else:
+            quantized_matmul.quantized_gemv_triton(x, torch.empty(2048, 768, dtype=torch.int8),
+                                                   torch.empty(2048, dtype=dtype), None)
+    return quantized_matmul, call
+
+
 def mla_case(dtype):
     def call():  # DeepSeek-V2's latent: 512 + 64 rope columns, 128 heads
         q = torch.empty(2, 128, 576, dtype=dtype)
@@ -187,6 +214,9 @@ CASES = {
     "paged": lambda dtype: paged_case(dtype),
     "paged-span": lambda dtype: paged_case(dtype, span=True),
     "paged-head64-mha": lambda dtype: paged_case(dtype, head_dim=64, heads=(12, 12)),
+    "paged-int8-kv": paged_int8_case,
+    "gemv-int8": lambda dtype: gemv_case(dtype, int4=False),
+    "gemv-int4": lambda dtype: gemv_case(dtype, int4=True),
     "mla": mla_case,
     "write": lambda dtype: write_case(dtype),
     "write-keys-only": lambda dtype: write_case(dtype, keys_only=True),
