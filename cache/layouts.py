@@ -72,9 +72,9 @@ class KVTensors:
     """Keys (for a "latent" cache, the one row per token) and values; their bytes are the layer's measured cache.
 
     kv_format "int8" keeps every row as int8 with its own scale (cache/quantized_rows.py): reads through an index
-    dequantize, writes quantize. The decode kernels read float caches in place, so an int8 cache attends through
-    the dequantized rows it gathers, except paged keys and values, whose decode kernel folds the scales in as it reads
-    (kernels/paged_attention.py).
+    dequantize, writes quantize. The one-query decode kernels read the int8 rows and their scales in place (the C
+    kernel converts a row at a time, the Triton paged kernel folds the scales into scores and probabilities); a
+    several-token step attends over the rows it gathers, dequantized.
     """
 
     def __init__(self, spec: CacheSpec, shape, dtype, device, kv_format: str = "auto"):
@@ -93,6 +93,14 @@ class KVTensors:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + (0 if self.v is None else self.v.nbytes)
+
+    def stored(self) -> tuple:
+        """(keys, values, key scales, value scales) as a kernel reads them: the float tensors and no scales, or an
+        int8 cache's int8 rows and their scales."""
+        if not self.quantized:
+            return self.k, self.v, None, None
+        return (self.k.values, None if self.v is None else self.v.values, self.k.scales,
+                None if self.v is None else self.v.scales)
 
     def attend_over(self, q, k, v, visible, scale: float, value_dim: int | None) -> torch.Tensor:
         """A latent cache's value is the first value_dim columns of its key row: attend with the whole row as
@@ -155,15 +163,14 @@ class ContiguousKV(KVTensors):
     def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None = None,
                causal: bool = True) -> torch.Tensor:
         """causal=False: each query sees every cached key of its row before batch.lengths, not only earlier ones."""
-        if q.shape[2] == 1 and self.quantized and self.rolling:
-            return self.attend_ring_rows(q, batch, scale, value_dim)
-        if q.shape[2] == 1 and not self.quantized:
+        if q.shape[2] == 1:
             # one query per sequence sees every live row: a ring holds just the visible keys, unordered, which softmax
             # does not mind; an unrolled buffer is at least max_len wide, so the policy never binds there
             lengths = self.retention.rows_held(batch.lengths) if self.rolling else batch.lengths
-            out = contiguous_decode_attention(q[:, :, 0], self.k, self.v, batch.slots, lengths, scale,
+            k, v, k_scales, v_scales = self.stored()
+            out = contiguous_decode_attention(q[:, :, 0], k, v, batch.slots, lengths, scale,
                                               value_dim or self.v.shape[-1], rows_read=min(batch.max_length, self.rows),
-                                              slot_range=batch.slot_range)
+                                              slot_range=batch.slot_range, k_scales=k_scales, v_scales=v_scales)
             return out.unsqueeze(2)
         if self.rolling:
             return self.attend_ring_chunk(q, batch, scale, value_dim)
@@ -174,16 +181,6 @@ class ContiguousKV(KVTensors):
         visible = visible_keys(key_positions, batch.positions, self.retention, None if causal else batch.lengths)
         return self.attend_over(q, k, v, visible, scale, value_dim)
 
-
-    def attend_ring_rows(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None):
-        """One query per sequence over a ring's live rows (its first rows_held, unordered), read dequantized."""
-        rows = batch.slots if batch.slot_range is None else batch.slot_range
-        held = self.retention.rows_held(batch.lengths)
-        width = min(self.rows, batch.max_length)
-        visible = (torch.arange(width, device=q.device) < held[:, None]).unsqueeze(1)  # [B, 1, rows]
-        k = self.k[rows, :, :width]
-        v = None if self.v is None else self.v[rows, :, :width]
-        return self.attend_over(q, k, v, visible, scale, value_dim)
 
     def rollback(self, lengths: dict[int, int]) -> None:
         """Keep each slot's first `length` tokens (slot -> length): a ring puts back the rows its checkpointed writes
@@ -256,15 +253,15 @@ class PagedKV(KVTensors):
         """causal=False: each query sees every cached key of its row before batch.lengths, not only earlier ones
         (the one-query kernels already read every key before lengths: the same keys in both modes)."""
         table = batch.block_tables[self.group]
-        if q.shape[2] == 1 and self.v is None and not self.quantized:
-            return mla_decode_attention(q[:, :, 0], self.k[:, :, 0], table, batch.lengths, scale, value_dim).unsqueeze(2)
-        if q.shape[2] == 1 and self.v is not None:
+        k, v, k_scales, v_scales = self.stored()
+        if q.shape[2] == 1 and v is None:
+            return mla_decode_attention(q[:, :, 0], k[:, :, 0], table, batch.lengths, scale, value_dim,
+                                        None if k_scales is None else k_scales[:, :, 0]).unsqueeze(2)
+        if q.shape[2] == 1:
             starts = None if self.retention.keeps_all else self.retention.span_starts(batch.lengths)
-            pools = ((self.k.values, self.v.values, self.k.scales, self.v.scales) if self.quantized
-                     else (self.k, self.v, None, None))
-            out = paged_decode_attention(q[:, :, 0], pools[0], pools[1], table, batch.lengths, scale, starts=starts,
+            out = paged_decode_attention(q[:, :, 0], k, v, table, batch.lengths, scale, starts=starts,
                                          sinks=self.retention.sinks, max_keys=self.retention.capacity,
-                                         k_scales=pools[2], v_scales=pools[3])
+                                         k_scales=k_scales, v_scales=v_scales)
             return out.unsqueeze(2)
         # Several new tokens on top of cached ones (or an int8 cache's one): gather the blocks, then mask.
         k, v = self.gather(table, batch.max_length)

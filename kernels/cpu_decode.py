@@ -8,6 +8,8 @@ Layouts (k and v 4-D, last dim contiguous):
             sequence's keys found through its block-table row (paged);
   "rows":   [slots, kv_heads, rows, dim], sequence b in row table[b, 0] (contiguous; a ring buffer is `rows` wide).
 v None: the keys are MLA latent rows and the value is their first `value_dim` columns.
+int8 k and v (the engine's kv_dtype="int8") come with k_scales and v_scales, [..., 1] in the same layout and q's dtype:
+a row is its int8 values times its scale.
 """
 import ctypes
 import functools
@@ -69,8 +71,9 @@ def _library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     lib.decode_attention.restype = ctypes.c_int
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.decode_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr,
-                                     i64, i32, i32, i32, i32, i32, i32, ctypes.c_float, i32, ptr, i64, i64, i32, i32]
+    lib.decode_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
+                                     ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i32, i32, i32, i32, i32, i32,
+                                     ctypes.c_float, i32, ptr, i64, i64, i32, i32]
     lib.selective_state_update.restype = ctypes.c_int
     lib.selective_state_update.argtypes = ([ptr, i64, i64, i64, i64, i32] + [ptr, i64, i64, i64] * 2 + [ptr, i64, i64]
                                            + [ptr, i64, i64, i64] * 3 + [ptr, i64, i64] + [ptr, i64, i64, i64]
@@ -103,7 +106,8 @@ def _strides(x: torch.Tensor, layout: str) -> tuple[int, int, int]:
 @torch.library.custom_op("archzoo::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, table: torch.Tensor,
                      seq_lens: torch.Tensor, layout: str, scale: float, value_dim: int, starts: torch.Tensor | None = None,
-                     sinks: int = 0, max_keys: int = 0, splits: int = 0) -> torch.Tensor:
+                     sinks: int = 0, max_keys: int = 0, splits: int = 0, k_scales: torch.Tensor | None = None,
+                     v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, Dk] -> [B, H, value_dim]: each sequence's query over keys 0..seq_lens[b]-1, or with starts over
     [0, min(sinks, starts[b])) and [starts[b], seq_lens[b]) (kernels/paged_attention.py); max_keys > 0 bounds how
     many keys a query sees. table: int32 [B, blocks] ("blocks") or [B, 1] ("rows"). See the module doc for layouts.
@@ -119,7 +123,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
     kv_heads = k.shape[2] if layout == "blocks" else k.shape[1]
     block_size = k.shape[1] if layout == "blocks" else k.shape[2]
     values = k if v is None else v
+    value_scales = k_scales if v is None else v_scales
     out = torch.empty(batch, heads, value_dim, dtype=q.dtype)
+
+    def scales_at(scales):  # (pointer, strides) of an int8 cache's scales; NULL for a float cache
+        return (None, 0, 0, 0) if scales is None else (scales.data_ptr(), *_strides(scales, layout))
+
     threads = torch.get_num_threads()
     # a paged task reads all KV heads of its blocks, tile by tile: a block's heads lie together (one stream per block,
     # 1.1-1.3x faster than a task per head at 16 x 4096 keys); a contiguous cache streams one KV head per task
@@ -129,6 +138,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
         q.data_ptr(), q.stride(0), q.stride(1),
         k.data_ptr(), *_strides(k, layout),
         values.data_ptr(), *_strides(values, layout),
+        *scales_at(k_scales), *scales_at(value_scales),
         table.data_ptr(), table.stride(0), block_size,
         seq_lens.data_ptr(), None if starts is None else starts.data_ptr(), sinks,
         batch, heads, kv_heads, kv_per_task, dim_k, value_dim, scale,
@@ -142,31 +152,39 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
 
 
 @decode_attention.register_fake
-def _(q, k, v, table, seq_lens, layout, scale, value_dim, starts=None, sinks=0, max_keys=0, splits=0):
+def _(q, k, v, table, seq_lens, layout, scale, value_dim, starts=None, sinks=0, max_keys=0, splits=0, k_scales=None,
+      v_scales=None):
     return q.new_empty(q.shape[0], q.shape[1], value_dim)
 
 
-def fits(q: torch.Tensor, cache: torch.Tensor, kv_heads: int, value_dim: int) -> bool:
-    """Whether decode_attention takes these tensors: a supported dtype, the cache's last dim contiguous, sizes in range."""
-    return (q.dtype in DTYPE_CODES and cache.dtype == q.dtype and cache.stride(-1) == 1
+def fits(q: torch.Tensor, cache: torch.Tensor, kv_heads: int, value_dim: int, scales: torch.Tensor | None = None) -> bool:
+    """Whether decode_attention takes these tensors: a supported dtype (an int8 cache with scales in q's), the cache's
+    last dim contiguous, sizes in range."""
+    stored = q.dtype if scales is None else torch.int8
+    return (q.dtype in DTYPE_CODES and cache.dtype == stored and cache.stride(-1) == 1
+            and (scales is None or scales.dtype == q.dtype)
             and q.shape[1] % kv_heads == 0 and q.shape[1] // kv_heads <= 128 and max(q.shape[2], value_dim) <= 1024)
 
 
 def paged_decode_attention_cpu(q, k_pool, v_pool, block_table, seq_lens, scale: float, starts=None, sinks: int = 0,
-                               max_keys: int | None = None):
+                               max_keys: int | None = None, k_scales=None, v_scales=None):
     """The paged kernel's contract (kernels/paged_attention.py) on the CPU kernel."""
     return decode_attention(q, k_pool, v_pool, block_table, seq_lens, "blocks", scale, v_pool.shape[-1], starts, sinks,
-                            max_keys or 0)
+                            max_keys or 0, k_scales=k_scales, v_scales=v_scales)
 
 
-def mla_decode_attention_cpu(q, latent_pool, block_table, seq_lens, scale: float, value_dim: int):
-    """The MLA kernel's contract (kernels/mla_attention.py): latent_pool [num_blocks, block_size, W]."""
-    return decode_attention(q, latent_pool.unsqueeze(2), None, block_table, seq_lens, "blocks", scale, value_dim)
+def mla_decode_attention_cpu(q, latent_pool, block_table, seq_lens, scale: float, value_dim: int, latent_scales=None):
+    """The MLA kernel's contract (kernels/mla_attention.py): latent_pool [num_blocks, block_size, W]; an int8 pool's
+    scales [num_blocks, block_size, 1, 1]."""
+    return decode_attention(q, latent_pool.unsqueeze(2), None, block_table, seq_lens, "blocks", scale, value_dim,
+                            k_scales=latent_scales)
 
 
-def contiguous_decode_attention_cpu(q, k, v, slots, seq_lens, scale: float, value_dim: int):
+def contiguous_decode_attention_cpu(q, k, v, slots, seq_lens, scale: float, value_dim: int, k_scales=None,
+                                    v_scales=None):
     """kernels/contiguous_attention.py's contract: k, v [slots, kv_heads, rows, dim], v None for a latent cache."""
-    return decode_attention(q, k, v, slots.to(torch.int32).unsqueeze(1), seq_lens, "rows", scale, value_dim)
+    return decode_attention(q, k, v, slots.to(torch.int32).unsqueeze(1), seq_lens, "rows", scale, value_dim,
+                            k_scales=k_scales, v_scales=v_scales)
 
 
 def state_update_fits(state: torch.Tensor) -> bool:

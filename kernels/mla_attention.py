@@ -43,7 +43,8 @@ def _check_args(q, latent_pool, block_table, seq_lens, value_dim) -> None:
                          f"got {tuple(block_table.shape)} and {tuple(seq_lens.shape)}")
 
 
-def mla_decode_attention_ref(q, latent_pool, block_table, seq_lens, scale: float, value_dim: int) -> torch.Tensor:
+def mla_decode_attention_ref(q, latent_pool, block_table, seq_lens, scale: float, value_dim: int,
+                             latent_scales=None) -> torch.Tensor:
     _check_args(q, latent_pool, block_table, seq_lens, value_dim)
     block_size = latent_pool.shape[1]
     max_len = int(seq_lens.max())
@@ -53,7 +54,10 @@ def mla_decode_attention_ref(q, latent_pool, block_table, seq_lens, scale: float
     # invalid positions may map to unused table entries (-1): point them at slot 0, masked below
     slots = torch.where(valid, pages * block_size + positions % block_size, 0)
     # zero the masked rows: a never-written slot of a torch.empty pool may hold NaN
-    rows = latent_pool.flatten(0, 1)[slots].float().masked_fill(~valid[:, :, None], 0.0)  # [B, L, W]
+    rows = latent_pool.flatten(0, 1)[slots].float()  # [B, L, W]
+    if latent_scales is not None:  # int8 rows times their scales
+        rows = rows * latent_scales.flatten(0, 1)[slots].float()
+    rows = rows.masked_fill(~valid[:, :, None], 0.0)
     scores = torch.einsum("bhw,blw->bhl", q.float(), rows) * scale
     probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
     return torch.einsum("bhl,blv->bhv", probs, rows[..., :value_dim]).to(q.dtype)
@@ -173,9 +177,13 @@ def mla_decode_attention_triton(
     return out
 
 
-def mla_decode_attention(q, latent_pool, block_table, seq_lens, scale: float, value_dim: int) -> torch.Tensor:
-    if use_triton(q, latent_pool, block_table, seq_lens):
+def mla_decode_attention(q, latent_pool, block_table, seq_lens, scale: float, value_dim: int,
+                         latent_scales=None) -> torch.Tensor:
+    """latent_scales [num_blocks, block_size, 1]: an int8 pool's row scales (the Triton kernel reads float pools
+    only: an int8 pool on CUDA runs the reference)."""
+    if latent_scales is None and use_triton(q, latent_pool, block_table, seq_lens):
         return mla_decode_attention_triton(q, latent_pool, block_table, seq_lens, scale, value_dim)
-    if use_cpu_kernel(q, latent_pool) and cpu_decode.fits(q, latent_pool, 1, value_dim):
-        return cpu_decode.mla_decode_attention_cpu(q, latent_pool, block_table, seq_lens, scale, value_dim)
-    return mla_decode_attention_ref(q, latent_pool, block_table, seq_lens, scale, value_dim)
+    scales = None if latent_scales is None else latent_scales.unsqueeze(2)
+    if use_cpu_kernel(q, latent_pool) and cpu_decode.fits(q, latent_pool, 1, value_dim, scales):
+        return cpu_decode.mla_decode_attention_cpu(q, latent_pool, block_table, seq_lens, scale, value_dim, scales)
+    return mla_decode_attention_ref(q, latent_pool, block_table, seq_lens, scale, value_dim, latent_scales)

@@ -278,7 +278,6 @@ def paged_decode_attention(
     scales = dict(k_scales=k_scales, v_scales=v_scales)
     if use_triton(q, k_pool, v_pool, block_table, seq_lens):
         return paged_decode_attention_triton(*args, starts=starts, sinks=sinks, max_keys=max_keys, **scales)
-    if k_scales is None and use_cpu_kernel(q, k_pool, v_pool) and cpu_decode.fits(q, k_pool, k_pool.shape[2],
-                                                                                  v_pool.shape[3]):
-        return cpu_decode.paged_decode_attention_cpu(*args, starts=starts, sinks=sinks, max_keys=max_keys)
+    if use_cpu_kernel(q, k_pool, v_pool) and cpu_decode.fits(q, k_pool, k_pool.shape[2], v_pool.shape[3], k_scales):
+        return cpu_decode.paged_decode_attention_cpu(*args, starts=starts, sinks=sinks, max_keys=max_keys, **scales)
     return paged_decode_attention_ref(*args, starts=starts, sinks=sinks, max_keys=max_keys, **scales)

@@ -7,7 +7,9 @@
  * Each (sequence, KV head, split of the keys) task loads every key and value row once for the whole group of query
  * heads that share it (GQA without repeating K/V), keeps an online softmax in fp32, and a second pass merges the
  * splits by their log-sum-exp (flash-decoding). Rows are converted to fp32 one at a time, so 16-bit caches are
- * read as they are. Built at first use by kernels/cpu_decode.py with the compiler flags written there.
+ * read as they are, and so are int8 caches (the engine's kv_dtype="int8"): an int8 row times its scale, which lives
+ * in a tensor of its own, one per row, in the query's dtype. Built at first use by kernels/cpu_decode.py with the
+ * compiler flags written there.
  */
 #include <math.h>
 #include <omp.h>
@@ -41,6 +43,8 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));  /* 8 fp32 lanes,
 typedef struct {
     const void *k, *v;
     int64_t k_block, k_pos, k_head, v_block, v_pos, v_head;
+    const void *ks, *vs; /* int8 rows' scales (NULL: float rows in dtype) */
+    int64_t ks_block, ks_pos, ks_head, vs_block, vs_pos, vs_head;
     int64_t block_size;
     int heads, kv_heads, kv_per_task, dk, dv, dtype;
 } Cache;
@@ -60,19 +64,36 @@ static void row_offsets(const Cache *c, int64_t stride_block, int64_t stride_pos
     }
 }
 
+/* Where one tensor of rows lives: its base and (block, position, head) element strides. */
+typedef struct {
+    const void *base;
+    int64_t block, pos, head;
+} Rows;
+
 /* Rows [first, first + n) of one KV head as fp32 pointers: in place for an fp32 cache, converted into buf
- * (n rows of `width`) otherwise. */
-static void tile_rows(const Cache *c, const void *base, int64_t stride_block, int64_t stride_pos, int64_t stride_head,
-                      const int32_t *table_row, int kv, int64_t first, int n, int width, float *buf, const float **rows) {
+ * (n rows of `width`) otherwise; int8 rows (scales.base not NULL) times their scales. */
+static void tile_rows(const Cache *c, Rows rows_at, Rows scales, const int32_t *table_row, int kv, int64_t first, int n,
+                      int width, float *buf, const float **rows) {
     int64_t offsets[TILE];
-    row_offsets(c, stride_block, stride_pos, stride_head, table_row, kv, first, n, offsets);
-    for (int t = 0; t < n; t++) rows[t] = row_f32(base, offsets[t], width, c->dtype, buf + (int64_t)t * width);
+    row_offsets(c, rows_at.block, rows_at.pos, rows_at.head, table_row, kv, first, n, offsets);
+    if (!scales.base) {
+        for (int t = 0; t < n; t++) rows[t] = row_f32(rows_at.base, offsets[t], width, c->dtype, buf + (int64_t)t * width);
+        return;
+    }
+    int64_t scale_offsets[TILE];
+    row_offsets(c, scales.block, scales.pos, scales.head, table_row, kv, first, n, scale_offsets);
+    for (int t = 0; t < n; t++) {
+        const int8_t *src = (const int8_t *)rows_at.base + offsets[t];
+        float scale = load1(scales.base, scale_offsets[t], c->dtype), *row = buf + (int64_t)t * width;
+        for (int i = 0; i < width; i++) row[i] = scale * (float)src[i];
+        rows[t] = row;
+    }
 }
 
 /* Asks for positions [first, first + n) of the task's KV heads ahead of use: a paged sequence's blocks are
  * scattered across the pool, where the hardware prefetchers lose the stream. */
 static void prefetch_tile(const Cache *c, const int32_t *table_row, int kv0, int64_t first, int n) {
-    int elem = c->dtype == F32 ? 4 : 2;
+    int elem = c->ks ? 1 : c->dtype == F32 ? 4 : 2;
     int64_t k_offsets[TILE], v_offsets[TILE];
     for (int kv = kv0; kv < kv0 + c->kv_per_task; kv++) {
         row_offsets(c, c->k_block, c->k_pos, c->k_head, table_row, kv, first, n, k_offsets);
@@ -110,7 +131,8 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int6
         const float *q = q_task + (int64_t)(kv - kv0) * group * dk;
         float *out = out_task + (int64_t)(kv - kv0) * group * dv;
         float *max_out = max_task + (kv - kv0) * group, *sum_out = sum_task + (kv - kv0) * group;
-        tile_rows(c, c->k, c->k_block, c->k_pos, c->k_head, table_row, kv, first, n, dk, work, krows);
+        tile_rows(c, (Rows){c->k, c->k_block, c->k_pos, c->k_head}, (Rows){c->ks, c->ks_block, c->ks_pos, c->ks_head},
+                  table_row, kv, first, n, dk, work, krows);
         for (int g = 0; g < group; g++) {  /* scores: four keys at a time, four independent dot products */
             const float *qg = q + (int64_t)g * dk;
             int t = 0;
@@ -145,7 +167,8 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int6
             float *acc = out + (int64_t)g * dv;
             for (int d = 0; d < dv; d++) acc[d] *= rescale;
         }
-        tile_rows(c, c->v, c->v_block, c->v_pos, c->v_head, table_row, kv, first, n, dv, work + TILE * dk, vrows);
+        tile_rows(c, (Rows){c->v, c->v_block, c->v_pos, c->v_head}, (Rows){c->vs, c->vs_block, c->vs_pos, c->vs_head},
+                  table_row, kv, first, n, dv, work + TILE * dk, vrows);
         for (int g = 0; g < group; g++) {  /* values: 32 output columns stay in 4 registers over the whole tile */
             const float *p = scores[g];
             float *acc = out + (int64_t)g * dv;
@@ -175,6 +198,8 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int6
 
 int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int64_t k_block, int64_t k_pos,
                      int64_t k_head, const void *v, int64_t v_block, int64_t v_pos, int64_t v_head,
+                     const void *ks, int64_t ks_block, int64_t ks_pos, int64_t ks_head,
+                     const void *vs, int64_t vs_block, int64_t vs_pos, int64_t vs_head,
                      const int32_t *table, int64_t table_stride, int64_t block_size, const int32_t *seq_lens,
                      const int32_t *starts, int64_t sinks, int batch, int heads, int kv_heads, int kv_per_task, int dk, int dv,
                      float scale, int splits, void *out, int64_t out_b, int64_t out_h, int dtype, int threads) {
@@ -182,8 +207,8 @@ int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int
         splits < 1 || kv_per_task < 1 || kv_heads % kv_per_task)
         return -1;
     int group = heads / kv_heads, chunks = kv_heads / kv_per_task, task_heads = group * kv_per_task;
-    Cache c = {k, v, k_block, k_pos, k_head, v_block, v_pos, v_head, block_size, heads, kv_heads, kv_per_task,
-               dk, dv, dtype};
+    Cache c = {k, v, k_block, k_pos, k_head, v_block, v_pos, v_head, ks, vs, ks_block, ks_pos, ks_head, vs_block,
+               vs_pos, vs_head, block_size, heads, kv_heads, kv_per_task, dk, dv, dtype};
     /* task = (sequence, chunk of kv_per_task KV heads, split of the keys); partials [task][task_heads] */
     int64_t tasks = (int64_t)batch * chunks * splits, work_floats = (int64_t)TILE * (dk + dv);
     float *partial = malloc(sizeof(float) * (tasks * task_heads * (dv + 2) + (int64_t)batch * heads * dk));

@@ -45,3 +45,36 @@ def test_int8_paged_decode_equals_the_reference(force_triton, paged_cache, heads
     got = paged_decode_attention_triton(*args, k_scales=k_scales.to(dtype), v_scales=v_scales.to(dtype))
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_reads_int8_caches_in_every_layout(paged_cache, dtype):
+    """The compiled CPU decode kernel on int8 rows and their scales: paged (GQA and an MLA latent) and contiguous,
+    against the references on the same rows."""
+    from kernels import cpu_decode, cpu_kernels_available
+    from kernels.contiguous_attention import contiguous_decode_attention, contiguous_decode_attention_ref
+    from kernels.mla_attention import mla_decode_attention, mla_decode_attention_ref
+    if not cpu_kernels_available():
+        pytest.skip("no C compiler: the CPU kernels did not build")
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    cache = paged_cache([1, 19, 70, 33], 16, 2, 32, 32, torch.float32, "cpu", head_major=True)
+    k, ks = quantize_rows(cache.k_pool.nan_to_num())
+    v, vs = quantize_rows(cache.v_pool.nan_to_num())
+    ks, vs = ks.to(dtype), vs.to(dtype)
+    q = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(2)).to(dtype)
+    args = (q, k, v, cache.block_table, cache.seq_lens, 32 ** -0.5)
+    assert cpu_decode.fits(q, k, 2, 32, ks)
+    torch.testing.assert_close(cpu_decode.paged_decode_attention_cpu(*args, k_scales=ks, v_scales=vs).float(),
+                               paged_decode_attention_ref(*args, k_scales=ks, v_scales=vs).float(), **tolerance)
+    latent, latent_scales = k[:, :, 0], ks[:, :, 0]  # one latent row per token: KV head 0's keys
+    mla_args = (q, latent, cache.block_table, cache.seq_lens, 0.1, 16)
+    torch.testing.assert_close(mla_decode_attention(*mla_args, latent_scales).float(),
+                               mla_decode_attention_ref(*mla_args, latent_scales).float(), **tolerance)
+    rows, row_scales = quantize_rows(torch.randn(3, 2, 40, 32, generator=torch.Generator().manual_seed(3)))
+    row_scales = row_scales.to(dtype)
+    slots, lengths = torch.tensor([2, 0]), torch.tensor([40, 7], dtype=torch.int32)
+    want = contiguous_decode_attention_ref(q[:2], rows.to(dtype) * row_scales, rows.to(dtype) * row_scales, slots,
+                                           lengths, 0.2, 32)
+    got = contiguous_decode_attention(q[:2], rows, rows, slots, lengths, 0.2, 32, k_scales=row_scales,
+                                      v_scales=row_scales)
+    torch.testing.assert_close(got.float(), want.float(), **tolerance)
