@@ -167,14 +167,16 @@ def test_set_items(test_sets) -> list[tuple[str, tuple[torch.Tensor, torch.Tenso
     return items
 
 
-def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[[dict], None] | None = None) -> dict:
+def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[[dict], None] | None = None,
+                 keep_model: bool = False) -> dict:
     """Train config.arch on train_data = (inputs [n, L], labels [n, L]); evaluate on test_sets.
 
     progress, if given, is called after every step with {"step", "max_steps", "loss"} and after every
     evaluation with "eval" added ({name: accuracy}).
     Returns accuracy (mean per-example accuracy over the test sets), token_accuracy, per_setting
     ({name: {"accuracy", "token_accuracy"}}), steps, solved, convergence (see convergence()), wall_s, state_bytes,
-    parameters, history (the learning curve: accuracy per test set at every evaluation).
+    parameters, history (the learning curve: accuracy per test set at every evaluation); with keep_model, also the
+    trained model (what a later measurement of the same weights, e.g. quantized, starts from).
     """
     start_time = time.perf_counter()
     device = config.device
@@ -249,6 +251,7 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
         "state_bytes": zoo.cache_bytes(model, seq_len=seq_len, dtype=torch.float32),
         "parameters": sum(p.numel() for p in model.parameters()),
         "history": history,
+        **({"model": model.eval()} if keep_model else {}),
     }
 
 

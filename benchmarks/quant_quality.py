@@ -1,0 +1,113 @@
+"""What weight quantization costs in quality, per architecture: int8, int4 round-to-nearest and int4 activation-aware
+(AWQ scales calibrated on training-split windows), against the same model unquantized.
+
+- Language models (`zoo train` folders, one per architecture): validation bits per byte on the fixed validation
+  windows, and greedy agreement over 256 tokens from held-out prompts (the share of positions where the quantized
+  model's token equals the unquantized one's, and the mean position of the first difference).
+- Associative recall (Zoology's MQAR, L 64 with 4 key-value pairs, d_model 64): each architecture is trained here
+  with its registry learning rate, then scored quantized on the same test set.
+
+Rows go to OUT/results.jsonl atomically as they finish; a re-run skips them.
+
+    python benchmarks/quant_quality.py --lm-dir runs/lm/tiny --archs gqa,mla,mamba,hybrid-1in6
+"""
+import argparse
+from pathlib import Path
+
+import torch
+
+import zoo
+from harness import Engine, SamplingParams
+from harness.recall.data import MQARSetting, make_splits
+from harness.recall.train import TrainConfig, evaluate, train_recall
+from harness.results import ResultStore
+from harness.train.corpus import load_corpus, training_batch, validation_windows
+from harness.train.objective import validation_bpb
+from harness.train.checkpoint import read_train_state
+
+VARIANTS = {"int8": zoo.QuantizeConfig("int8"), "int4 rtn": zoo.QuantizeConfig("int4", group_size=32),
+            "int4 awq": zoo.QuantizeConfig("int4", group_size=32, method="awq")}
+KEY = ("task", "arch", "variant")
+
+
+def agreement(model, quantized, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(share of equal tokens position by position, mean position of the first difference) over greedy runs."""
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    runs = [Engine(m, max_batch=len(prompts), max_seq_len=len(prompts[0]) + new_tokens).generate(prompts, params)
+            for m in (model, quantized)]
+    same = [sum(a == b for a, b in zip(x.token_ids, y.token_ids)) for x, y in zip(*runs)]
+    first = [next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), new_tokens)
+             for x, y in zip(*runs)]
+    return sum(same) / (len(prompts) * new_tokens), sum(first) / len(first)
+
+
+def lm_rows(arch: str, folder: Path, args) -> list[dict]:
+    model = zoo.load(folder)
+    state = read_train_state(folder)
+    corpus = load_corpus(Path(state["settings"]["corpus"]) if state["settings"]["corpus"] else None)
+    context = state["settings"]["context"]
+    windows = validation_windows(corpus, 256, context + 1)
+    calibration = training_batch(corpus, 0, 0, 8, 256)
+    prompts = validation_windows(corpus, args.prompts, args.prompt_len).tolist()
+    base = validation_bpb(model, windows, 32)
+    rows = [{"task": "lm", "arch": arch, "variant": "none", "val_bpb": base, "weight_bytes": zoo.parameter_bytes(model)}]
+    for name, config in VARIANTS.items():
+        quantized = zoo.quantize(model, config, calibration if config.method == "awq" else None)
+        same, first = agreement(model, quantized, prompts, args.new_tokens)
+        bpb = validation_bpb(quantized, windows, 32)
+        rows.append({"task": "lm", "arch": arch, "variant": name, "val_bpb": bpb, "bpb_delta": bpb - base,
+                     "agreement": same, "first_difference": first, "weight_bytes": zoo.parameter_bytes(quantized)})
+    return rows
+
+
+def recall_rows(arch: str, args) -> list[dict]:
+    setting = MQARSetting(seq_len=64, num_kv_pairs=4)
+    (x, y, _), [test] = make_splits([(setting, 4000)], [(setting, 500)], seed=0)
+    config = TrainConfig(arch=arch, d_model=64, lr=zoo.registry.recall_lr(arch), max_steps=args.recall_steps,
+                         min_steps=400, **({"overrides": {"layers": "mamba,gqa"}} if arch == "hybrid" else {}))
+    trained = train_recall(config, (x, y), {"N=4": test}, keep_model=True)
+    model = trained["model"]
+    base = evaluate(model, *test)["accuracy"]
+    rows = [{"task": "mqar", "arch": arch, "variant": "none", "accuracy": base, "steps": trained["steps"]}]
+    for name, config in VARIANTS.items():
+        quantized = zoo.quantize(model, config, x[:16] if config.method == "awq" else None)
+        accuracy = evaluate(quantized, *test)["accuracy"]
+        rows.append({"task": "mqar", "arch": arch, "variant": name, "accuracy": accuracy, "accuracy_delta": accuracy - base})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lm-dir", default="runs/lm/tiny", help="zoo train outputs, one folder per architecture")
+    parser.add_argument("--archs", default="gqa,mla,mamba,hybrid-1in6")
+    parser.add_argument("--recall-archs", default="gqa,mla,mamba,hybrid")
+    parser.add_argument("--recall-steps", type=int, default=1500)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--out", default="results/quant_quality")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    store = ResultStore(Path(args.out) / "results.jsonl", KEY)
+    for arch in args.archs.split(","):
+        if not store.done({"task": "lm", "arch": arch, "variant": "none"}):
+            for row in lm_rows(arch, Path(args.lm_dir) / arch, args):
+                store.append(row)
+    for arch in args.recall_archs.split(","):
+        if not store.done({"task": "mqar", "arch": arch, "variant": "none"}):
+            for row in recall_rows(arch, args):
+                store.append(row)
+    print("| arch | weights | val bpb (Δ) | greedy agreement / first difference (of 256) | MQAR accuracy (Δ) |")
+    print("|---|---|---|---|---|")
+    recall = {(r["arch"], r["variant"]): r for r in store.rows if r["task"] == "mqar"}
+    for row in (r for r in store.rows if r["task"] == "lm"):
+        lm = f"{row['val_bpb']:.3f}" + (f" ({row['bpb_delta']:+.3f})" if "bpb_delta" in row else "")
+        agree = f"{row['agreement']:.0%} / {row['first_difference']:.0f}" if "agreement" in row else ""
+        mqar_arch = "hybrid" if row["arch"].startswith("hybrid") else row["arch"]
+        r = recall.get((mqar_arch, row["variant"]))
+        mqar = "" if r is None else f"{r['accuracy']:.3f}" + (f" ({r['accuracy_delta']:+.3f})" if "accuracy_delta" in r else "")
+        print(f"| {row['arch']} | {row['variant']} | {lm} | {agree} | {mqar} |")
+
+
+if __name__ == "__main__":
+    main()
