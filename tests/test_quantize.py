@@ -126,3 +126,17 @@ def test_engine_quantize_runs_a_quantized_copy():
         Engine(model, quantize=zoo.QuantizeConfig("int8", method="awq"))
     with pytest.raises(ValueError, match="QuantizeConfig"):
         Engine(model, quantize="int8")
+
+
+def test_the_quantized_decode_step_compiles():
+    """compile=True on int8 and int4 weights: one graph like the float step (torch's packed ops trace), same tokens
+    and logits as eager."""
+    model = random_model("gqa", seed=8, n_layers=1)
+    prompts = make_prompts([7, 12], model.config.vocab_size, seed=9)
+    for config in SCHEMES:
+        quantized = zoo.quantize(model, config)
+        eager, compiled = (Engine(quantized, max_batch=2, max_seq_len=32, compile=c).generate(prompts, greedy(6))
+                           for c in (False, True))
+        for a, b in zip(eager, compiled):
+            assert a.token_ids == b.token_ids
+            assert (torch.stack(a.logits) - torch.stack(b.logits)).abs().max() < 1e-4
