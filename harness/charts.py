@@ -17,9 +17,9 @@ DASHES = ("-", "--", "-.", ":")
 
 
 def series_name(row: dict) -> str:
-    """A row's line in a chart: its architecture, and its weight quantization where it has one."""
-    quant = row.get("quant", "none")
-    return row["arch"] if quant == "none" else f"{row['arch']} {quant}"
+    """A row's line in a chart: its architecture, with its weight quantization and int8 KV cache where it has them."""
+    quant, kv = row.get("quant", "none"), row.get("kv_dtype", "auto")
+    return " ".join([row["arch"]] + [quant] * (quant != "none") + [f"kv-{kv}"] * (kv != "auto"))
 
 
 def by_arch(rows: list[dict]) -> dict[str, list[dict]]:
@@ -69,14 +69,15 @@ def write_charts(rows: list[dict], out: Path) -> list[Path]:
         charts.append(diffusion_chart(diffusion, autoregressive, out))
     if any("val_bpb" in r for r in rows):
         charts.append(quality_chart([r for r in rows if "val_bpb" in r], out))
-        if any(r.get("quant", "none") != "none" for r in rows):
+        if any(r.get("quant", "none") != "none" or r.get("kv_dtype", "auto") != "auto" for r in rows):
             charts.append(memory_chart([r for r in rows if "val_bpb" in r], out))
     return charts
 
 
 def memory_chart(rows: list[dict], out: Path) -> Path:
-    """One marker per architecture x weight quantization: validation bits per byte against the memory one sequence
-    needs at the largest context, weights plus cache (a quantized model's weights as stored, scales included)."""
+    """One marker per architecture x weight quantization x KV storage: validation bits per byte against the memory one
+    sequence needs at the largest context, weights plus cache (quantized weights and int8 caches as stored, scales
+    included; the int8 cache changes memory, not the validation figure, which is an uncached forward)."""
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
     archs = list(dict.fromkeys(r["arch"] for r in rows))
     quants = list(dict.fromkeys(r.get("quant", "none") for r in rows))

@@ -61,7 +61,7 @@ def cmd_compare(args) -> None:
                                diffusion_steps=args.diffusion_steps, block_length=args.block_length,
                                diffusion_caches=args.diffusion_caches,
                                weights=Path(args.weights) if args.weights else None, quant=args.quant,
-                               quant_group=args.quant_group, quant_method=args.quant_method)
+                               quant_group=args.quant_group, quant_method=args.quant_method, kv_dtypes=args.kv_dtypes)
     rows = run_compare(settings, show_progress=not args.quiet)
     table = markdown_table(rows)
     write_atomic(settings.out / "table.md", table)
@@ -214,6 +214,9 @@ def parser() -> argparse.ArgumentParser:
                    f"(default: {d.quant_group})")
     c.add_argument("--quant-method", default=d.quant_method, choices=["rtn", "awq"], help="round to nearest, or "
                    "activation-aware scales calibrated on training-corpus windows (default: rtn)")
+    c.add_argument("--kv-dtypes", type=name_list, default=d.kv_dtypes, help="comma-separated per-token cache "
+                   "storage: auto (the model's dtype), int8 (a scale per token and KV head) "
+                   f"(default: {','.join(d.kv_dtypes)})")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_compare)
 

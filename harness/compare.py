@@ -20,12 +20,14 @@ from harness.sampling import SamplingParams
 from harness.train.trained import TrainedModel, read_trained, validation_set
 from zoo import checks
 from zoo.quantize import WEIGHT_SCHEMES
+from cache import KV_FORMATS
 
 # The fields that identify a cell: a re-run skips rows that match on all of them.
 CELL_KEY = ("arch", "preset", "context", "batch", "new_tokens", "dtype", "kv_cache", "device", "block_size",
             "steps", "block_length", "diffusion_cache",  # these three: diffusion cells only (None otherwise)
             "weights",  # the trained checkpoint's folder (None: random weights, as every row before --weights)
-            "quant")  # weight quantization, quant_label ("none": as every row before --quant)
+            "quant",  # weight quantization, quant_label ("none": as every row before --quant)
+            "kv_dtype")  # how per-token caches are stored ("auto": the model's dtype, as every row before --kv-dtypes)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,6 +57,7 @@ class CompareSettings:
     quant: list[str] = field(default_factory=lambda: ["none"])
     quant_group: int = 128
     quant_method: str = "rtn"
+    kv_dtypes: list[str] = field(default_factory=lambda: ["auto"])  # per-token cache storage: auto, int8 (the engine's)
 
     def __post_init__(self):
         if self.preset is None and self.weights is None:
@@ -96,6 +99,17 @@ class CompareSettings:
         if any(not zoo.is_causal(a) for a in self.archs):
             self.validate_diffusion()
         self.validate_quant(trained)
+        if not isinstance(self.kv_dtypes, (list, tuple)) or not self.kv_dtypes:
+            raise ValueError(f"kv_dtypes must be a non-empty list of {', '.join(KV_FORMATS)}, got {self.kv_dtypes!r}")
+        for kv_dtype in self.kv_dtypes:
+            checks.choice("kv_dtype", kv_dtype, KV_FORMATS)
+        if any(k != "auto" for k in self.kv_dtypes):
+            for arch in self.archs:
+                config = trained[arch].config if trained else zoo.make_config(arch, self.preset)
+                with torch.device("meta"):
+                    if not any(spec.elements_per_token for spec in zoo.DecoderLM(config).cache_specs()):
+                        raise ValueError(f"kv_dtype int8: {arch!r} keeps no per-token cache, only recurrent state, "
+                                         f"which stays in its declared dtype; leave it out of an int8 comparison")
         return trained
 
     def validate_quant(self, trained: dict[str, TrainedModel]) -> None:
@@ -137,10 +151,11 @@ class CompareSettings:
                 for c in self.contexts:
                     for b in self.batches:
                         if zoo.is_causal(a):
-                            cells.append({"arch": a, "context": c, "batch": b, **common, **autoregressive, **model})
+                            cells += [{"arch": a, "context": c, "batch": b, **common, **autoregressive, **model,
+                                       "kv_dtype": kv_dtype} for kv_dtype in self.kv_dtypes]
                         else:  # no-cache first: cached cells measure their agreement against it
-                            cells += [{"arch": a, "context": c, "batch": b, **common, **model, "steps": s,
-                                       "block_length": self.block_length, "diffusion_cache": cache}
+                            cells += [{"arch": a, "context": c, "batch": b, **common, **model, "kv_dtype": "auto",
+                                       "steps": s, "block_length": self.block_length, "diffusion_cache": cache}
                                       for s in self.diffusion_steps for cache in self.diffusion_caches]
         return cells
 
@@ -193,7 +208,8 @@ def measure_cell(model, cell: dict, rates: roofline.MachineRates, seed: int) -> 
     """Prefill `batch` prompts of `context` tokens together, decode `new_tokens` each; times and bytes, and the
     roofline floor of the median decode step beside it."""
     max_seq_len = cell["context"] + cell["new_tokens"]
-    engine = Engine(model, max_batch=cell["batch"], max_seq_len=max_seq_len, kv_cache=cell["kv_cache"], block_size=cell["block_size"])
+    engine = Engine(model, max_batch=cell["batch"], max_seq_len=max_seq_len, kv_cache=cell["kv_cache"],
+                    block_size=cell["block_size"], kv_dtype=cell["kv_dtype"])
     prompts = prompts_for(cell, model.config.vocab_size, seed)
     # No stop tokens: every request runs exactly new_tokens, so cells are comparable.
     params = SamplingParams(max_new_tokens=cell["new_tokens"], temperature=0.0)
@@ -207,9 +223,9 @@ def measure_cell(model, cell: dict, rates: roofline.MachineRates, seed: int) -> 
         **cell,
         "params": sum(p.numel() for p in model.parameters()),
         "weight_bytes": zoo.parameter_bytes(model),  # as stored: a quantized model's payload and scales
-        "analytic_cache_bytes": zoo.cache_bytes(model, seq_len=max_seq_len, batch=cell["batch"]),
+        "analytic_cache_bytes": zoo.cache_bytes(model, seq_len=max_seq_len, batch=cell["batch"], kv_format=cell["kv_dtype"]),
         "measured_cache_bytes": engine.cache_bytes_allocated,
-        "cache_bytes_per_token": zoo.cache_bytes(model, seq_len=1),
+        "cache_bytes_per_token": zoo.cache_bytes(model, seq_len=1, kv_format=cell["kv_dtype"]),
         "ttft_ms": summary["Mean TTFT (ms)"],
         "tpot_ms": summary["Mean TPOT (ms)"],
         "itl_p99_ms": summary["P99 ITL (ms)"],
@@ -231,9 +247,9 @@ def floor_fields(model, cell: dict, step_s: float, rates: roofline.MachineRates)
     """The roofline beside the measurement: the decode step's floor at the cell's batch and mean context, and one
     prompt's prefill floor (the engine prefills prompts of 512 tokens or more one after another, so the mean
     TTFT at batch b waits for about (b + 1) / 2 of them; shorter ones share a forward)."""
-    step = roofline.decode_step_cost(model, cell["batch"], floor_context(cell))
+    step = roofline.decode_step_cost(model, cell["batch"], floor_context(cell), kv_format=cell["kv_dtype"])
     floor_s = roofline.floor_seconds(step, rates)
-    prefill = roofline.prefill_cost(model, 1, cell["context"])
+    prefill = roofline.prefill_cost(model, 1, cell["context"], kv_format=cell["kv_dtype"])
     return {
         "floor_context": floor_context(cell),
         "floor_ms": 1000 * floor_s,
@@ -259,7 +275,8 @@ def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[d
     """Measure every cell not already in results.jsonl; returns all rows of this settings' cells. With weights,
     each architecture's rows also carry its validation figure, measured once per model."""
     trained = settings.validate()
-    store = ResultStore(settings.out / "results.jsonl", CELL_KEY, defaults={"weights": None, "quant": "none"})
+    store = ResultStore(settings.out / "results.jsonl", CELL_KEY,
+                        defaults={"weights": None, "quant": "none", "kv_dtype": "auto"})
     todo = [c for c in settings.cells(trained) if not store.done(c)]
     if todo:
         rates = measure_rates(settings) if any(not c["steps"] for c in todo) else None

@@ -70,25 +70,28 @@ def attention_flops(own, read, keys: int) -> int:
     return 2 * own.query_heads * (read.head_dim + read.value_dim) * keys
 
 
-def decode_step_cost(model, batch: int, context: int, dtype: torch.dtype | None = None) -> StepCost:
+def decode_step_cost(model, batch: int, context: int, dtype: torch.dtype | None = None,
+                     kv_format: str = "auto") -> StepCost:
     """One decode step for `batch` sequences holding `context` tokens: it writes the new token's K/V (or rewrites
-    its state) and attends over the keys of context + 1 its retention policy keeps."""
+    its state) and attends over the keys of context + 1 its retention policy keeps; kv_format: how the per-token
+    caches are stored (cache.KV_FORMATS), which sets their bytes."""
     if batch < 1 or context < 0:
         raise ValueError(f"batch must be >= 1 and context >= 0, got batch={batch}, context={context}")
     dtype = model_dtype(model, dtype)
-    size = dtype.itemsize
     specs = model.cache_specs()
     weights = weight_elements(model)
     keys = context + 1
-    write = sum(spec.elements_per_token * size + spec.state_bytes(dtype) for spec in specs if spec.owns_memory)
+    write = sum(spec.token_bytes(dtype, kv_format) + spec.state_bytes(dtype) for spec in specs if spec.owns_memory)
     attention = sum(attention_flops(own, read, read.tokens_held(keys)) for own, read in zip(specs, specs_read(specs)))
     return StepCost(weight_bytes=weight_bytes(model, dtype),
-                    cache_read_bytes=zoo.cache_read_bytes(model, seq_len=keys, batch=batch, dtype=dtype),
+                    cache_read_bytes=zoo.cache_read_bytes(model, seq_len=keys, batch=batch, dtype=dtype,
+                                                          kv_format=kv_format),
                     cache_write_bytes=batch * write,
                     flops=batch * (2 * weights + attention))
 
 
-def prefill_cost(model, batch: int, prompt_len: int, dtype: torch.dtype | None = None) -> StepCost:
+def prefill_cost(model, batch: int, prompt_len: int, dtype: torch.dtype | None = None,
+                 kv_format: str = "auto") -> StepCost:
     """`batch` prompts of `prompt_len` tokens from an empty cache. Every weight is applied to every token except the
     head, which the engine applies at the last position only; bytes = weights + the cache written."""
     if batch < 1 or prompt_len < 1:
@@ -104,7 +107,8 @@ def prefill_cost(model, batch: int, prompt_len: int, dtype: torch.dtype | None =
         else:  # per (query, key) pair; MLA counted as its absorbed form (the expanded prefill does fewer)
             attention += attention_flops(own, read, read.retention.causal_pairs(prompt_len))
     return StepCost(weight_bytes=weight_bytes(model, dtype), cache_read_bytes=0,
-                    cache_write_bytes=zoo.cache_bytes(model, seq_len=prompt_len, batch=batch, dtype=dtype),
+                    cache_write_bytes=zoo.cache_bytes(model, seq_len=prompt_len, batch=batch, dtype=dtype,
+                                                      kv_format=kv_format),
                     flops=batch * (2 * (weights - head) * prompt_len + 2 * head + attention))
 
 

@@ -18,7 +18,7 @@ COLUMNS = [
     ("MBU", "mbu", "{:.0%}"),
     ("MFU", "mfu", "{:.0%}"),
 ]
-TEXT_KEYS = ("arch", "diffusion_cache", "bound", "quant")  # left-aligned
+TEXT_KEYS = ("arch", "diffusion_cache", "bound", "quant", "kv_dtype")  # left-aligned
 
 DIFFUSION_COLUMNS = [
     ("arch", "arch", "{}"),
@@ -37,6 +37,7 @@ DIFFUSION_COLUMNS = [
 CACHE_ORDER = ("none", "prefix", "dual")
 QUALITY_COLUMN = ("val bpb", "val_bpb", "{:.3f}")
 QUANT_COLUMN = ("quant", "quant", "{}")
+KV_COLUMN = ("KV", "kv_dtype", "{}")
 WEIGHTS_COLUMN = ("weights MiB", "weight_bytes", "{:.2f}")
 MIB_KEYS = ("analytic_cache_bytes", "measured_cache_bytes", "weight_bytes")  # shown in MiB
 BOUND_COLUMN = ("val bpb (ELBO bound)", "val_bpb", "≤ {:.3f}")
@@ -62,10 +63,11 @@ def markdown_table(rows: list[dict]) -> str:
     autoregressive = [r for r in rows if not r.get("steps")]
     diffusion = [r for r in rows if r.get("steps")]
     quantized = any(r.get("quant", "none") != "none" for r in rows)
-    columns = COLUMNS[:1] + [QUANT_COLUMN, WEIGHTS_COLUMN] * quantized + COLUMNS[1:] + [QUALITY_COLUMN] * any(
-        "val_bpb" in r for r in autoregressive)
+    int8_kv = any(r.get("kv_dtype", "auto") != "auto" for r in rows)
+    columns = (COLUMNS[:1] + [QUANT_COLUMN, WEIGHTS_COLUMN] * quantized + [KV_COLUMN] * int8_kv + COLUMNS[1:]
+               + [QUALITY_COLUMN] * any("val_bpb" in r for r in autoregressive))
     lines = table(autoregressive, columns, lambda r: (r["arch"], r.get("quant", "none") != "none", r.get("quant", "none"),
-                                                      r["context"], r["batch"])
+                                                      r.get("kv_dtype", "auto"), r["context"], r["batch"])
                   ) if autoregressive else []
     if diffusion:
         lines += ([""] if lines else []) + ["Masked diffusion LM (LLaDA sampler; first block = the TTFT analogue):", ""]

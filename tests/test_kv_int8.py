@@ -77,3 +77,20 @@ def test_bad_kv_settings_are_errors_before_work():
         Engine(random_model("mamba"), kv_dtype="int8")
     with pytest.raises(ValueError, match="unknown kv_format"):
         zoo.cache_bytes(random_model("gqa"), 16, kv_format="fp4")
+
+
+def test_compare_puts_int8_caches_beside_float_ones(tmp_path):
+    from harness.compare import CompareSettings, run_compare
+    settings = CompareSettings(archs=["gqa", "mla"], preset="tiny", contexts=[32], batches=[1], new_tokens=3,
+                               kv_dtypes=["auto", "int8"], out=tmp_path)
+    rows = {(r["arch"], r["kv_dtype"]): r for r in run_compare(settings, show_progress=False)}
+    for arch in ("gqa", "mla"):
+        auto, int8 = rows[arch, "auto"], rows[arch, "int8"]
+        assert int8["analytic_cache_bytes"] == int8["measured_cache_bytes"] < auto["analytic_cache_bytes"]
+        assert int8["step_cache_read_bytes"] < auto["step_cache_read_bytes"]  # the floor counts the int8 bytes
+    with pytest.raises(ValueError, match="'mamba' keeps no per-token cache"):
+        run_compare(CompareSettings(archs=["mamba"], preset="tiny", contexts=[32], kv_dtypes=["int8"],
+                                    out=tmp_path / "m"), show_progress=False)
+    with pytest.raises(ValueError, match="unknown kv_dtype 'fp4'"):
+        run_compare(CompareSettings(archs=["gqa"], preset="tiny", contexts=[32], kv_dtypes=["fp4"],
+                                    out=tmp_path / "f"), show_progress=False)
