@@ -7,16 +7,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+import zoo
+from cache import KV_FORMATS
 from harness.beam_search import BeamOutput, BeamSearch, BeamSearchParams
 from harness.block_manager import ADMISSIONS, BlockManager
-from cache import KV_FORMATS
 from harness.cache_pool import LAYOUTS, CachePool, size_cache
 from harness.model_runner import ModelRunner, prefill_batches
 from harness.sampling import SamplingParams, sample_token
 from harness.scheduler import Scheduler
 from harness.sequence import RequestOutput, Sequence, Status, TokenEvent
 from harness.speculative import SpeculativeConfig, SpeculativeDecoder
-import zoo
 from zoo import checks
 from zoo.tokenizer import ByteTokenizer
 
