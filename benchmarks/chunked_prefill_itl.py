@@ -56,7 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--archs", default="gqa,mla,mamba")
     parser.add_argument("--preset", default="small")
-    parser.add_argument("--budgets", default="0,512,256,128", help="tokens per step; 0 = whole-prompt prefill")
+    parser.add_argument("--budgets", default="0,768,512,256", help="tokens per step; 0 = whole-prompt prefill")
     parser.add_argument("--decoders", type=int, default=4)
     parser.add_argument("--short-len", type=int, default=16)
     parser.add_argument("--decode-tokens", type=int, default=96)
