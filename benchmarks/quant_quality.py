@@ -4,8 +4,9 @@
 - Language models (`zoo train` folders, one per architecture): validation bits per byte on the fixed validation
   windows, and greedy agreement over 256 tokens from held-out prompts (the share of positions where the quantized
   model's token equals the unquantized one's, and the mean position of the first difference).
-- Associative recall (Zoology's MQAR, L 64 with 4 key-value pairs, d_model 64): each architecture is trained here
-  with its registry learning rate, then scored quantized on the same test set.
+- Associative recall (Zoology's MQAR, L 64 with 4 key-value pairs, d_model 64, 32,000 training examples as `zoo
+  recall`): each architecture is trained here with its registry learning rate until solved (0.99) or --recall-steps,
+  then scored quantized on the same test set.
 
 Rows go to OUT/results.jsonl atomically as they finish; a re-run skips them.
 
@@ -62,9 +63,9 @@ def lm_rows(arch: str, folder: Path, args) -> list[dict]:
 
 def recall_rows(arch: str, args) -> list[dict]:
     setting = MQARSetting(seq_len=64, num_kv_pairs=4)
-    (x, y, _), [test] = make_splits([(setting, 4000)], [(setting, 500)], seed=0)
+    (x, y, _), [test] = make_splits([(setting, 32_000)], [(setting, 500)], seed=0)  # zoo recall's sizes
     config = TrainConfig(arch=arch, d_model=64, lr=zoo.registry.recall_lr(arch), max_steps=args.recall_steps,
-                         min_steps=400, **({"overrides": {"layers": "mamba,gqa"}} if arch == "hybrid" else {}))
+                         **({"overrides": {"layers": "mamba,gqa"}} if arch == "hybrid" else {}))
     trained = train_recall(config, (x, y), {"N=4": test}, keep_model=True)
     model = trained["model"]
     base = evaluate(model, *test)["accuracy"]
