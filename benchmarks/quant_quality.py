@@ -2,7 +2,8 @@
 (AWQ scales calibrated on training-split windows), against the same model unquantized.
 
 - Language models (`zoo train` folders, one per architecture): validation bits per byte on the fixed validation
-  windows, and greedy agreement over 256 tokens from held-out prompts (the share of positions where the quantized
+  windows, the KL divergence of its next-byte distributions from the unquantized model's there (bits per byte), and
+  greedy agreement over 256 tokens from held-out prompts (the share of positions where the quantized
   model's token equals the unquantized one's, and the mean position of the first difference).
 - Associative recall (Zoology's MQAR, L 64 with 4 key-value pairs, d_model 64, 32,000 training examples as `zoo
   recall`): each architecture is trained here with its registry learning rate until solved (0.99) or --recall-steps,
@@ -42,6 +43,16 @@ def agreement(model, quantized, prompts: list[list[int]], new_tokens: int) -> tu
     return sum(same) / (len(prompts) * new_tokens), sum(first) / len(first)
 
 
+@torch.no_grad()
+def divergence(model, quantized, windows: torch.Tensor) -> float:
+    """Mean KL(unquantized || quantized) of the next-byte distributions over the validation windows, in bits."""
+    total = 0.0
+    for chunk in windows.split(32):
+        want, got = (m(chunk[:, :-1]).float().log_softmax(-1) for m in (model, quantized))
+        total += float((want.exp() * (want - got)).sum(-1).mean()) * len(chunk)
+    return total / len(windows) / torch.log(torch.tensor(2.0)).item()
+
+
 def lm_rows(arch: str, folder: Path, args) -> list[dict]:
     model = zoo.load(folder)
     state = read_train_state(folder)
@@ -57,7 +68,8 @@ def lm_rows(arch: str, folder: Path, args) -> list[dict]:
         same, first = agreement(model, quantized, prompts, args.new_tokens)
         bpb = validation_bpb(quantized, windows, 32)
         rows.append({"task": "lm", "arch": arch, "variant": name, "val_bpb": bpb, "bpb_delta": bpb - base,
-                     "agreement": same, "first_difference": first, "weight_bytes": zoo.parameter_bytes(quantized)})
+                     "kl_bits": divergence(model, quantized, windows), "agreement": same, "first_difference": first,
+                     "weight_bytes": zoo.parameter_bytes(quantized)})
     return rows
 
 
@@ -98,8 +110,9 @@ def main() -> None:
         if not store.done({"task": "mqar", "arch": arch, "variant": "none"}):
             for row in recall_rows(arch, args):
                 store.append(row)
-    print("| arch | weights | val bpb (Δ) | greedy agreement / first difference (of 256) | MQAR accuracy (Δ) |")
-    print("|---|---|---|---|---|")
+    print("| arch | weights | val bpb (Δ) | KL to unquantized (bits/byte) | greedy agreement / first difference (of 256) | "
+          "MQAR accuracy (Δ) |")
+    print("|---|---|---|---|---|---|")
     recall = {(r["arch"], r["variant"]): r for r in store.rows if r["task"] == "mqar"}
     for row in (r for r in store.rows if r["task"] == "lm"):
         lm = f"{row['val_bpb']:.3f}" + (f" ({row['bpb_delta']:+.3f})" if "bpb_delta" in row else "")
@@ -107,7 +120,8 @@ def main() -> None:
         mqar_arch = "hybrid" if row["arch"].startswith("hybrid") else row["arch"]
         r = recall.get((mqar_arch, row["variant"]))
         mqar = "" if r is None else f"{r['accuracy']:.3f}" + (f" ({r['accuracy_delta']:+.3f})" if "accuracy_delta" in r else "")
-        print(f"| {row['arch']} | {row['variant']} | {lm} | {agree} | {mqar} |")
+        kl = f"{row['kl_bits']:.4f}" if "kl_bits" in row else ""
+        print(f"| {row['arch']} | {row['variant']} | {lm} | {kl} | {agree} | {mqar} |")
 
 
 if __name__ == "__main__":

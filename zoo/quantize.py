@@ -6,15 +6,15 @@ Two ways to round:
 - "rtn", round to nearest: each weight to its nearest level.
 - "awq", activation-aware (Lin et al. 2024, AWQ): the input channels that carry large activations matter most, so
   each layer's weight columns are scaled up by s = mean|x|^alpha before rounding and the input divided by s at run
-  time (y = Q(W diag(s)) (x / s)). alpha in [0, 1] is searched per layer, on calibration tokens, for the smallest
-  output error. AWQ folds 1/s into the op before; here it stays in the layer (one multiply per input value), which
-  works for every mixer alike.
+  time (y = Q(W diag(s)) (x / s)). alpha in [0, 1] is searched on calibration tokens: per layer for the smallest
+  output error (AWQ's search), and as one alpha for all layers; the candidate whose outputs diverge least (KL) from
+  the unquantized model's wins, and alpha 0 (plain rounding) is a candidate. AWQ folds 1/s into the op before; here it
+  stays in the layer (one multiply per input value), which works for every mixer alike.
 
 Which layers: every nn.Linear of the blocks (mixers and MLPs) at least one group wide, and the vocabulary head if
 asked. A layer narrower than one group (Mamba's dt projection at small sizes) keeps its weights. The embedding stays.
 """
 import copy
-import math
 from dataclasses import dataclass
 
 import torch
@@ -145,18 +145,38 @@ def quantize(model: nn.Module, config: QuantizeConfig, calibration: torch.Tensor
     if calibration is not None:
         checks.token_ids("calibration", calibration.flatten().tolist(), model.config.vocab_size)
     scales = awq_scales(quantized, layers, config, calibration) if config.method == "awq" else {}
-    for name, layer in layers.items():
-        parent, _, attribute = name.rpartition(".")
-        owner = quantized.get_submodule(parent) if parent else quantized
-        setattr(owner, attribute, QuantizedLinear(layer, config.weights, config.group_size, scales.get(name)))
+    replace_layers(quantized, {name: QuantizedLinear(layer, config.weights, config.group_size, scales.get(name))
+                               for name, layer in layers.items()})
     quantized.quantization = config
     return quantized.eval()
 
 
 def awq_scales(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeConfig,
                calibration: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each layer's input-channel scale s = a^alpha / sqrt(max(a^alpha) min(a^alpha)) (a = mean |x| per channel on
-    the calibration tokens), alpha from AWQ_ALPHAS with the smallest error of the quantized layer's output."""
+    """Each layer's input-channel scale s = a^alpha / sqrt(max(a^alpha) min(a^alpha)), a = mean |x| per channel on the
+    calibration tokens. Candidates: each layer's alpha from AWQ_ALPHAS with the smallest error of its own quantized
+    output (AWQ's search), and one alpha for every layer, each of AWQ_ALPHAS. The candidate whose model's outputs on
+    the calibration tokens diverge least from the unquantized model's wins; alpha 0 is plain rounding, so the
+    divergence is never above round to nearest's."""
+    magnitudes, inputs = calibration_inputs(model, layers, calibration)
+    per_layer = {}
+    for name, layer in layers.items():
+        x, weight = inputs[name], layer.weight.float()
+        want = x @ weight.T
+        errors = {alpha: float(((x @ QuantizedLinear(plain_linear(weight), config.weights, config.group_size,
+                                                     input_scale(magnitudes[name], alpha)).weight.T) - want).pow(2).mean())
+                  for alpha in AWQ_ALPHAS}
+        per_layer[name] = min(errors, key=errors.get)
+    candidates = [per_layer] + [dict.fromkeys(layers, alpha) for alpha in AWQ_ALPHAS]
+    with torch.no_grad():
+        reference = model(calibration.to(next(model.parameters()).device)).float().log_softmax(-1)
+    best = min(candidates, key=lambda alphas: calibration_divergence(model, layers, config, calibration, reference,
+                                                                      magnitudes, alphas))
+    return {name: input_scale(magnitudes[name], alpha) for name, alpha in best.items() if alpha}
+
+
+def calibration_inputs(model: nn.Module, layers: dict[str, nn.Linear], calibration: torch.Tensor):
+    """Each layer's inputs on the calibration tokens [tokens, in], and their mean magnitude per input channel."""
     inputs: dict[str, list[torch.Tensor]] = {name: [] for name in layers}
     hooks = [layer.register_forward_hook(lambda _, args, __, name=name: inputs[name].append(args[0].detach()))
              for name, layer in layers.items()]
@@ -165,23 +185,40 @@ def awq_scales(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeC
     finally:
         for hook in hooks:
             hook.remove()
-    chosen = {}
-    for name, layer in layers.items():
-        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[name]]).float()
-        weight = layer.weight.float()
-        want = x @ weight.T
-        magnitude = x.abs().mean(dim=0).clamp_min(1e-8)
-        best, best_error = None, math.inf  # alpha 0 is plain rounding, so AWQ is never worse than it here
-        for alpha in AWQ_ALPHAS:
-            s = magnitude ** alpha
-            s = s / (s.max() * s.min()).sqrt()
-            trial = QuantizedLinear(plain_linear(weight), config.weights, config.group_size, s)
-            error = float(((x @ trial.weight.T) - want).pow(2).mean())
-            if error < best_error:
-                best, best_error = (None if alpha == 0 else s), error
-        if best is not None:  # alpha 0 (no scaling, round to nearest) was best: nothing to keep
-            chosen[name] = best
-    return chosen
+    flat = {name: torch.cat([t.reshape(-1, t.shape[-1]) for t in xs]).float() for name, xs in inputs.items()}
+    return {name: x.abs().mean(dim=0).clamp_min(1e-8) for name, x in flat.items()}, flat
+
+
+def input_scale(magnitude: torch.Tensor, alpha: float) -> torch.Tensor | None:
+    """AWQ's s = a^alpha, normalised to a geometric mean of max and min of 1; None at alpha 0 (no scaling)."""
+    if not alpha:
+        return None
+    s = magnitude ** alpha
+    return s / (s.max() * s.min()).sqrt()
+
+
+def calibration_divergence(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeConfig,
+                           calibration: torch.Tensor, reference: torch.Tensor, magnitudes: dict[str, torch.Tensor],
+                           alphas: dict[str, float]) -> float:
+    """KL(unquantized || quantized) of the next-token distributions on the calibration tokens (reference: the
+    unquantized model's log-probabilities there), for `model` (quantize's own copy) with its layers quantized at these
+    per-layer alphas; the layers are put back afterwards. What quantization should keep small is the change in
+    what the model says, not its loss on a sample."""
+    trials = {name: QuantizedLinear(layer, config.weights, config.group_size, input_scale(magnitudes[name], alphas[name]))
+              for name, layer in layers.items()}
+    replace_layers(model, trials)
+    try:
+        logits = model(calibration.to(reference.device)).float().log_softmax(-1)
+        return float(nn.functional.kl_div(logits, reference, log_target=True, reduction="batchmean"))
+    finally:
+        replace_layers(model, layers)
+
+
+def replace_layers(model: nn.Module, modules: dict[str, nn.Module]) -> None:
+    """Put each module at its name in the model."""
+    for name, module in modules.items():
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attribute, module)
 
 
 def plain_linear(weight: torch.Tensor) -> nn.Linear:
