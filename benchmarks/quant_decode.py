@@ -1,5 +1,8 @@
 """Decode with quantized weights: the `base` GQA model (125M params) at batch 1, the engine in bf16, int8 and int4
-weights (round to nearest), all compiled, beside transformers' bf16 `generate` on the same weights, in one run.
+weights (round to nearest), all compiled, beside transformers' bf16 `generate` on the same weights, in one run. Each
+scheme runs twice: with the vocabulary head kept in bf16 (QuantizeConfig's default) and quantized too, as gpt-fast
+quantizes every linear layer for its int8 / int4 figures; at `base` size the 32000 x 768 head is a quarter of the
+bf16 weights, so which one is meant changes the speed-up a lot.
 
 Decode rate = batch * (N - 1) / (time(N new tokens) - time(1 new token)) for every side (prefill excluded alike);
 each figure is the median of --repeats runs, the sides alternating. MBU counts the bytes each side's step must read:
@@ -43,6 +46,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--schemes", default="int8,int4")
     p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--heads", default="kept,quantized", help="the vocabulary head: kept in bf16, quantized, or both")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
@@ -55,7 +59,10 @@ def main() -> None:
     prompts = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     models = {"bf16": model}
     for scheme in args.schemes.split(","):
-        models[scheme] = zoo.quantize(model, zoo.QuantizeConfig(scheme, group_size=args.group_size))
+        for head in args.heads.split(","):
+            name = scheme if head == "kept" else f"{scheme} + head"
+            models[name] = zoo.quantize(model, zoo.QuantizeConfig(scheme, group_size=args.group_size,
+                                                                   head=head == "quantized"))
     engines = {name: harness.Engine(m, max_batch=1, max_seq_len=args.prompt_len + args.new_tokens,
                                     compile=not args.no_compile) for name, m in models.items()}
     time_hf(hf, prompts, 4)

@@ -1,5 +1,5 @@
 """What weight quantization costs in quality, per architecture: int8, int4 round-to-nearest and int4 activation-aware
-(AWQ scales calibrated on training-split windows), against the same model unquantized.
+(AWQ scales calibrated on training-split windows: 64 x 256 bytes by default, 16k tokens), against the same model unquantized.
 
 - Language models (`zoo train` folders, one per architecture): validation bits per byte on the fixed validation
   windows, the KL divergence of its next-byte distributions from the unquantized model's there (bits per byte), and
@@ -59,7 +59,7 @@ def lm_rows(arch: str, folder: Path, args) -> list[dict]:
     corpus = load_corpus(Path(state["settings"]["corpus"]) if state["settings"]["corpus"] else None)
     context = state["settings"]["context"]
     windows = validation_windows(corpus, 256, context + 1)
-    calibration = training_batch(corpus, 0, 0, 8, 256)
+    calibration = training_batch(corpus, 0, 0, args.calibration_windows, 256)
     prompts = validation_windows(corpus, args.prompts, args.prompt_len).tolist()
     base = validation_bpb(model, windows, 32)
     rows = [{"task": "lm", "arch": arch, "variant": "none", "val_bpb": base, "weight_bytes": zoo.parameter_bytes(model)}]
@@ -83,7 +83,7 @@ def recall_rows(arch: str, args) -> list[dict]:
     base = evaluate(model, *test)["accuracy"]
     rows = [{"task": "mqar", "arch": arch, "variant": "none", "accuracy": base, "steps": trained["steps"]}]
     for name, config in VARIANTS.items():
-        quantized = zoo.quantize(model, config, x[:16] if config.method == "awq" else None)
+        quantized = zoo.quantize(model, config, x[:args.calibration_examples] if config.method == "awq" else None)
         accuracy = evaluate(quantized, *test)["accuracy"]
         rows.append({"task": "mqar", "arch": arch, "variant": name, "accuracy": accuracy, "accuracy_delta": accuracy - base})
     return rows
@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--calibration-windows", type=int, default=64, help="AWQ's training-split windows of 256 bytes")
+    parser.add_argument("--calibration-examples", type=int, default=256, help="AWQ's MQAR training examples")
     parser.add_argument("--out", default="results/quant_quality")
     args = parser.parse_args()
     torch.set_num_threads(2)
