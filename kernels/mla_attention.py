@@ -10,6 +10,10 @@ The generic paged kernel could run this over two views of the pool, but would lo
 once as key and once as value. The Triton kernel here loads a row once and uses it as both, so decode
 reads only the latent. Split-K like paged_attention: stage 1 gives each (head tile, split, sequence)
 program a slice of the sequence with an online softmax, stage 2 merges the slices by log-sum-exp.
+
+An int8 pool (the engine's kv_dtype="int8") comes with latent_scales [num_blocks, block_size, 1], one scale per row:
+the kernel folds a row's scale into its score and its probability, as paged_attention does, so no row is
+dequantized.
 """
 
 from __future__ import annotations  # keeps the `tl.constexpr` annotations inert until triton is imported
@@ -64,14 +68,15 @@ def mla_decode_attention_ref(q, latent_pool, block_table, seq_lens, scale: float
 
 
 def _split_kernel(
-    q_ptr, latent_pool_ptr, block_table_ptr, seq_lens_ptr, partial_out_ptr, partial_lse_ptr,
+    q_ptr, latent_pool_ptr, scales_ptr, block_table_ptr, seq_lens_ptr, partial_out_ptr, partial_lse_ptr,
     scale, split_len,
     stride_q_seq, stride_q_head, stride_q_dim,
     stride_pool_block, stride_pool_pos, stride_pool_dim,
+    stride_scales_block, stride_scales_pos,
     stride_table_seq, stride_table_entry,
     NUM_HEADS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
     VALUE_DIM: tl.constexpr, VALUE_PAD: tl.constexpr, REST_DIM: tl.constexpr, REST_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, KEYS_PER_STEP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KEYS_PER_STEP: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     head_tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -89,11 +94,13 @@ def _split_kernel(
     dim_v_ok = dims_v < VALUE_DIM
     dim_r_ok = dims_r < VALUE_DIM + REST_DIM
 
+    # int8 rows are multiplied in the scales' dtype (exact: |int8| <= 127); float pools in their own
+    compute_dtype = scales_ptr.dtype.element_ty if QUANTIZED else latent_pool_ptr.dtype.element_ty
     q_rows = q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head
     q_value = tl.load(q_rows + dims_v[None, :] * stride_q_dim, mask=head_ok[:, None] & dim_v_ok[None, :],
-                      other=0.0).to(latent_pool_ptr.dtype.element_ty)
+                      other=0.0).to(compute_dtype)
     q_rest = tl.load(q_rows + dims_r[None, :] * stride_q_dim, mask=head_ok[:, None] & dim_r_ok[None, :],
-                     other=0.0).to(latent_pool_ptr.dtype.element_ty)
+                     other=0.0).to(compute_dtype)
 
     running_max = tl.full([HEADS_PER_PROGRAM], float("-inf"), tl.float32)
     running_sum = tl.zeros([HEADS_PER_PROGRAM], tl.float32)
@@ -107,20 +114,27 @@ def _split_kernel(
         ).to(tl.int64)  # int64: block * stride overflows int32 in large pools
         rows = latent_pool_ptr + block * stride_pool_block + (positions % BLOCK_SIZE) * stride_pool_pos
         latent = tl.load(rows[:, None] + dims_v[None, :] * stride_pool_dim,
-                         mask=pos_ok[:, None] & dim_v_ok[None, :], other=0.0)
+                         mask=pos_ok[:, None] & dim_v_ok[None, :], other=0.0).to(compute_dtype)
         rope = tl.load(rows[:, None] + dims_r[None, :] * stride_pool_dim,
-                       mask=pos_ok[:, None] & dim_r_ok[None, :], other=0.0)
+                       mask=pos_ok[:, None] & dim_r_ok[None, :], other=0.0).to(compute_dtype)
         # "ieee": fp32 inputs would otherwise be rounded to tf32; ignored for 16-bit inputs
         scores = tl.dot(q_value, tl.trans(latent), input_precision="ieee")
         scores += tl.dot(q_rest, tl.trans(rope), input_precision="ieee")
+        if QUANTIZED:  # q . (row * s) = (q . row) * s
+            row_scales = tl.load(scales_ptr + block * stride_scales_block
+                                 + (positions % BLOCK_SIZE) * stride_scales_pos, mask=pos_ok, other=0.0).to(tl.float32)
+            scores = scores * row_scales[None, :]
         scores = tl.where(pos_ok[None, :], scores * scale, float("-inf"))
 
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         rescale = tl.exp(running_max - new_max)
         probs = tl.exp(scores - new_max[:, None])
         running_sum = running_sum * rescale + tl.sum(probs, axis=1)
-        # the value is the latent already loaded as the key: no second read
-        acc = acc * rescale[:, None] + tl.dot(probs.to(latent.dtype), latent, input_precision="ieee")
+        # the value is the latent already loaded as the key: no second read; an int8 row's scale goes on its weight
+        weights = probs
+        if QUANTIZED:
+            weights = probs * row_scales[None, :]
+        acc = acc * rescale[:, None] + tl.dot(weights.to(compute_dtype), latent, input_precision="ieee")
         running_max = new_max
 
     # a split past the end of a short sequence saw no keys: output 0 with weight exp(-inf) = 0
@@ -141,9 +155,12 @@ def _jitted_kernels():
 
 
 def mla_decode_attention_triton(
-    q, latent_pool, block_table, seq_lens, scale: float, value_dim: int, num_splits: int | None = None
+    q, latent_pool, block_table, seq_lens, scale: float, value_dim: int, num_splits: int | None = None,
+    latent_scales=None,
 ) -> torch.Tensor:
+    """latent_scales [num_blocks, block_size, 1]: an int8 pool's row scales (None: a float pool)."""
     _check_args(q, latent_pool, block_table, seq_lens, value_dim)
+    quantized = latent_scales is not None
     split_kernel, merge_kernel = _jitted_kernels()
     batch, num_heads, width = q.shape
     block_size = latent_pool.shape[1]
@@ -153,7 +170,8 @@ def mla_decode_attention_triton(
     if num_splits is None:
         num_splits = _default_num_splits(max_len, batch * head_tiles, q.device)
     value_pad, rest_pad = padded(value_dim), padded(width - value_dim)
-    keys_per_step, num_warps = _tile_shape(padded(value_pad + rest_pad), latent_pool.element_size())
+    compute_size = latent_scales.element_size() if quantized else latent_pool.element_size()
+    keys_per_step, num_warps = _tile_shape(padded(value_pad + rest_pad), compute_size)
     split_len = cdiv(cdiv(max_len, num_splits), keys_per_step) * keys_per_step
 
     partial_out = torch.empty(batch, num_heads, num_splits, value_dim, dtype=torch.float32, device=q.device)
@@ -161,12 +179,13 @@ def mla_decode_attention_triton(
     out = torch.empty(batch, num_heads, value_dim, dtype=q.dtype, device=q.device)
     # head tiles vary fastest, so the programs reading the same rows run side by side and hit L2
     split_kernel[(head_tiles, num_splits, batch)](
-        q, latent_pool, block_table, seq_lens, partial_out, partial_lse,
+        q, latent_pool, latent_scales if quantized else q, block_table, seq_lens, partial_out, partial_lse,  # q: unread
         scale, split_len,
-        *q.stride(), *latent_pool.stride(), *block_table.stride(),
+        *q.stride(), *latent_pool.stride(), *(latent_scales.stride()[:2] if quantized else (0, 0)),
+        *block_table.stride(),
         NUM_HEADS=num_heads, HEADS_PER_PROGRAM=_HEADS_PER_PROGRAM,
         VALUE_DIM=value_dim, VALUE_PAD=value_pad, REST_DIM=width - value_dim, REST_PAD=rest_pad,
-        BLOCK_SIZE=block_size, KEYS_PER_STEP=keys_per_step,
+        BLOCK_SIZE=block_size, KEYS_PER_STEP=keys_per_step, QUANTIZED=quantized,
         num_warps=num_warps,
     )
     merge_kernel[(batch, num_heads)](
@@ -179,10 +198,10 @@ def mla_decode_attention_triton(
 
 def mla_decode_attention(q, latent_pool, block_table, seq_lens, scale: float, value_dim: int,
                          latent_scales=None) -> torch.Tensor:
-    """latent_scales [num_blocks, block_size, 1]: an int8 pool's row scales (the Triton kernel reads float pools
-    only: an int8 pool on CUDA runs the reference)."""
-    if latent_scales is None and use_triton(q, latent_pool, block_table, seq_lens):
-        return mla_decode_attention_triton(q, latent_pool, block_table, seq_lens, scale, value_dim)
+    """latent_scales [num_blocks, block_size, 1]: an int8 pool's row scales (None: a float pool)."""
+    if use_triton(q, latent_pool, block_table, seq_lens):
+        return mla_decode_attention_triton(q, latent_pool, block_table, seq_lens, scale, value_dim,
+                                           latent_scales=latent_scales)
     scales = None if latent_scales is None else latent_scales.unsqueeze(2)
     if use_cpu_kernel(q, latent_pool) and cpu_decode.fits(q, latent_pool, 1, value_dim, scales):
         return cpu_decode.mla_decode_attention_cpu(q, latent_pool, block_table, seq_lens, scale, value_dim, scales)

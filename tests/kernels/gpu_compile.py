@@ -147,12 +147,14 @@ def gemv_case(dtype, int4: bool):
     return quantized_matmul, call
 
 
-def mla_case(dtype):
-    def call():  # DeepSeek-V2's latent: 512 + 64 rope columns, 128 heads
+def mla_case(dtype, int8=False):
+    def call():  # DeepSeek-V2's latent: 512 + 64 rope columns, 128 heads; int8: a scale per row in the model's dtype
         q = torch.empty(2, 128, 576, dtype=dtype)
-        pool = torch.empty(32, 16, 576, dtype=dtype)
+        pool = torch.empty(32, 16, 576, dtype=torch.int8 if int8 else dtype)
+        scales = torch.empty(32, 16, 1, dtype=dtype) if int8 else None
         mla_attention.mla_decode_attention_triton(q, pool, torch.zeros(2, 8, dtype=torch.int32),
-                                                  torch.full((2,), 100, dtype=torch.int32), 0.1, 512)
+                                                  torch.full((2,), 100, dtype=torch.int32), 0.1, 512,
+                                                  latent_scales=scales)
     return mla_attention, call
 
 
@@ -218,6 +220,7 @@ CASES = {
     "gemv-int8": lambda dtype: gemv_case(dtype, int4=False),
     "gemv-int4": lambda dtype: gemv_case(dtype, int4=True),
     "mla": mla_case,
+    "mla-int8": lambda dtype: mla_case(dtype, int8=True),
     "write": lambda dtype: write_case(dtype),
     "write-keys-only": lambda dtype: write_case(dtype, keys_only=True),
     "mamba-state": lambda dtype: state_update_case(dtype, mamba2=False),

@@ -1,10 +1,11 @@
 """The int8 / int4 Triton kernels equal their references under the interpreter (fp32 and fp16 compute): the
-dequantizing GEMV against dequantize-then-multiply, and the paged decode attention over an int8 pool against the
-reference on the dequantized pool."""
+dequantizing GEMV against dequantize-then-multiply, and the paged and MLA decode attentions over int8 pools against the references on the
+dequantized pools."""
 import pytest
 import torch
 
 from cache.quantized_rows import quantize_rows
+from kernels.mla_attention import mla_decode_attention_ref, mla_decode_attention_triton
 from kernels.paged_attention import paged_decode_attention_ref, paged_decode_attention_triton
 from kernels.quantized_matmul import int4_matmul_ref, int8_matmul_ref, quantized_gemv_triton
 from zoo.quantize import quantize_int4, quantize_int8
@@ -43,6 +44,24 @@ def test_int8_paged_decode_equals_the_reference(force_triton, paged_cache, heads
     dequantized = paged_decode_attention_ref(q.float(), k_values * k_scales, v_values * v_scales, *args[3:])
     torch.testing.assert_close(want.float(), dequantized, **TOLERANCE[dtype])
     got = paged_decode_attention_triton(*args, k_scales=k_scales.to(dtype), v_scales=v_scales.to(dtype))
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int8_mla_decode_equals_the_reference(force_triton, paged_cache, dtype):
+    """An int8 latent pool (one scale per row): 48-wide rows of which the first 32 are the value. Rows no sequence
+    owns get a NaN scale, so a kernel that reads one shows it."""
+    cache = paged_cache([1, 19, 70, 33], 16, 1, 48, 48, torch.float32, "cpu")
+    rows = cache.k_pool[:, :, 0]  # [blocks, block_size, 48]
+    latent, latent_scales = quantize_rows(rows.nan_to_num())
+    latent_scales[rows.isnan().any(-1, keepdim=True)] = float("nan")
+    q = torch.randn(4, 5, 48, generator=torch.Generator().manual_seed(4)).to(dtype)
+    args = (q, latent, cache.block_table, cache.seq_lens, 0.2, 32)
+    want = mla_decode_attention_ref(*args, latent_scales=latent_scales)
+    dequantized = mla_decode_attention_ref(q.float(), latent * latent_scales, *args[2:])
+    torch.testing.assert_close(want.float(), dequantized, **TOLERANCE[dtype])
+    got = mla_decode_attention_triton(*args, latent_scales=latent_scales.to(dtype))
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
 
