@@ -4,6 +4,7 @@ import threading
 
 import pytest
 
+import harness.decode_stats
 import harness.engine
 from harness import Engine, SamplingParams
 from helpers import make_prompts, random_model  # tests/ is on sys.path under pytest
@@ -202,7 +203,7 @@ def test_a_second_thread_is_refused_while_a_step_runs(model, monkeypatch):
 
 
 def test_decode_statistics_are_bounded(model, monkeypatch):
-    monkeypatch.setattr(harness.engine, "STATS_WINDOW", 8)
+    monkeypatch.setattr(harness.decode_stats, "STATS_WINDOW", 8)
     engine = Engine(model, max_batch=2, max_seq_len=64)
     engine.generate([[1, 2], [3, 4, 5]], greedy(21))
     stats = engine.decode_stats
