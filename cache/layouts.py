@@ -4,7 +4,7 @@ shared layers. Which keys a query sees is the layer's retention policy's answer 
 import torch
 import torch.nn.functional as F
 
-from cache.quantized_rows import Int8Rows
+from cache.quantized_rows import QuantizedRows
 from cache.retention import FULL, Retention
 from cache.spec import CacheBatch, CacheSpec
 from kernels import contiguous_decode_attention, mla_decode_attention, paged_decode_attention, write_paged_kv
@@ -71,20 +71,20 @@ def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 class KVTensors:
     """Keys (for a "latent" cache, the one row per token) and values; their bytes are the layer's measured cache.
 
-    kv_format "int8" keeps every row as int8 with its own scale (cache/quantized_rows.py): reads through an index
-    dequantize, writes quantize. The one-query decode kernels read the int8 rows and their scales in place (the C
-    kernel converts a row at a time, the Triton paged kernel folds the scales into scores and probabilities); a
-    several-token step attends over the rows it gathers, dequantized.
+    kv_format "int8" or "fp8" keeps every row in one byte an element with its own scale (cache/quantized_rows.py):
+    reads through an index dequantize, writes quantize. The one-query decode kernels read the stored rows and their
+    scales in place (the C kernel converts a row at a time, the Triton kernels fold the scales into scores and
+    probabilities); a several-token step attends over the rows it gathers, dequantized.
     """
 
     def __init__(self, spec: CacheSpec, shape, dtype, device, kv_format: str = "auto"):
         """shape(dim): this layout's shape for rows `dim` wide."""
         self.retention = spec.retention
-        self.quantized = kv_format == "int8"
+        self.quantized = kv_format != "auto"
 
         def zeros(dim: int):
             if self.quantized:
-                return Int8Rows.zeros(*shape(dim), dtype=dtype, device=device)
+                return QuantizedRows.zeros(*shape(dim), dtype=dtype, device=device, kv_format=kv_format)
             return torch.zeros(*shape(dim), dtype=dtype, device=device)
 
         self.k = zeros(spec.head_dim)

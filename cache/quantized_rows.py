@@ -1,24 +1,36 @@
-"""Cache rows kept in int8 with one scale per row: the KV cache's int8 format (one scale per token and KV head, as
-vLLM's int8 KV cache keeps them), in the shape and indexing of the float tensor it stands for.
+"""Cache rows kept in one byte an element with one scale per row: the KV cache's int8 and fp8 formats (one scale per
+token and KV head, as vLLM's quantized KV caches keep them), in the shape and indexing of the float tensor they stand
+for.
 
-A row is the last dimension (one head's key or value, or an MLA latent row): it is stored as q = round(x / s) with
-s = max|x| / 127, and read back as q * s. Reading through an index dequantizes what it selects; assigning through one
-quantizes what it is given; every other dimension indexes, views and transposes as in the float tensor.
+A row is the last dimension (one head's key or value, or an MLA latent row): it is stored as q = x / s rounded to the
+format, with s = max|x| / (the format's largest value), and read back as q * s.
+- "int8": q = round(x / s) in [-127, 127], s = max|x| / 127: 255 evenly spaced levels per row.
+- "fp8": q = x / s in float8 e4m3 (torch.float8_e4m3fn: 4 exponent bits, 3 mantissa bits, largest 448), s = max|x|
+  / 448: a relative step of 1/16 at every magnitude, so a row's small values keep more precision than int8 gives
+  them and its large ones less. Hopper and Ada GPUs multiply e4m3 natively; elsewhere it is a storage format.
+Reading through an index dequantizes what it selects; assigning through one quantizes what it is given; every other
+dimension indexes, views and transposes as in the float tensor.
 """
 import torch
 
-QMAX = 127
+# format: (element dtype, largest magnitude a row's max is scaled to)
+ROW_FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 
 
-class Int8Rows:
+class QuantizedRows:
     def __init__(self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
-        """values: int8 [..., dim]; scales: [..., 1] in `dtype`, the dtype reads return."""
+        """values: int8 or float8_e4m3fn [..., dim]; scales: [..., 1] in `dtype`, the dtype reads return."""
         self.values, self.scales, self.dtype = values, scales, dtype
 
     @classmethod
-    def zeros(cls, *shape: int, dtype: torch.dtype, device) -> "Int8Rows":
-        return cls(torch.zeros(*shape, dtype=torch.int8, device=device),
+    def zeros(cls, *shape: int, dtype: torch.dtype, device, kv_format: str = "int8") -> "QuantizedRows":
+        element, _ = ROW_FORMATS[kv_format]
+        return cls(torch.zeros(*shape, dtype=element, device=device),
                    torch.zeros(*shape[:-1], 1, dtype=dtype, device=device), dtype)
+
+    @property
+    def kv_format(self) -> str:
+        return next(name for name, (element, _) in ROW_FORMATS.items() if element == self.values.dtype)
 
     @property
     def shape(self) -> torch.Size:
@@ -32,25 +44,28 @@ class Int8Rows:
     def nbytes(self) -> int:
         return self.values.nbytes + self.scales.nbytes
 
-    def transpose(self, a: int, b: int) -> "Int8Rows":
+    def transpose(self, a: int, b: int) -> "QuantizedRows":
         """A view with two dimensions before the last swapped (the row itself never moves)."""
         last = self.values.dim() - 1
         if last in (a % self.values.dim(), b % self.values.dim()):
-            raise ValueError("Int8Rows keeps each row whole: transpose dimensions before the last one only")
-        return Int8Rows(self.values.transpose(a, b), self.scales.transpose(a, b), self.dtype)
+            raise ValueError("QuantizedRows keeps each row whole: transpose dimensions before the last one only")
+        return QuantizedRows(self.values.transpose(a, b), self.scales.transpose(a, b), self.dtype)
 
     def __getitem__(self, index) -> torch.Tensor:
         return self.values[index].to(self.dtype) * self.scales[index]
 
     def __setitem__(self, index, rows: torch.Tensor) -> None:
-        values, scales = quantize_rows(rows)
+        values, scales = quantize_rows(rows, self.kv_format)
         self.values[index] = values
         self.scales[index] = scales.to(self.dtype)
 
 
-def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [..., dim] -> int8 values [..., dim] and scales [..., 1] (float32): symmetric, max |x| at 127."""
+def quantize_rows(rows: torch.Tensor, kv_format: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [..., dim] -> values [..., dim] in the format's dtype and scales [..., 1] (float32): symmetric, each
+    row's max |x| at the format's largest value."""
+    element, largest = ROW_FORMATS[kv_format]
     rows = rows.float()
-    scales = rows.abs().amax(dim=-1, keepdim=True) / QMAX
-    values = torch.round(rows / scales.clamp_min(torch.finfo(torch.float32).tiny)).clamp(-QMAX, QMAX)
-    return values.to(torch.int8), scales
+    scales = rows.abs().amax(dim=-1, keepdim=True) / largest
+    scaled = (rows / scales.clamp_min(torch.finfo(torch.float32).tiny)).clamp(-largest, largest)
+    # int8 rounds to the nearest level here; the cast to e4m3 rounds to its nearest value itself
+    return (torch.round(scaled) if element == torch.int8 else scaled).to(element), scales

@@ -11,10 +11,11 @@ CACHE_KINDS = ("kv", "latent", "shared", "state")
 # its cache ("decode"), or several new tokens on top of it ("chunk": a diffusion block, a chunked prefill's later
 # chunks, a speculative verification of proposed tokens).
 STEP_KINDS = ("prefill", "decode", "chunk")
-# How per-token caches store their rows: "auto" in the model's dtype; "int8" one byte an element plus a scale (in the
-# model's dtype) per token and KV head for keys and for values (cache/quantized_rows.py). Recurrent state keeps its
-# declared dtype: it is rewritten every token, so rounding would compound, and it does not grow with the context.
-KV_FORMATS = ("auto", "int8")
+# How per-token caches store their rows: "auto" in the model's dtype; "int8" and "fp8" (e4m3) one byte an element plus
+# a scale (in the model's dtype) per token and KV head for keys and for values (cache/quantized_rows.py). Recurrent
+# state keeps its declared dtype: it is rewritten every token, so rounding would compound, and it does not grow with
+# the context.
+KV_FORMATS = ("auto", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,9 @@ class CacheSpec:
         return self.kv_heads * (1 if self.kind == "latent" else 2)
 
     def token_bytes(self, dtype: torch.dtype, kv_format: str = "auto") -> int:
-        """Bytes one cached token costs in this layer: its elements in `dtype`, or int8 elements and a scale in
-        `dtype` per row."""
-        if kv_format == "int8":
+        """Bytes one cached token costs in this layer: its elements in `dtype`, or one-byte elements (int8, fp8) and
+        a scale in `dtype` per row."""
+        if kv_format != "auto":
             return self.elements_per_token + self.rows_per_token * dtype.itemsize
         return self.elements_per_token * dtype.itemsize
 

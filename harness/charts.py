@@ -17,7 +17,7 @@ DASHES = ("-", "--", "-.", ":")
 
 
 def series_name(row: dict) -> str:
-    """A row's line in a chart: its architecture, with its weight quantization and int8 KV cache where it has them."""
+    """A row's line in a chart: its architecture, with its weight quantization and quantized KV cache where it has them."""
     quant, kv = row.get("quant", "none"), row.get("kv_dtype", "auto")
     return " ".join([row["arch"]] + [quant] * (quant != "none") + [f"kv-{kv}"] * (kv != "auto"))
 
@@ -76,8 +76,8 @@ def write_charts(rows: list[dict], out: Path) -> list[Path]:
 
 def memory_chart(rows: list[dict], out: Path) -> Path:
     """One marker per architecture x weight quantization x KV storage: validation bits per byte against the memory one
-    sequence needs at the largest context, weights plus cache (quantized weights and int8 caches as stored, scales
-    included; the int8 cache changes memory, not the validation figure, which is an uncached forward)."""
+    sequence needs at the largest context, weights plus cache (quantized weights and one-byte caches as stored, scales
+    included; a quantized cache changes memory, not the validation figure, which is an uncached forward)."""
     fig, ax = plt.subplots(figsize=(9.6, 4.4), dpi=120)
     archs = list(dict.fromkeys(r["arch"] for r in rows))
     quants = list(dict.fromkeys(r.get("quant", "none") for r in rows))
@@ -89,12 +89,12 @@ def memory_chart(rows: list[dict], out: Path) -> Path:
         row = min(at, key=lambda r: r["batch"])
         x = (row["weight_bytes"] + row["analytic_cache_bytes"] / row["batch"]) / 2**20
         color = plt.get_cmap("tab10")(archs.index(row["arch"]) % 10)
-        hollow = row.get("kv_dtype", "auto") != "auto"  # an int8 cache: the same marker, unfilled
+        hollow = row.get("kv_dtype", "auto") != "auto"  # an int8 or fp8 cache: the same marker, unfilled
         ax.scatter([x], [row["val_bpb"]], marker=MARKERS[quants.index(row.get("quant", "none")) % len(MARKERS)],
                    s=50, zorder=3, label=name, edgecolors=color, facecolors="none" if hollow else color)
     ax.set_xscale("log")
     ax.set(title=f"Memory vs quality: weights + cache of one sequence at context {context}",
-           xlabel="MiB (weights as stored + cache; hollow: int8 KV cache)",
+           xlabel="MiB (weights as stored + cache; hollow: int8 / fp8 KV cache)",
            ylabel="validation bits per byte (lower is better)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))

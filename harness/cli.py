@@ -215,7 +215,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--quant-method", default=d.quant_method, choices=["rtn", "awq"], help="round to nearest, or "
                    "activation-aware scales calibrated on training-corpus windows (default: rtn)")
     c.add_argument("--kv-dtypes", type=name_list, default=d.kv_dtypes, help="comma-separated per-token cache "
-                   "storage: auto (the model's dtype), int8 (a scale per token and KV head) "
+                   "storage: auto (the model's dtype), int8 or fp8 (e4m3; either with a scale per token and KV head) "
                    f"(default: {','.join(d.kv_dtypes)})")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_compare)

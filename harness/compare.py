@@ -57,7 +57,7 @@ class CompareSettings:
     quant: list[str] = field(default_factory=lambda: ["none"])
     quant_group: int = 128
     quant_method: str = "rtn"
-    kv_dtypes: list[str] = field(default_factory=lambda: ["auto"])  # per-token cache storage: auto, int8 (the engine's)
+    kv_dtypes: list[str] = field(default_factory=lambda: ["auto"])  # per-token cache storage: auto, int8, fp8 (the engine's)
 
     def __post_init__(self):
         if self.preset is None and self.weights is None:
@@ -108,8 +108,10 @@ class CompareSettings:
                 config = trained[arch].config if trained else zoo.make_config(arch, self.preset)
                 with torch.device("meta"):
                     if not any(spec.elements_per_token for spec in zoo.DecoderLM(config).cache_specs()):
-                        raise ValueError(f"kv_dtype int8: {arch!r} keeps no per-token cache, only recurrent state, "
-                                         f"which stays in its declared dtype; leave it out of an int8 comparison")
+                        quantized = ",".join(k for k in self.kv_dtypes if k != "auto")
+                        raise ValueError(f"kv_dtype {quantized}: {arch!r} keeps no per-token cache, only recurrent "
+                                         f"state, which stays in its declared dtype; leave it out of a quantized KV "
+                                         f"comparison")
         return trained
 
     def validate_quant(self, trained: dict[str, TrainedModel]) -> None:

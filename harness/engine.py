@@ -65,8 +65,9 @@ class Engine:
         the target's distribution exactly (greedy: its argmax tokens); `speculative_stats` has the acceptance.
         quantize: run a weight-quantized copy of the model (zoo.QuantizeConfig, round to nearest; for AWQ, which
         needs calibration text, pass zoo.quantize(model, config, calibration) as the model instead).
-        kv_dtype: "auto" (the model's dtype) or "int8": per-token caches (keys, values, MLA latents) stored as int8
-        with a scale per token and KV head, about half the bytes of bf16; recurrent state keeps its declared dtype.
+        kv_dtype: "auto" (the model's dtype), "int8" or "fp8" (float8 e4m3): per-token caches (keys, values, MLA
+        latents) stored one byte an element with a scale per token and KV head, about half the bytes of bf16;
+        recurrent state keeps its declared dtype.
         """
         max_batch, max_seq_len, block_size, num_blocks, cache_budget_bytes, max_num_batched_tokens = check_options(
             model, max_batch, max_seq_len, kv_cache, block_size, num_blocks, cache_budget_bytes, compile, admission,

@@ -1,5 +1,7 @@
 """Everything an Engine's options must satisfy, checked before anything is allocated: each bad value is an error
 that names it and what is allowed."""
+import torch
+
 from cache import KV_FORMATS
 from harness.block_manager import ADMISSIONS
 from harness.cache_pool import LAYOUTS
@@ -40,6 +42,10 @@ def check_options(model, max_batch, max_seq_len, kv_cache, block_size, num_block
     if kv_dtype != "auto" and not any(spec.elements_per_token for spec in model.cache_specs()):
         raise ValueError(f"kv_dtype={kv_dtype!r}: {config.name!r} keeps no per-token cache, only recurrent state, "
                          f"which stays in its declared dtype (rounding would compound over every token)")
+    if kv_dtype == "fp8" and fp8_kernels_missing(next(model.parameters()).device):
+        raise ValueError(f"kv_dtype='fp8' on CUDA needs compute capability 8.9 or later (Ada, Hopper: float8 e4m3 in "
+                         f"hardware, which the Triton decode kernels use); this GPU is "
+                         f"{torch.cuda.get_device_capability()}; use kv_dtype='int8'")
     if prefix_caching and kv_cache != "paged":
         raise ValueError("prefix_caching=True needs kv_cache='paged': requests share cached blocks by reference")
     if num_blocks is not None and kv_cache != "paged":
@@ -49,6 +55,11 @@ def check_options(model, max_batch, max_seq_len, kv_cache, block_size, num_block
         raise ValueError(f"give num_blocks ({num_blocks}) or cache_budget_bytes ({cache_budget_bytes}), not both: "
                          f"each sizes the paged pool")
     return max_batch, max_seq_len, block_size, num_blocks, cache_budget_bytes, max_num_batched_tokens
+
+
+def fp8_kernels_missing(device: torch.device) -> bool:
+    """Whether a CUDA device is older than sm_89, where Triton has no float8 e4m3 (the CPU kernel decodes it itself)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
 
 
 def check_speculative(speculative, model, compile: bool, kv_cache: str, max_seq_len: int) -> int:

@@ -63,8 +63,8 @@ def markdown_table(rows: list[dict]) -> str:
     autoregressive = [r for r in rows if not r.get("steps")]
     diffusion = [r for r in rows if r.get("steps")]
     quantized = any(r.get("quant", "none") != "none" for r in rows)
-    int8_kv = any(r.get("kv_dtype", "auto") != "auto" for r in rows)
-    columns = (COLUMNS[:1] + [QUANT_COLUMN, WEIGHTS_COLUMN] * quantized + [KV_COLUMN] * int8_kv + COLUMNS[1:]
+    quantized_kv = any(r.get("kv_dtype", "auto") != "auto" for r in rows)
+    columns = (COLUMNS[:1] + [QUANT_COLUMN, WEIGHTS_COLUMN] * quantized + [KV_COLUMN] * quantized_kv + COLUMNS[1:]
                + [QUALITY_COLUMN] * any("val_bpb" in r for r in autoregressive))
     lines = table(autoregressive, columns, lambda r: (r["arch"], r.get("quant", "none") != "none", r.get("quant", "none"),
                                                       r.get("kv_dtype", "auto"), r["context"], r["batch"])

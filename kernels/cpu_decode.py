@@ -8,8 +8,8 @@ Layouts (k and v 4-D, last dim contiguous):
             sequence's keys found through its block-table row (paged);
   "rows":   [slots, kv_heads, rows, dim], sequence b in row table[b, 0] (contiguous; a ring buffer is `rows` wide).
 v None: the keys are MLA latent rows and the value is their first `value_dim` columns.
-int8 k and v (the engine's kv_dtype="int8") come with k_scales and v_scales, [..., 1] in the same layout and q's dtype:
-a row is its int8 values times its scale.
+One-byte k and v (the engine's kv_dtype "int8" or "fp8", int8 or float8_e4m3fn rows) come with k_scales and v_scales,
+[..., 1] in the same layout and q's dtype: a row is its stored values times its scale.
 """
 import ctypes
 import functools
@@ -32,6 +32,7 @@ FAST_MATH = ["-fno-math-errno", "-fno-signed-zeros", "-fno-trapping-math", "-fas
 FLAGS = ["-O3", "-march=native", *FAST_MATH, "-fopenmp", "-fno-strict-aliasing", "-shared", "-fPIC", "-std=c11"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LAYOUTS = ("blocks", "rows")
+ONE_BYTE_ROWS = (torch.int8, torch.float8_e4m3fn)  # a quantized cache's rows (cache/quantized_rows.py)
 _MIN_KEYS_PER_SPLIT = 256  # a split's fixed cost (its query load, the merge) is small against 256 keys
 
 
@@ -73,7 +74,7 @@ def _library() -> ctypes.CDLL | None:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.decode_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
                                      ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i32, i32, i32, i32, i32, i32,
-                                     ctypes.c_float, i32, ptr, i64, i64, i32, i32]
+                                     ctypes.c_float, i32, ptr, i64, i64, i32, i32, i32]
     lib.selective_state_update.restype = ctypes.c_int
     lib.selective_state_update.argtypes = ([ptr, i64, i64, i64, i64, i32] + [ptr, i64, i64, i64] * 2 + [ptr, i64, i64]
                                            + [ptr, i64, i64, i64] * 3 + [ptr, i64, i64] + [ptr, i64, i64, i64]
@@ -144,6 +145,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
         batch, heads, kv_heads, kv_per_task, dim_k, value_dim, scale,
         splits or _num_splits(batch * kv_heads // kv_per_task, max_keys, threads),
         out.data_ptr(), out.stride(0), out.stride(1), DTYPE_CODES[q.dtype], threads,
+        int(k.dtype == torch.float8_e4m3fn),
     )
     if status:
         raise ValueError(f"decode_attention: sizes beyond the CPU kernel (query heads per KV head {heads // kv_heads} <= 128, "
@@ -158,10 +160,10 @@ def _(q, k, v, table, seq_lens, layout, scale, value_dim, starts=None, sinks=0, 
 
 
 def fits(q: torch.Tensor, cache: torch.Tensor, kv_heads: int, value_dim: int, scales: torch.Tensor | None = None) -> bool:
-    """Whether decode_attention takes these tensors: a supported dtype (an int8 cache with scales in q's), the cache's
-    last dim contiguous, sizes in range."""
-    stored = q.dtype if scales is None else torch.int8
-    return (q.dtype in DTYPE_CODES and cache.dtype == stored and cache.stride(-1) == 1
+    """Whether decode_attention takes these tensors: a supported dtype (an int8 or fp8 cache with scales in q's), the
+    cache's last dim contiguous, sizes in range."""
+    stored = (q.dtype,) if scales is None else ONE_BYTE_ROWS
+    return (q.dtype in DTYPE_CODES and cache.dtype in stored and cache.stride(-1) == 1
             and (scales is None or scales.dtype == q.dtype)
             and q.shape[1] % kv_heads == 0 and q.shape[1] // kv_heads <= 128 and max(q.shape[2], value_dim) <= 1024)
 

@@ -1,12 +1,12 @@
-"""The int8 KV cache (Engine(kv_dtype="int8")): rows stored as int8 with a scale per token and KV head, for every
-architecture with a per-token cache, in both layouts. The stored rows are what an independent rounding gives, paged
-equals contiguous token for token, the bytes allocated are the analytic bytes with their scales, decoding stays
-within rounding of the float cache, and bad settings fail before any work."""
+"""The one-byte KV caches (Engine(kv_dtype="int8" or "fp8")): rows stored as int8 or float8 e4m3 with a scale per
+token and KV head, for every architecture with a per-token cache, in both layouts. The stored rows are what an
+independent rounding gives, paged equals contiguous token for token, the bytes allocated are the analytic bytes with
+their scales, decoding stays within rounding of the float cache, and bad settings fail before any work."""
 import pytest
 import torch
 
 import zoo
-from cache import Int8Rows
+from cache import QuantizedRows
 from harness import Engine
 from helpers import greedy, make_prompts, random_model
 
@@ -16,7 +16,7 @@ KV_ARCHS = [a for a in ARCHS if any(s.elements_per_token for s in zoo.build(a, p
 
 def test_int8_rows_store_an_independent_rounding():
     rows = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(0)) * 4
-    store = Int8Rows.zeros(3, 5, 16, dtype=torch.float32, device="cpu")
+    store = QuantizedRows.zeros(3, 5, 16, dtype=torch.float32, device="cpu")
     store[:, 1:4] = rows[:, 1:4]
     step = rows[:, 1:4].abs().max(dim=-1, keepdim=True).values / 127
     want = (rows[:, 1:4] / step).round() * step
@@ -26,28 +26,47 @@ def test_int8_rows_store_an_independent_rounding():
     assert torch.equal(store.transpose(0, 1)[2], store[:, 2])
 
 
-@pytest.mark.parametrize("arch", KV_ARCHS)
-def test_paged_equals_contiguous_and_bytes_are_analytic(arch):
+def test_fp8_rows_keep_e4m3_precision():
+    """e4m3 has 3 mantissa bits: each stored value is within half a step (2^(exponent - 4) of the scaled value) of
+    its row's value over the row's scale, the row's largest magnitude lands on 448 exactly, and the values are
+    e4m3 numbers (a cast there and back changes nothing)."""
+    rows = torch.randn(4, 6, 32, generator=torch.Generator().manual_seed(5)) * 3
+    store = QuantizedRows.zeros(4, 6, 32, dtype=torch.float32, device="cpu", kv_format="fp8")
+    store[:, 2:5] = rows[:, 2:5]
+    assert store.values.dtype == torch.float8_e4m3fn and store.nbytes == 4 * 6 * (32 + 4)
+    scale = rows[:, 2:5].abs().amax(dim=-1, keepdim=True) / 448
+    scaled, stored = rows[:, 2:5] / scale, store[:, 2:5] / scale
+    normal = scaled.abs() >= 2 ** -6
+    half_step = 2.0 ** (torch.floor(torch.log2(scaled.abs().clamp_min(2 ** -6))) - 4)
+    assert ((stored - scaled).abs() <= half_step * 1.0001 + 1e-6)[normal].all()
+    assert ((stored - scaled).abs() <= 2 ** -10 + 1e-6)[~normal].all()  # subnormals: steps of 2^-9
+    assert torch.allclose(stored.abs().amax(dim=-1), torch.full((4, 3), 448.0))
+    assert torch.equal(store.values.float().to(torch.float8_e4m3fn).float(), store.values.float())
+
+
+@pytest.mark.parametrize("arch,kv_format", [(a, "int8") for a in KV_ARCHS] + [(a, "fp8") for a in ("gqa", "mla", "swa")])
+def test_paged_equals_contiguous_and_bytes_are_analytic(arch, kv_format):
     model = random_model(arch, seed=1)
     prompts = make_prompts([5, 23, 11], model.config.vocab_size, seed=1)
     runs = {}
     for layout in ("contiguous", "paged"):
-        engine = Engine(model, max_batch=3, max_seq_len=64, kv_cache=layout, block_size=8, kv_dtype="int8")
+        engine = Engine(model, max_batch=3, max_seq_len=64, kv_cache=layout, block_size=8, kv_dtype=kv_format)
         runs[layout] = engine.generate(prompts, greedy(12))
         if layout == "contiguous":  # every row allocated at max_seq_len
-            assert engine.cache_bytes_allocated == zoo.cache_bytes(model, 64, batch=3, kv_format="int8")
+            assert engine.cache_bytes_allocated == zoo.cache_bytes(model, 64, batch=3, kv_format=kv_format)
     for a, b in zip(runs["contiguous"], runs["paged"]):
         assert a.token_ids == b.token_ids
         assert (torch.stack(a.logits) - torch.stack(b.logits)).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["gqa", "mla", "swa", "cla", "hybrid"])
-def test_decoding_stays_within_rounding_of_the_float_cache(arch):
+@pytest.mark.parametrize("arch,kv_format", [(a, "int8") for a in ("gqa", "mla", "swa", "cla", "hybrid")]
+                         + [(a, "fp8") for a in ("gqa", "mla")])
+def test_decoding_stays_within_rounding_of_the_float_cache(arch, kv_format):
     torch.manual_seed(2)
     model = zoo.build(arch, preset="tiny").eval()  # the default init: no chaotic amplification of a rounding
     prompts = make_prompts([9, 30], model.config.vocab_size, seed=3)
     exact = Engine(model, max_batch=2, max_seq_len=64).generate(prompts, greedy(10))
-    rounded = Engine(model, max_batch=2, max_seq_len=64, kv_dtype="int8").generate(prompts, greedy(10))
+    rounded = Engine(model, max_batch=2, max_seq_len=64, kv_dtype=kv_format).generate(prompts, greedy(10))
     for a, b in zip(exact, rounded):
         assert a.token_ids == b.token_ids
         want = torch.stack(a.logits)
@@ -58,9 +77,9 @@ def test_int8_bytes_are_half_of_bf16_less_the_scales():
     """At the small preset in bf16: a token's int8 cache is its elements in bytes plus one 2-byte scale per row, so
     a budget holds (2 * head_dim) / (head_dim + 2) times as many sequences (64-wide heads: 1.94x)."""
     model = zoo.build("gqa", preset="small").to(torch.bfloat16)
-    bf16, int8 = (zoo.cache_bytes(model, 4096, kv_format=f) for f in ("auto", "int8"))
+    bf16, int8, fp8 = (zoo.cache_bytes(model, 4096, kv_format=f) for f in ("auto", "int8", "fp8"))
     head_dim = model.blocks[0].mixer.head_dim
-    assert int8 * 2 * head_dim == bf16 * (head_dim + 2)
+    assert int8 * 2 * head_dim == bf16 * (head_dim + 2) and fp8 == int8
     budget = 64 * 2**20
     for layout in ("contiguous", "paged"):
         engine = Engine(zoo.build("gqa", preset="tiny").to(torch.bfloat16), max_batch=256, max_seq_len=256,
@@ -77,6 +96,17 @@ def test_bad_kv_settings_are_errors_before_work():
         Engine(random_model("mamba"), kv_dtype="int8")
     with pytest.raises(ValueError, match="unknown kv_format"):
         zoo.cache_bytes(random_model("gqa"), 16, kv_format="fp4")
+
+
+def test_fp8_on_a_gpu_without_e4m3_is_an_error(monkeypatch):
+    """An A100 (sm_80) has no float8 e4m3 for the Triton kernels: the engine says so instead of running them."""
+    import harness.engine_checks
+    monkeypatch.setattr(harness.engine_checks, "fp8_kernels_missing", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"kv_dtype='fp8' on CUDA needs compute capability 8.9.*\(8, 0\).*int8"):
+        Engine(random_model("gqa"), kv_dtype="fp8")
+    monkeypatch.undo()
+    assert not harness.engine_checks.fp8_kernels_missing(torch.device("cpu"))
 
 
 def test_compare_puts_int8_caches_beside_float_ones(tmp_path):

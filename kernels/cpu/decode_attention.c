@@ -7,8 +7,8 @@
  * Each (sequence, KV head, split of the keys) task loads every key and value row once for the whole group of query
  * heads that share it (GQA without repeating K/V), keeps an online softmax in fp32, and a second pass merges the
  * splits by their log-sum-exp (flash-decoding). Rows are converted to fp32 one at a time, so 16-bit caches are
- * read as they are, and so are int8 caches (the engine's kv_dtype="int8"): an int8 row times its scale, which lives
- * in a tensor of its own, one per row, in the query's dtype. Built at first use by kernels/cpu_decode.py with the
+ * read as they are, and so are one-byte caches (the engine's kv_dtype "int8" and "fp8"): an int8 or float8 e4m3 row
+ * times its scale, which lives in a tensor of its own, one per row, in the query's dtype. Built at first use by kernels/cpu_decode.py with the
  * compiler flags written there.
  */
 #include <math.h>
@@ -43,11 +43,22 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));  /* 8 fp32 lanes,
 typedef struct {
     const void *k, *v;
     int64_t k_block, k_pos, k_head, v_block, v_pos, v_head;
-    const void *ks, *vs; /* int8 rows' scales (NULL: float rows in dtype) */
+    const void *ks, *vs; /* one-byte rows' scales (NULL: float rows in dtype) */
     int64_t ks_block, ks_pos, ks_head, vs_block, vs_pos, vs_head;
     int64_t block_size;
     int heads, kv_heads, kv_per_task, dk, dv, dtype;
+    const float *fp8; /* the 256 float8 e4m3 values by bit pattern, for fp8 rows; NULL: int8 rows */
 } Cache;
+
+/* The value of each float8 e4m3 bit pattern (torch.float8_e4m3fn: exponent bias 7, no infinities, S.1111.111 NaN). */
+static void fp8_e4m3_values(float *table) {
+    for (int bits = 0; bits < 256; bits++) {
+        int exponent = (bits >> 3) & 15, mantissa = bits & 7;
+        float magnitude = exponent ? ldexpf(1.0f + mantissa / 8.0f, exponent - 7) : ldexpf((float)mantissa, -9);
+        if (exponent == 15 && mantissa == 7) magnitude = NAN;
+        table[bits] = bits & 128 ? -magnitude : magnitude;
+    }
+}
 
 /* Element offsets of rows [first, first + n) of one KV head, walking the block table a block at a time (no
  * division per row: with 16-token blocks it was a fifth of a bf16 step). */
@@ -71,7 +82,7 @@ typedef struct {
 } Rows;
 
 /* Rows [first, first + n) of one KV head as fp32 pointers: in place for an fp32 cache, converted into buf
- * (n rows of `width`) otherwise; int8 rows (scales.base not NULL) times their scales. */
+ * (n rows of `width`) otherwise; one-byte rows (scales.base not NULL), int8 or fp8, times their scales. */
 static void tile_rows(const Cache *c, Rows rows_at, Rows scales, const int32_t *table_row, int kv, int64_t first, int n,
                       int width, float *buf, const float **rows) {
     int64_t offsets[TILE];
@@ -85,7 +96,10 @@ static void tile_rows(const Cache *c, Rows rows_at, Rows scales, const int32_t *
     for (int t = 0; t < n; t++) {
         const int8_t *src = (const int8_t *)rows_at.base + offsets[t];
         float scale = load1(scales.base, scale_offsets[t], c->dtype), *row = buf + (int64_t)t * width;
-        for (int i = 0; i < width; i++) row[i] = scale * (float)src[i];
+        if (c->fp8)
+            for (int i = 0; i < width; i++) row[i] = scale * c->fp8[(uint8_t)src[i]];
+        else
+            for (int i = 0; i < width; i++) row[i] = scale * (float)src[i];
         rows[t] = row;
     }
 }
@@ -202,13 +216,16 @@ int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int
                      const void *vs, int64_t vs_block, int64_t vs_pos, int64_t vs_head,
                      const int32_t *table, int64_t table_stride, int64_t block_size, const int32_t *seq_lens,
                      const int32_t *starts, int64_t sinks, int batch, int heads, int kv_heads, int kv_per_task, int dk, int dv,
-                     float scale, int splits, void *out, int64_t out_b, int64_t out_h, int dtype, int threads) {
+                     float scale, int splits, void *out, int64_t out_b, int64_t out_h, int dtype, int threads,
+                     int fp8_rows) {
     if (kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_HEADS || dk > MAX_DIM || dv > MAX_DIM ||
         splits < 1 || kv_per_task < 1 || kv_heads % kv_per_task)
         return -1;
     int group = heads / kv_heads, chunks = kv_heads / kv_per_task, task_heads = group * kv_per_task;
+    float fp8_table[256];
+    if (fp8_rows) fp8_e4m3_values(fp8_table);
     Cache c = {k, v, k_block, k_pos, k_head, v_block, v_pos, v_head, ks, vs, ks_block, ks_pos, ks_head, vs_block,
-               vs_pos, vs_head, block_size, heads, kv_heads, kv_per_task, dk, dv, dtype};
+               vs_pos, vs_head, block_size, heads, kv_heads, kv_per_task, dk, dv, dtype, fp8_rows ? fp8_table : NULL};
     /* task = (sequence, chunk of kv_per_task KV heads, split of the keys); partials [task][task_heads] */
     int64_t tasks = (int64_t)batch * chunks * splits, work_floats = (int64_t)TILE * (dk + dv);
     float *partial = malloc(sizeof(float) * (tasks * task_heads * (dv + 2) + (int64_t)batch * heads * dk));

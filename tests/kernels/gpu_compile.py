@@ -31,7 +31,7 @@ ssu = importlib.import_module("kernels.selective_state_update")  # the package e
 TARGETS = {"sm_80": 80, "sm_90": 90}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
-                 torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8"}
+                 torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv"}
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 
@@ -120,12 +120,12 @@ def paged_case(dtype, span=False, head_dim=128, heads=(32, 8)):
     return paged_attention, call
 
 
-def paged_int8_case(dtype):
-    """The int8 KV pool (kv_dtype="int8"): int8 rows, a scale per row in the model's dtype."""
+def paged_int8_case(dtype, element=torch.int8):
+    """A one-byte KV pool (kv_dtype "int8", or "fp8" with element float8_e4m3fn): a scale per row in the model's dtype."""
     def call():
         blocks, block_size = 64, 16
         q = torch.empty(4, 32, 128, dtype=dtype)
-        pool = torch.empty(blocks, 8, block_size, 128, dtype=torch.int8).transpose(1, 2)
+        pool = torch.empty(blocks, 8, block_size, 128, dtype=element).transpose(1, 2)
         scales = torch.empty(blocks, 8, block_size, 1, dtype=dtype).transpose(1, 2)
         paged_attention.paged_decode_attention_triton(q, pool, pool, torch.zeros(4, 16, dtype=torch.int32),
                                                       torch.full((4,), 200, dtype=torch.int32), 0.1,
@@ -147,11 +147,11 @@ def gemv_case(dtype, int4: bool):
     return quantized_matmul, call
 
 
-def mla_case(dtype, int8=False):
-    def call():  # DeepSeek-V2's latent: 512 + 64 rope columns, 128 heads; int8: a scale per row in the model's dtype
+def mla_case(dtype, element=None):
+    def call():  # DeepSeek-V2's latent: 512 + 64 rope columns, 128 heads; a one-byte element: a scale per row
         q = torch.empty(2, 128, 576, dtype=dtype)
-        pool = torch.empty(32, 16, 576, dtype=torch.int8 if int8 else dtype)
-        scales = torch.empty(32, 16, 1, dtype=dtype) if int8 else None
+        pool = torch.empty(32, 16, 576, dtype=element or dtype)
+        scales = None if element is None else torch.empty(32, 16, 1, dtype=dtype)
         mla_attention.mla_decode_attention_triton(q, pool, torch.zeros(2, 8, dtype=torch.int32),
                                                   torch.full((2,), 100, dtype=torch.int32), 0.1, 512,
                                                   latent_scales=scales)
@@ -217,10 +217,12 @@ CASES = {
     "paged-span": lambda dtype: paged_case(dtype, span=True),
     "paged-head64-mha": lambda dtype: paged_case(dtype, head_dim=64, heads=(12, 12)),
     "paged-int8-kv": paged_int8_case,
+    "paged-fp8-kv": lambda dtype: paged_int8_case(dtype, torch.float8_e4m3fn),
     "gemv-int8": lambda dtype: gemv_case(dtype, int4=False),
     "gemv-int4": lambda dtype: gemv_case(dtype, int4=True),
     "mla": mla_case,
-    "mla-int8": lambda dtype: mla_case(dtype, int8=True),
+    "mla-int8": lambda dtype: mla_case(dtype, torch.int8),
+    "mla-fp8": lambda dtype: mla_case(dtype, torch.float8_e4m3fn),
     "write": lambda dtype: write_case(dtype),
     "write-keys-only": lambda dtype: write_case(dtype, keys_only=True),
     "mamba-state": lambda dtype: state_update_case(dtype, mamba2=False),
@@ -229,6 +231,13 @@ CASES = {
     "linear-chunked": linear_chunked_case,
     "gated-delta-step": gated_delta_step_case,
 }
+# float8 e4m3 is native from sm_89 (Ada, Hopper) on; Triton refuses it below, and the engine refuses kv_dtype="fp8" there
+FP8_CASES = ("paged-fp8-kv", "mla-fp8")
+
+
+def targets(case: str) -> dict[str, int]:
+    """The GPU targets a case is built for."""
+    return {t: cc for t, cc in TARGETS.items() if cc >= 89} if case in FP8_CASES else TARGETS
 
 
 
@@ -243,7 +252,7 @@ def main() -> int:
             for dtype_name, dtype in DTYPES.items():
                 module, call = make(dtype)
                 launches = record(module, call)
-                for target, cc in TARGETS.items():
+                for target, cc in targets(case).items():
                     try:
                         compiled = compile_launches(launches, cc, Path(folder))
                     except Exception as error:  # reported as a line: one broken kernel does not hide the others

@@ -32,43 +32,48 @@ def test_dequantizing_gemv_equals_the_reference(force_triton, scheme, group, row
     torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("kv_format", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
-def test_int8_paged_decode_equals_the_reference(force_triton, paged_cache, heads, dtype):
+def test_one_byte_paged_decode_equals_the_reference(force_triton, paged_cache, heads, dtype, kv_format):
     cache = paged_cache([1, 19, 70, 33], 16, heads[1], 32, 32, torch.float32, "cpu", head_major=True)
-    k_values, k_scales = quantize_rows(cache.k_pool.nan_to_num())  # the pool's unused NaN slots are never read
-    v_values, v_scales = quantize_rows(cache.v_pool.nan_to_num())
+    # the pool's unused NaN slots are never read
+    k_values, k_scales = quantize_rows(cache.k_pool.nan_to_num(), kv_format)
+    v_values, v_scales = quantize_rows(cache.v_pool.nan_to_num(), kv_format)
     q = torch.randn(4, heads[0], 32, generator=torch.Generator().manual_seed(1)).to(dtype)
     args = (q, k_values, v_values, cache.block_table, cache.seq_lens, 32 ** -0.5)
     want = paged_decode_attention_ref(*args, k_scales=k_scales, v_scales=v_scales)
-    dequantized = paged_decode_attention_ref(q.float(), k_values * k_scales, v_values * v_scales, *args[3:])
+    dequantized = paged_decode_attention_ref(q.float(), k_values.float() * k_scales, v_values.float() * v_scales,
+                                             *args[3:])
     torch.testing.assert_close(want.float(), dequantized, **TOLERANCE[dtype])
     got = paged_decode_attention_triton(*args, k_scales=k_scales.to(dtype), v_scales=v_scales.to(dtype))
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("kv_format", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_int8_mla_decode_equals_the_reference(force_triton, paged_cache, dtype):
-    """An int8 latent pool (one scale per row): 48-wide rows of which the first 32 are the value. Rows no sequence
-    owns get a NaN scale, so a kernel that reads one shows it."""
+def test_one_byte_mla_decode_equals_the_reference(force_triton, paged_cache, dtype, kv_format):
+    """An int8 or fp8 latent pool (one scale per row): 48-wide rows of which the first 32 are the value. Rows no
+    sequence owns get a NaN scale, so a kernel that reads one shows it."""
     cache = paged_cache([1, 19, 70, 33], 16, 1, 48, 48, torch.float32, "cpu")
     rows = cache.k_pool[:, :, 0]  # [blocks, block_size, 48]
-    latent, latent_scales = quantize_rows(rows.nan_to_num())
+    latent, latent_scales = quantize_rows(rows.nan_to_num(), kv_format)
     latent_scales[rows.isnan().any(-1, keepdim=True)] = float("nan")
     q = torch.randn(4, 5, 48, generator=torch.Generator().manual_seed(4)).to(dtype)
     args = (q, latent, cache.block_table, cache.seq_lens, 0.2, 32)
     want = mla_decode_attention_ref(*args, latent_scales=latent_scales)
-    dequantized = mla_decode_attention_ref(q.float(), latent * latent_scales, *args[2:])
+    dequantized = mla_decode_attention_ref(q.float(), latent.float() * latent_scales, *args[2:])
     torch.testing.assert_close(want.float(), dequantized, **TOLERANCE[dtype])
     got = mla_decode_attention_triton(*args, latent_scales=latent_scales.to(dtype))
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("kv_format", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_kernel_reads_int8_caches_in_every_layout(paged_cache, dtype):
-    """The compiled CPU decode kernel on int8 rows and their scales: paged (GQA and an MLA latent) and contiguous,
+def test_cpu_kernel_reads_one_byte_caches_in_every_layout(paged_cache, dtype, kv_format):
+    """The compiled CPU decode kernel on int8 or fp8 rows and their scales: paged (GQA and an MLA latent) and contiguous,
     against the references on the same rows."""
     from kernels import cpu_decode, cpu_kernels_available
     from kernels.contiguous_attention import contiguous_decode_attention, contiguous_decode_attention_ref
@@ -77,8 +82,8 @@ def test_cpu_kernel_reads_int8_caches_in_every_layout(paged_cache, dtype):
         pytest.skip("no C compiler: the CPU kernels did not build")
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     cache = paged_cache([1, 19, 70, 33], 16, 2, 32, 32, torch.float32, "cpu", head_major=True)
-    k, ks = quantize_rows(cache.k_pool.nan_to_num())
-    v, vs = quantize_rows(cache.v_pool.nan_to_num())
+    k, ks = quantize_rows(cache.k_pool.nan_to_num(), kv_format)
+    v, vs = quantize_rows(cache.v_pool.nan_to_num(), kv_format)
     ks, vs = ks.to(dtype), vs.to(dtype)
     q = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(2)).to(dtype)
     args = (q, k, v, cache.block_table, cache.seq_lens, 32 ** -0.5)
@@ -89,7 +94,7 @@ def test_cpu_kernel_reads_int8_caches_in_every_layout(paged_cache, dtype):
     mla_args = (q, latent, cache.block_table, cache.seq_lens, 0.1, 16)
     torch.testing.assert_close(mla_decode_attention(*mla_args, latent_scales).float(),
                                mla_decode_attention_ref(*mla_args, latent_scales).float(), **tolerance)
-    rows, row_scales = quantize_rows(torch.randn(3, 2, 40, 32, generator=torch.Generator().manual_seed(3)))
+    rows, row_scales = quantize_rows(torch.randn(3, 2, 40, 32, generator=torch.Generator().manual_seed(3)), kv_format)
     row_scales = row_scales.to(dtype)
     slots, lengths = torch.tensor([2, 0]), torch.tensor([40, 7], dtype=torch.int32)
     want = contiguous_decode_attention_ref(q[:2], rows.to(dtype) * row_scales, rows.to(dtype) * row_scales, slots,
