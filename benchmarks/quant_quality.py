@@ -5,6 +5,10 @@
   windows, the KL divergence of its next-byte distributions from the unquantized model's there (bits per byte), and
   greedy agreement over 256 tokens from held-out prompts (the share of positions where the quantized
   model's token equals the unquantized one's, and the mean position of the first difference).
+- KV-cache quantization (int8, fp8 e4m3; the weights unquantized), for the language models with a per-token cache:
+  decode reads the cache, so each is run through the engine against the float cache: greedy agreement as above,
+  and the KL of the next-byte distributions at the positions before a prompt's first difference, where both runs
+  have seen the same text (bits per byte).
 - Associative recall (Zoology's MQAR, L 64 with 4 key-value pairs, d_model 64, 32,000 training examples as `zoo
   recall`): each architecture is trained here with its registry learning rate until solved (0.99) or --recall-steps,
   then scored quantized on the same 2,000 test examples (8,000 queries).
@@ -73,6 +77,36 @@ def lm_rows(arch: str, folder: Path, args) -> list[dict]:
     return rows
 
 
+def kv_rows(arch: str, folder: Path, args) -> list[dict]:
+    model = zoo.load(folder)
+    if not any(spec.elements_per_token for spec in model.cache_specs()):
+        return []  # recurrent state only: it stays in its declared dtype
+    state = read_train_state(folder)
+    corpus = load_corpus(Path(state["settings"]["corpus"]) if state["settings"]["corpus"] else None)
+    prompts = validation_windows(corpus, args.prompts, args.prompt_len).tolist()
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, return_logits=True)
+    runs = {kv: Engine(model, max_batch=len(prompts), max_seq_len=len(prompts[0]) + args.new_tokens,
+                       kv_dtype=kv).generate(prompts, params) for kv in ("auto", "int8", "fp8")}
+    rows = []
+    for kv in ("int8", "fp8"):
+        same = shared = 0
+        firsts, kl = [], 0.0
+        for exact, rounded in zip(runs["auto"], runs[kv]):
+            pairs = list(zip(exact.token_ids, rounded.token_ids))
+            same += sum(a == b for a, b in pairs)
+            first = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+            firsts.append(first)
+            # position `first` itself was sampled from the same context too
+            last = min(first + 1, len(pairs))
+            want, got = (torch.stack(r.logits[:last]).float().log_softmax(-1) for r in (exact, rounded))
+            kl += float((want.exp() * (want - got)).sum()) / torch.log(torch.tensor(2.0)).item()
+            shared += last
+        rows.append({"task": "kv", "arch": arch, "variant": kv, "agreement": same / (len(prompts) * args.new_tokens),
+                     "first_difference": sum(firsts) / len(firsts), "kl_bits": kl / shared,
+                     "cache_bytes_per_token": zoo.cache_bytes(model, 1, kv_format=kv)})
+    return rows
+
+
 def recall_rows(arch: str, args) -> list[dict]:
     setting = MQARSetting(seq_len=64, num_kv_pairs=4)
     # zoo recall's training size; a test set four times its 500, so a 0.1% difference is a few queries, not one
@@ -110,6 +144,10 @@ def main() -> None:
         if not store.done({"task": "lm", "arch": arch, "variant": "none"}):
             for row in lm_rows(arch, Path(args.lm_dir) / arch, args):
                 store.append(row)
+    for arch in args.archs.split(","):
+        if not store.done({"task": "kv", "arch": arch, "variant": "int8"}):
+            for row in kv_rows(arch, Path(args.lm_dir) / arch, args):
+                store.append(row)
     for arch in args.recall_archs.split(","):
         if not store.done({"task": "mqar", "arch": arch, "variant": "none"}):
             for row in recall_rows(arch, args):
@@ -126,6 +164,12 @@ def main() -> None:
         mqar = "" if r is None else f"{r['accuracy']:.3f}" + (f" ({r['accuracy_delta']:+.3f})" if "accuracy_delta" in r else "")
         kl = f"{row['kl_bits']:.4f}" if "kl_bits" in row else ""
         print(f"| {row['arch']} | {row['variant']} | {lm} | {kl} | {agree} | {mqar} |")
+    print("\n| arch | KV cache | bytes / token | KL before the first difference (bits/byte) | greedy agreement / first "
+          "difference (of 256) |")
+    print("|---|---|---:|---|---|")
+    for row in (r for r in store.rows if r["task"] == "kv"):
+        print(f"| {row['arch']} | {row['variant']} | {row['cache_bytes_per_token']} | {row['kl_bits']:.5f} | "
+              f"{row['agreement']:.0%} / {row['first_difference']:.0f} |")
 
 
 if __name__ == "__main__":
