@@ -117,6 +117,19 @@ def test_bad_quantization_settings_are_errors_before_work():
         zoo.quantize(model, zoo.QuantizeConfig("int8", method="awq"), calibration=torch.tensor([[1, 9999]]))
     with pytest.raises(ValueError, match="QuantizeConfig"):
         zoo.quantize(model, "int8")
+    with pytest.raises(ValueError, match="not both"):
+        zoo.quantize(model, zoo.QuantizeConfig("int8"), weights="int4")
+    with pytest.raises(ValueError, match="unknown weights"):
+        zoo.quantize(model, weights="int2")
+
+
+def test_keyword_settings_equal_a_config():
+    model = random_model("gqa", seed=8)
+    by_keywords = zoo.quantize(model, weights="int4", group_size=32)
+    by_config = zoo.quantize(model, zoo.QuantizeConfig("int4", group_size=32))
+    assert by_keywords.quantization == by_config.quantization
+    for a, b in zip(by_keywords.state_dict().values(), by_config.state_dict().values()):
+        assert torch.equal(a, b)
 
 
 def test_engine_quantize_runs_a_quantized_copy():

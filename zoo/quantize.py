@@ -133,9 +133,15 @@ def quantize_layers(model: nn.Module, config: QuantizeConfig) -> dict[str, nn.Li
 
 
 @torch.no_grad()
-def quantize(model: nn.Module, config: QuantizeConfig, calibration: torch.Tensor | None = None) -> nn.Module:
-    """A copy of `model` with its linear layers quantized (the original is untouched). calibration [B, T]: token
-    ids whose activations the "awq" method searches its scales on (e.g. windows of the training corpus)."""
+def quantize(model: nn.Module, config: QuantizeConfig | None = None, calibration: torch.Tensor | None = None,
+             **settings) -> nn.Module:
+    """A copy of `model` with its linear layers quantized (the original is untouched): by a QuantizeConfig, or by its
+    fields as keywords (`zoo.quantize(model, weights="int4", group_size=64)`). calibration [B, T]: token ids whose
+    activations the "awq" method searches its scales on (e.g. windows of the training corpus)."""
+    if config is None:
+        config = QuantizeConfig(**settings)
+    elif settings:
+        raise ValueError(f"give a QuantizeConfig or its fields as keywords, not both (got {', '.join(settings)} too)")
     if not isinstance(config, QuantizeConfig):
         raise ValueError(f"config must be a zoo.QuantizeConfig, got {type(config).__name__}")
     if config.method == "awq" and calibration is None:
