@@ -1,6 +1,7 @@
 """CPU kernels: decode attention that reads every cache layout in place (kernels/cpu/decode_attention.c),
 Mamba's one-token state update (kernels/cpu/selective_state_update.c) and its prompt scan
-(kernels/cpu/selective_scan.c), compiled at first use with the machine's C compiler (like inductor and Triton, so -march=native fits the CPU it
+(kernels/cpu/selective_scan.c), and the weight-only int8 / int4 GEMV for fp32 and fp16 activations
+(kernels/cpu/quantized_gemv.c), compiled at first use with the machine's C compiler (like inductor and Triton, so -march=native fits the CPU it
 runs on) and registered as a torch custom op, so `torch.compile` calls it without a graph break.
 
 Layouts (k and v 4-D, last dim contiguous):
@@ -79,6 +80,8 @@ def _library() -> ctypes.CDLL | None:
     lib.selective_state_update.argtypes = ([ptr, i64, i64, i64, i64, i32] + [ptr, i64, i64, i64] * 2 + [ptr, i64, i64]
                                            + [ptr, i64, i64, i64] * 3 + [ptr, i64, i64] + [ptr, i64, i64, i64]
                                            + [ptr, i32, i32, i32, i32, i32, i32, i32])
+    lib.quantized_gemv.restype = ctypes.c_int
+    lib.quantized_gemv.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, i64, ptr, ptr, i32, ptr, i64, i32]
     lib.selective_scan.restype = ctypes.c_int
     lib.selective_scan.argtypes = [ptr] * 7 + [i32] * 5
     lib.selective_scan_backward.restype = ctypes.c_int
@@ -273,3 +276,38 @@ def selective_state_update_cpu(state, x, dt, A, B, C, D=None, z=None, dt_bias=No
     f32 = [None if t is None else t.float() for t in (x, dt, A, B, C, D, z, dt_bias)]
     x32, dt32, A32, B32, C32, D32, z32, bias32 = f32
     return _state_update(state, x32, dt32, A32, B32, C32, D32, z32, bias32, dt_softplus).to(x.dtype)
+
+
+def quantized_gemv_fits(x: torch.Tensor, group_size: int) -> bool:
+    """Whether quantized_gemv takes x: fp32 / bf16 / fp16 with a width of whole 16-column tiles (int4: whole groups,
+    which are multiples of 32)."""
+    return x.dtype in DTYPE_CODES and x.shape[-1] % 16 == 0 and (not group_size or group_size % 32 == 0)
+
+
+@torch.library.custom_op("archzoo::quantized_gemv", mutates_args=())
+def quantized_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                   group_size: int) -> torch.Tensor:
+    """x [..., K] times an int8 [N, K] weight (group_size 0, zeros None) or an int4 [N, K / 2] one with scales and
+    zeros [N, K / group_size] (kernels/quantized_matmul.py's formats), on kernels/cpu/quantized_gemv.c."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    weight, scales = weight.contiguous(), scales.contiguous()
+    zeros = None if zeros is None else zeros.to(scales.dtype).contiguous()
+    n = weight.shape[0]
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype)
+    status = _library().quantized_gemv(
+        rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), DTYPE_CODES[x.dtype], weight.data_ptr(), n,
+        group_size, scales.data_ptr(), None if zeros is None else zeros.data_ptr(), DTYPE_CODES[scales.dtype],
+        out.data_ptr(), out.stride(0), torch.get_num_threads())
+    if status:
+        raise (MemoryError("quantized_gemv: out of memory for the fp32 copy of x") if status == -2 else
+               ValueError(f"quantized_gemv: width {rows.shape[1]} (a multiple of 16) and group {group_size} (0 or a "
+                          "multiple of 32 dividing it) are beyond the CPU kernel"))
+    return out.reshape(*x.shape[:-1], n)
+
+
+@quantized_gemv.register_fake
+def _(x, weight, scales, zeros, group_size):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+

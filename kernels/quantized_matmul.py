@@ -8,7 +8,9 @@ scale, so a group's minimum is q = 0 and its maximum q = 15.
 
 Storage: q8 [N, K] int8; q4 two columns a byte, [N, K / 2] uint8 (column 2j in the low nibble, 2j + 1 in the high).
 On the CPU the fast paths are torch's packed weight-only kernels (`_weight_int8pack_mm`, and `_weight_int4pack_mm_for
-_cpu` on a layout `int4_cpu_layout` prepares once). On CUDA, decode-sized inputs (up to GEMV_MAX_ROWS rows) run a Triton
+_cpu` on a layout `int4_cpu_layout` prepares once) for bf16 activations, the only dtype they are fast for; fp32 and
+fp16 activations run archzoo's C GEMV (kernels/cpu/quantized_gemv.c) at decode sizes (up to GEMV_MAX_ROWS rows) and
+dequantize-then-multiply above them, where the multiply is compute-bound. On CUDA, decode-sized inputs (up to GEMV_MAX_ROWS rows) run a Triton
 kernel that dequantizes each weight tile in registers as it streams it (a weight is read once, in its stored bits);
 larger inputs, where the multiply is compute-bound, dequantize the weight and run the dense matmul.
 """
@@ -19,7 +21,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .dispatch import jit_kernels, use_triton
+from . import cpu_decode
+from .dispatch import jit_kernels, use_cpu_kernel, use_triton
 from .tiles import cdiv, padded
 
 tl = None  # triton.language, bound by dispatch.jit_kernels on the first Triton call
@@ -61,8 +64,15 @@ def int4_cpu_layout(q4: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor)
     return packed, torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
 
 
-def cpu_fast_path(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+def cpu_packed_path(x: torch.Tensor) -> bool:
+    """torch's packed kernels: bf16 activations on the CPU."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16
+
+
+def cpu_gemv_path(x: torch.Tensor, group_size: int) -> bool:
+    """archzoo's C GEMV: other float activations on the CPU, decode-sized."""
+    return (x.dtype != torch.bfloat16 and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS and use_cpu_kernel(x)
+            and cpu_decode.quantized_gemv_fits(x, group_size))
 
 
 def _gemv_kernel(
@@ -134,7 +144,9 @@ def quantized_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scales: torch.T
 def int8_matmul(x: torch.Tensor, q8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if use_triton(x, q8, scales) and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS:
         return quantized_gemv_triton(x, q8, scales, None)
-    if not cpu_fast_path(x):
+    if cpu_gemv_path(x, 0):
+        return cpu_decode.quantized_gemv(x, q8, scales, None, 0)
+    if not cpu_packed_path(x):
         return int8_matmul_ref(x, q8, scales)
     y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), q8, scales.to(x.dtype))
     return y.reshape(*x.shape[:-1], q8.shape[0])
@@ -145,7 +157,9 @@ def int4_matmul(x: torch.Tensor, q4: torch.Tensor, scales: torch.Tensor, zeros: 
     """cpu_layout: int4_cpu_layout(q4, scales, zeros), prepared once (the CPU fast path needs it)."""
     if use_triton(x, q4, scales, zeros) and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS:
         return quantized_gemv_triton(x, q4, scales, zeros, group_size)
-    if cpu_layout is None or not cpu_fast_path(x):
+    if cpu_gemv_path(x, group_size):
+        return cpu_decode.quantized_gemv(x, q4, scales, zeros, group_size)
+    if cpu_layout is None or not cpu_packed_path(x):
         return int4_matmul_ref(x, q4, scales, zeros, group_size)
     packed, scales_zeros = cpu_layout
     y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).contiguous(), packed, group_size,

@@ -34,6 +34,22 @@ def test_compiled_decode_equals_eager_for_latent_rolling_shared_and_state_caches
         assert_same_output(got, want, context=f"compiled {arch}")
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_compiled_quantized_decode_equals_eager(scheme):
+    """A weight-quantized fp32 model's compiled step (the C GEMV as a custom op, no graph break) gives the eager
+    step's tokens; with an int8 KV cache too."""
+    import zoo
+    model = zoo.quantize(random_model("gqa"), weights=scheme, group_size=32)
+    prompts = make_prompts([5, 19], model.config.vocab_size)
+    params = greedy(8)
+    for kv_dtype in ("auto", "int8"):
+        eager = Engine(model, max_batch=2, max_seq_len=40, kv_dtype=kv_dtype).generate(prompts, params)
+        compiled = Engine(model, max_batch=2, max_seq_len=40, kv_dtype=kv_dtype, compile=True).generate(prompts, params)
+        for got, want in zip(compiled, eager):
+            assert_not_constant(want.token_ids)
+            assert_same_output(got, want, context=f"compiled {scheme} kv {kv_dtype}")
+
+
 @pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
 def test_compiled_decode_compiles_once_across_context_lengths(kv_cache):
     """Shapes of a compiled step do not depend on the lengths: one compilation serves every context at a batch size."""

@@ -37,6 +37,46 @@ def test_packed_cpu_kernels_equal_the_references(dtype, atol, rows):
     assert (got.float() - want).abs().max() < atol * want.abs().max().clamp_min(1)
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("group", [0, 32, 64, 128])
+def test_c_gemv_equals_the_reference(dtype, atol, rows, group):
+    """kernels/cpu/quantized_gemv.c against dequantize-then-multiply: int8 (group 0) and int4 in every group size,
+    103 output channels (a partial last tile of 4), up to the 16 rows it serves."""
+    from kernels import cpu_decode, cpu_kernels_available
+    if not cpu_kernels_available():
+        pytest.skip("no C compiler: the CPU kernels did not build")
+    generator = torch.Generator().manual_seed(rows + group)
+    weight = torch.randn(103, 256, generator=generator)
+    x = torch.randn(rows, 256, generator=generator).to(dtype)
+    if group:
+        q, scales, zeros = quantize_int4(weight, group)
+        want = int4_matmul_ref(x.float(), q, scales, zeros, group)
+        got = cpu_decode.quantized_gemv(x, q, scales.to(dtype), zeros.to(dtype), group)
+    else:
+        q, scales = quantize_int8(weight)
+        want = int8_matmul_ref(x.float(), q, scales)
+        got = cpu_decode.quantized_gemv(x, q, scales.to(dtype), None, 0)
+    assert got.dtype == dtype and got.shape == (rows, 103)
+    assert (got.float() - want).abs().max() < atol * want.abs().max()
+
+
+def test_fp32_decode_runs_the_c_gemv(monkeypatch):
+    """fp32 and fp16 activations at decode sizes go to the C GEMV (torch's packed kernels are fast for bf16 only),
+    larger inputs to dequantize-then-multiply."""
+    from kernels import cpu_decode, cpu_kernels_available, quantized_matmul
+    if not cpu_kernels_available():
+        pytest.skip("no C compiler: the CPU kernels did not build")
+    calls = []
+    real = cpu_decode.quantized_gemv
+    monkeypatch.setattr(cpu_decode, "quantized_gemv", lambda *args: calls.append(args[0].shape) or real(*args))
+    q8, scales8 = quantize_int8(torch.randn(64, 128))
+    quantized_matmul.int8_matmul(torch.randn(2, 1, 128), q8, scales8)
+    quantized_matmul.int8_matmul(torch.randn(40, 128), q8, scales8)  # prefill-sized: the dense multiply
+    quantized_matmul.int8_matmul(torch.randn(1, 128).bfloat16(), q8, scales8.bfloat16())  # torch's packed kernel
+    assert calls == [(2, 1, 128)]
+
+
 def test_rounding_is_within_half_a_step():
     weight = torch.randn(32, 128, generator=torch.Generator().manual_seed(1)) * 3
     q8, scales8 = quantize_int8(weight)
