@@ -12,6 +12,7 @@ floor the quantized kernels can reach on this machine).
 
     python benchmarks/quant_decode.py
     python benchmarks/quant_decode.py --schemes int8,int4 --group-size 64 --repeats 5 --no-compile
+    python benchmarks/quant_decode.py --dtype fp32       # fp32 activations: archzoo's C GEMV, not torch's packed ops
 """
 import argparse
 import statistics
@@ -51,13 +52,15 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the model's (and transformers') dtype")
     args = p.parse_args()
     torch.manual_seed(0)
-    model = zoo.build("gqa", preset="base").to(torch.bfloat16).eval()
-    hf = hf_twin(model).to(torch.bfloat16)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    model = zoo.build("gqa", preset="base").to(dtype).eval()
+    hf = hf_twin(model).to(dtype)
     peak = harness.measure_copy_bandwidth("cpu")
     prompts = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
-    models = {"bf16": model}
+    models = {args.dtype: model}
     for scheme in args.schemes.split(","):
         for head in args.heads.split(","):
             name = scheme if head == "kept" else f"{scheme} + head"
@@ -68,24 +71,26 @@ def main() -> None:
     time_hf(hf, prompts, 4)
     for engine in engines.values():
         time_zoo(engine, prompts, 4)  # warm-up and compile outside the timed runs
-    rates = {name: [] for name in ["transformers bf16", *engines]}
+    hf_name = f"transformers {args.dtype}"
+    rates = {name: [] for name in [hf_name, *engines]}
     for _ in range(args.repeats):
-        decode_rate(lambda q, n: time_hf(hf, q, n), prompts, args.new_tokens, rates["transformers bf16"])
+        decode_rate(lambda q, n: time_hf(hf, q, n), prompts, args.new_tokens, rates[hf_name])
         for name, engine in engines.items():
             decode_rate(lambda q, n, e=engine: time_zoo(e, q, n), prompts, args.new_tokens, rates[name])
     print(f"machine: {torch.get_num_threads()} threads, copy bandwidth {peak / 1e9:.1f} GB/s; gqa/base, prompt "
           f"{args.prompt_len}, {args.new_tokens} new tokens, batch 1, greedy, compile={not args.no_compile}, int4 group "
           f"{args.group_size}\n")
-    print("| weights | tok/s | vs engine bf16 | vs transformers bf16 | weight MB read / step | MBU | bare matmuls (ms) |")
+    print(f"| weights | tok/s | vs engine {args.dtype} | vs transformers {args.dtype} | weight MB read / step | MBU | "
+          "bare matmuls (ms) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     median = {name: statistics.median(r) for name, r in rates.items()}
     kv = zoo.cache_bytes(model, seq_len=args.prompt_len + args.new_tokens // 2)
-    hf_rate = median.pop("transformers bf16")
-    print(f"| transformers bf16 | {hf_rate:.1f} | {hf_rate / median['bf16']:.2f}x | 1.00x | | | |")
+    hf_rate = median.pop(hf_name)
+    print(f"| {hf_name} | {hf_rate:.1f} | {hf_rate / median[args.dtype]:.2f}x | 1.00x | | | |")
     for name, rate in median.items():
         weights = zoo.decode_weight_bytes(models[name])
         mbu = harness.metrics.mbu(weights, kv, 1 / rate, peak)
-        print(f"| engine {name} | {rate:.1f} | {rate / median['bf16']:.2f}x | {rate / hf_rate:.2f}x | "
+        print(f"| engine {name} | {rate:.1f} | {rate / median[args.dtype]:.2f}x | {rate / hf_rate:.2f}x | "
               f"{weights / 1e6:.1f} | {mbu:.0%} | {1000 * bare_matmuls_s(models[name]):.2f} |", flush=True)
 
 
