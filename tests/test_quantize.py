@@ -122,8 +122,9 @@ def test_weight_bytes_count_the_quantized_payload_and_scales(config):
 @pytest.mark.parametrize("weights,group", [("int8", 128), ("int4", 32)])
 def test_activation_aware_scales_do_no_worse_than_rounding(weights, group):
     """On its calibration tokens the AWQ model's next-token distributions diverge from the unquantized model's no more
-    than round to nearest's (alpha 0 is among the candidates it picks from); with an outlier input channel, the case
-    AWQ is for, it keeps scales and diverges less."""
+    than round to nearest's, and its top tokens agree with the unquantized model's no less often (alpha 0 is among
+    the candidates it picks from); with an outlier input channel, the case AWQ is for, it keeps scales and diverges
+    less."""
     model = random_model("gqa", seed=3)
     with torch.no_grad():  # an outlier input channel
         model.blocks[0].mixer_norm.weight[5] = 8.0
@@ -138,7 +139,11 @@ def test_activation_aware_scales_do_no_worse_than_rounding(weights, group):
         def divergence(m):
             return torch.nn.functional.kl_div(m(tokens).log_softmax(-1), want, log_target=True, reduction="batchmean")
 
+        def agreement(m):
+            return (m(tokens).argmax(-1) == want.argmax(-1)).float().mean()
+
         assert divergence(awq) < divergence(rtn)
+        assert agreement(awq) >= agreement(rtn)
 
 
 def test_bad_quantization_settings_are_errors_before_work():

@@ -161,9 +161,10 @@ def awq_scales(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeC
                calibration: torch.Tensor) -> dict[str, torch.Tensor]:
     """Each layer's input-channel scale s = a^alpha / sqrt(max(a^alpha) min(a^alpha)), a = mean |x| per channel on the
     calibration tokens. Candidates: each layer's alpha from AWQ_ALPHAS with the smallest error of its own quantized
-    output (AWQ's search), and one alpha for every layer, each of AWQ_ALPHAS. The candidate whose model's outputs on
-    the calibration tokens diverge least from the unquantized model's wins; alpha 0 is plain rounding, so the
-    divergence is never above round to nearest's."""
+    output (AWQ's search), and one alpha for every layer, each of AWQ_ALPHAS. Of the candidates that on the
+    calibration tokens both diverge no more from the unquantized model than plain rounding (alpha 0 everywhere)
+    and agree with its top token no less often, the one that diverges least wins; plain rounding itself always
+    qualifies, so AWQ is never worse than round to nearest by either measure there."""
     magnitudes, inputs = calibration_inputs(model, layers, calibration)
     per_layer = {}
     for name, layer in layers.items():
@@ -176,8 +177,10 @@ def awq_scales(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeC
     candidates = [per_layer] + [dict.fromkeys(layers, alpha) for alpha in AWQ_ALPHAS]
     with torch.no_grad():
         reference = model(calibration.to(next(model.parameters()).device)).float().log_softmax(-1)
-    best = min(candidates, key=lambda alphas: calibration_divergence(model, layers, config, calibration, reference,
-                                                                      magnitudes, alphas))
+    fits = [calibration_fit(model, layers, config, calibration, reference, magnitudes, alphas) for alphas in candidates]
+    plain_kl, plain_agreement = fits[1]  # candidates[1]: alpha 0 in every layer
+    qualified = [i for i, (kl, agreement) in enumerate(fits) if kl <= plain_kl and agreement >= plain_agreement]
+    best = candidates[min(qualified, key=lambda i: fits[i][0])]
     return {name: input_scale(magnitudes[name], alpha) for name, alpha in best.items() if alpha}
 
 
@@ -203,19 +206,20 @@ def input_scale(magnitude: torch.Tensor, alpha: float) -> torch.Tensor | None:
     return s / (s.max() * s.min()).sqrt()
 
 
-def calibration_divergence(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeConfig,
-                           calibration: torch.Tensor, reference: torch.Tensor, magnitudes: dict[str, torch.Tensor],
-                           alphas: dict[str, float]) -> float:
-    """KL(unquantized || quantized) of the next-token distributions on the calibration tokens (reference: the
-    unquantized model's log-probabilities there), for `model` (quantize's own copy) with its layers quantized at these
-    per-layer alphas; the layers are put back afterwards. What quantization should keep small is the change in
-    what the model says, not its loss on a sample."""
+def calibration_fit(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeConfig,
+                    calibration: torch.Tensor, reference: torch.Tensor, magnitudes: dict[str, torch.Tensor],
+                    alphas: dict[str, float]) -> tuple[float, float]:
+    """(KL(unquantized || quantized) of the next-token distributions, share of positions where both pick the same top
+    token) on the calibration tokens (reference: the unquantized model's log-probabilities there), for `model`
+    (quantize's own copy) with its layers quantized at these per-layer alphas; the layers are put back afterwards.
+    What quantization should keep small is the change in what the model says, not its loss on a sample."""
     trials = {name: QuantizedLinear(layer, config.weights, config.group_size, input_scale(magnitudes[name], alphas[name]))
               for name, layer in layers.items()}
     replace_layers(model, trials)
     try:
         logits = model(calibration.to(reference.device)).float().log_softmax(-1)
-        return float(nn.functional.kl_div(logits, reference, log_target=True, reduction="batchmean"))
+        kl = float(nn.functional.kl_div(logits, reference, log_target=True, reduction="batchmean"))
+        return kl, float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
     finally:
         replace_layers(model, layers)
 
