@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--recall-archs", default="gqa,mla,mamba,hybrid")
     parser.add_argument("--recall-steps", type=int, default=1500)
     parser.add_argument("--recall-test-examples", type=int, default=2000)
-    parser.add_argument("--prompts", type=int, default=32, help="held-out prompts for greedy agreement")
+    parser.add_argument("--prompts", type=int, default=128, help="held-out prompts for greedy agreement")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--calibration-windows", type=int, default=64, help="AWQ's training-split windows of 256 bytes")
