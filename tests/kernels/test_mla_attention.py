@@ -150,7 +150,7 @@ def test_dispatcher_routes_by_use_triton(monkeypatch, paged_cache, forced):
         pytest.skip("triton not installed")
     monkeypatch.setenv(FORCE_TRITON_ENV, "1" if forced else "0")
     called = []
-    monkeypatch.setattr(mla_attention, "mla_decode_attention_triton", lambda *a: called.append("triton"))
+    monkeypatch.setattr(mla_attention, "mla_decode_attention_triton", lambda *a, **kw: called.append("triton"))
     monkeypatch.setattr(mla_attention, "mla_decode_attention_ref", lambda *a: called.append("ref"))
     monkeypatch.setattr(mla_attention.cpu_decode, "mla_decode_attention_cpu", lambda *a, **kw: called.append("cpu"))
     latent_pool, block_table, seq_lens = latent_cache(paged_cache, [5], 16, 48, torch.float32, "cpu")
