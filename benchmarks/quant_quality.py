@@ -11,13 +11,15 @@
   have seen the same text (bits per byte).
 - Associative recall (Zoology's MQAR, L 64 with 4 key-value pairs, d_model 64, 32,000 training examples as `zoo
   recall`): each architecture is trained here with its registry learning rate until solved (0.99) or --recall-steps,
-  then scored quantized on the same 2,000 test examples (8,000 queries).
+  then scored quantized on the same 2,000 test examples (8,000 queries). AWQ against RTN is also a paired count:
+  the queries only one of them answers, with McNemar's exact two-sided p (could the split be chance?).
 
 Rows go to OUT/results.jsonl atomically as they finish; a re-run skips them.
 
     python benchmarks/quant_quality.py --lm-dir runs/lm/tiny --archs gqa,mla,mamba,hybrid-1in6
 """
 import argparse
+import math
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ import torch
 import zoo
 from harness import Engine, SamplingParams
 from harness.recall.data import MQARSetting, make_splits
-from harness.recall.train import TrainConfig, evaluate, train_recall
+from harness.recall.train import TrainConfig, evaluate, labelled_logits, train_recall
 from harness.results import ResultStore
 from harness.train.corpus import load_corpus, training_batch, validation_windows
 from harness.train.objective import validation_bpb
@@ -107,6 +109,22 @@ def kv_rows(arch: str, folder: Path, args) -> list[dict]:
     return rows
 
 
+@torch.no_grad()
+def query_hits(model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Whether the model's argmax answers each query of the test set, in order: bool [queries]."""
+    hits = []
+    for start in range(0, len(inputs), 256):
+        logits, targets, _ = labelled_logits(model.eval(), inputs[start:start + 256], labels[start:start + 256])
+        hits.append(logits.argmax(-1) == targets)
+    return torch.cat(hits)
+
+
+def mcnemar_p(only_a: int, only_b: int) -> float:
+    """Exact two-sided McNemar p: under 'no difference' each discordant query is a fair coin."""
+    n, k = only_a + only_b, min(only_a, only_b)
+    return 1.0 if n == 0 else min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
+
+
 def recall_rows(arch: str, args) -> list[dict]:
     setting = MQARSetting(seq_len=64, num_kv_pairs=4)
     # zoo recall's training size; a test set four times its 500, so a 0.1% difference is a few queries, not one
@@ -117,10 +135,15 @@ def recall_rows(arch: str, args) -> list[dict]:
     model = trained["model"]
     base = evaluate(model, *test)["accuracy"]
     rows = [{"task": "mqar", "arch": arch, "variant": "none", "accuracy": base, "steps": trained["steps"]}]
+    hits = {}
     for name, config in VARIANTS.items():
         quantized = zoo.quantize(model, config, x[:args.calibration_examples] if config.method == "awq" else None)
         accuracy = evaluate(quantized, *test)["accuracy"]
+        hits[name] = query_hits(quantized, *test)
         rows.append({"task": "mqar", "arch": arch, "variant": name, "accuracy": accuracy, "accuracy_delta": accuracy - base})
+    awq_only = int((hits["int4 awq"] & ~hits["int4 rtn"]).sum())
+    rtn_only = int((hits["int4 rtn"] & ~hits["int4 awq"]).sum())
+    rows[-1].update(awq_only=awq_only, rtn_only=rtn_only, mcnemar_p=mcnemar_p(awq_only, rtn_only))
     return rows
 
 
@@ -170,6 +193,10 @@ def main() -> None:
     for row in (r for r in store.rows if r["task"] == "kv"):
         print(f"| {row['arch']} | {row['variant']} | {row['cache_bytes_per_token']} | {row['kl_bits']:.5f} | "
               f"{row['agreement']:.0%} / {row['first_difference']:.0f} |")
+    print("\n| MQAR arch | queries only AWQ answers | only RTN answers | McNemar p |")
+    print("|---|---:|---:|---:|")
+    for row in (r for r in store.rows if r["task"] == "mqar" and "mcnemar_p" in r):
+        print(f"| {row['arch']} | {row['awq_only']} | {row['rtn_only']} | {row['mcnemar_p']:.2f} |")
 
 
 if __name__ == "__main__":
