@@ -146,6 +146,28 @@ def test_activation_aware_scales_do_no_worse_than_rounding(weights, group):
         assert agreement(awq) >= agreement(rtn)
 
 
+def test_clip_search_lowers_each_groups_output_error():
+    """AWQ's clip search (int4): every bound lies within its group's max |w|, a group whose range a lone large weight
+    on a quiet input channel stretches is clipped, and no group's share of the output is further from the float one
+    than without clipping (the full range is one of the candidates)."""
+    from zoo.quantize import awq_clips, clip_groups
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(24, 128, generator=generator)
+    weight[3, 5] = 12.0  # stretches its group's range, so the other 31 weights round coarsely
+    x = torch.randn(512, 128, generator=generator)
+    x[:, 5] *= 0.01  # and its input is quiet: clipping it costs less than the coarse rounding
+    bounds = awq_clips({"layer": plain_linear(weight)}, {"layer": x}, {}, 32)["layer"]
+    top = weight.unflatten(-1, (-1, 32)).abs().amax(dim=-1)
+    assert bounds.shape == (24, 4) and (bounds <= top + 1e-6).all() and bounds[3, 0] < top[3, 0]
+
+    def group_errors(w):
+        dq = int4_dequantize(*quantize_int4(w, 32), 32, torch.float32)
+        return torch.einsum("tgk,ngk->tng", x.unflatten(-1, (-1, 32)),
+                            (dq - weight).unflatten(-1, (-1, 32))).pow(2).mean(dim=0)
+
+    assert (group_errors(clip_groups(weight, bounds, 32)) <= group_errors(weight) * (1 + 1e-5)).all()
+
+
 def test_bad_quantization_settings_are_errors_before_work():
     with pytest.raises(ValueError, match="unknown weights"):
         zoo.QuantizeConfig("int3")

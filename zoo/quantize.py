@@ -8,7 +8,9 @@ Two ways to round:
   each layer's weight columns are scaled up by s = mean|x|^alpha before rounding and the input divided by s at run
   time (y = Q(W diag(s)) (x / s)). alpha in [0, 1] is searched on calibration tokens: per layer for the smallest
   output error (AWQ's search), and as one alpha for all layers; the candidate whose outputs diverge least (KL) from
-  the unquantized model's wins, and alpha 0 (plain rounding) is a candidate. AWQ folds 1/s into the op before; here it
+  the unquantized model's wins, and alpha 0 (plain rounding) is a candidate. For int4, AWQ's clip search follows:
+  each group's weights are clipped to the bound (a share of its max |w|) whose quantized group gives that group's
+  share of the output the smallest error, kept only where the model then diverges less. AWQ folds 1/s into the op before; here it
   stays in the layer (one multiply per input value), which works for every mixer alike.
 
 Which layers: every nn.Linear of the blocks (mixers and MLPs) at least one group wide, and the vocabulary head if
@@ -27,6 +29,9 @@ WEIGHT_SCHEMES = ("int8", "int4")
 METHODS = ("rtn", "awq")
 GROUP_SIZES = (32, 64, 128)
 AWQ_ALPHAS = tuple(i / 10 for i in range(11))  # the grid AWQ searches (its paper uses 20 points on [0, 1])
+AWQ_CLIP_RATIOS = tuple(1 - i / 20 for i in range(11))  # clip bounds AWQ tries, as a share of a group's max |w|
+CLIP_TOKENS = 4096  # calibration rows the clip search measures output errors on
+CLIP_CHANNELS = 256  # output channels the clip search holds at once (its [tokens, channels, groups] errors)
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,12 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
 
 
+def clip_groups(weight: torch.Tensor, bounds: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N, K] weights clipped to [-bound, bound] per group of input columns; bounds [N, K / group_size]."""
+    groups, bound = weight.unflatten(-1, (-1, group_size)), bounds[..., None]
+    return torch.maximum(torch.minimum(groups, bound), -bound).flatten(-2)
+
+
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] -> q4 [N, K / 2] uint8, scales and zeros [N, K / group]: the group's min to max in 15 steps."""
     groups = weight.unflatten(-1, (-1, group_size))
@@ -64,7 +75,9 @@ class QuantizedLinear(nn.Module):
     scale (AWQ) the input is divided by. `weight` gives the dequantized weight back, for code that reads it directly
     (MLA's absorbed decode, Mamba's dt projection)."""
 
-    def __init__(self, linear: nn.Linear, scheme: str, group_size: int, input_scale: torch.Tensor | None = None):
+    def __init__(self, linear: nn.Linear, scheme: str, group_size: int, input_scale: torch.Tensor | None = None,
+                 clip: torch.Tensor | None = None):
+        """clip (int4): [out, in / group_size] bounds each group's (scaled) weights are clipped to before rounding."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.scheme, self.group_size = scheme, group_size
@@ -72,6 +85,8 @@ class QuantizedLinear(nn.Module):
         weight = linear.weight.detach().float()
         if input_scale is not None:
             weight = weight * input_scale
+        if clip is not None:
+            weight = clip_groups(weight, clip, group_size)
         self.register_buffer("input_scale", None if input_scale is None else input_scale.to(dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         if scheme == "int8":
@@ -150,21 +165,24 @@ def quantize(model: nn.Module, config: QuantizeConfig | None = None, calibration
     layers = quantize_layers(quantized, config)
     if calibration is not None:
         checks.token_ids("calibration", calibration.flatten().tolist(), model.config.vocab_size)
-    scales = awq_scales(quantized, layers, config, calibration) if config.method == "awq" else {}
-    replace_layers(quantized, {name: QuantizedLinear(layer, config.weights, config.group_size, scales.get(name))
+    scales, clips = awq_scales(quantized, layers, config, calibration) if config.method == "awq" else ({}, {})
+    replace_layers(quantized, {name: QuantizedLinear(layer, config.weights, config.group_size, scales.get(name),
+                                                     clips.get(name))
                                for name, layer in layers.items()})
     quantized.quantization = config
     return quantized.eval()
 
 
 def awq_scales(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeConfig,
-               calibration: torch.Tensor) -> dict[str, torch.Tensor]:
+               calibration: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Each layer's input-channel scale s = a^alpha / sqrt(max(a^alpha) min(a^alpha)), a = mean |x| per channel on the
     calibration tokens. Candidates: each layer's alpha from AWQ_ALPHAS with the smallest error of its own quantized
     output (AWQ's search), and one alpha for every layer, each of AWQ_ALPHAS. Of the candidates that on the
     calibration tokens both diverge no more from the unquantized model than plain rounding (alpha 0 everywhere)
     and agree with its top token no less often, the one that diverges least wins; plain rounding itself always
-    qualifies, so AWQ is never worse than round to nearest by either measure there."""
+    qualifies, so AWQ is never worse than round to nearest by either measure there. int4 then searches clip bounds
+    for the winner's layers (awq_clips), kept if the model with them still qualifies and diverges less.
+    Returns the layers' input scales and clip bounds (absent: none)."""
     magnitudes, inputs = calibration_inputs(model, layers, calibration)
     per_layer = {}
     for name, layer in layers.items():
@@ -177,11 +195,45 @@ def awq_scales(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeC
     candidates = [per_layer] + [dict.fromkeys(layers, alpha) for alpha in AWQ_ALPHAS]
     with torch.no_grad():
         reference = model(calibration.to(next(model.parameters()).device)).float().log_softmax(-1)
-    fits = [calibration_fit(model, layers, config, calibration, reference, magnitudes, alphas) for alphas in candidates]
+    scales_of = [{name: input_scale(magnitudes[name], alpha) for name, alpha in alphas.items()} for alphas in candidates]
+    fits = [calibration_fit(model, layers, config, calibration, reference, scales, {}) for scales in scales_of]
     plain_kl, plain_agreement = fits[1]  # candidates[1]: alpha 0 in every layer
     qualified = [i for i, (kl, agreement) in enumerate(fits) if kl <= plain_kl and agreement >= plain_agreement]
-    best = candidates[min(qualified, key=lambda i: fits[i][0])]
-    return {name: input_scale(magnitudes[name], alpha) for name, alpha in best.items() if alpha}
+    chosen = min(qualified, key=lambda i: fits[i][0])
+    scales = {name: scale for name, scale in scales_of[chosen].items() if scale is not None}
+    if config.weights != "int4":
+        return scales, {}
+    clips = awq_clips(layers, inputs, scales, config.group_size)
+    kl, agreement = calibration_fit(model, layers, config, calibration, reference, scales, clips)
+    keep = kl < fits[chosen][0] and kl <= plain_kl and agreement >= plain_agreement
+    return scales, clips if keep else {}
+
+
+def awq_clips(layers: dict[str, nn.Linear], inputs: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
+              group_size: int) -> dict[str, torch.Tensor]:
+    """AWQ's clip search, per layer (after its input scale): for each output channel and group, the bound among
+    AWQ_CLIP_RATIOS x the group's max |w| whose quantized group gives the smallest mean squared error of that
+    group's share of the output on the calibration inputs (the first CLIP_TOKENS rows)."""
+    clips = {}
+    for name, layer in layers.items():
+        scale = scales.get(name)
+        weight = layer.weight.float() if scale is None else layer.weight.float() * scale
+        x = inputs[name][:CLIP_TOKENS]
+        x = (x if scale is None else x / scale).unflatten(-1, (-1, group_size))  # [T, G, group]
+        bounds = []
+        for block in weight.split(CLIP_CHANNELS):
+            groups = block.unflatten(-1, (-1, group_size))  # [N, G, group]
+            top = groups.abs().amax(dim=-1)
+            best, best_error = top, torch.full_like(top, float("inf"))
+            for ratio in AWQ_CLIP_RATIOS:
+                q, q_scales, zeros = quantize_int4(clip_groups(block, top * ratio, group_size), group_size)
+                error_w = int4_dequantize(q, q_scales, zeros, group_size, torch.float32).unflatten(-1, (-1, group_size))
+                error = torch.einsum("tgk,ngk->tng", x, error_w - groups).pow(2).mean(dim=0)  # [N, G]
+                better = error < best_error
+                best, best_error = torch.where(better, top * ratio, best), torch.where(better, error, best_error)
+            bounds.append(best)
+        clips[name] = torch.cat(bounds)
+    return clips
 
 
 def calibration_inputs(model: nn.Module, layers: dict[str, nn.Linear], calibration: torch.Tensor):
@@ -207,13 +259,14 @@ def input_scale(magnitude: torch.Tensor, alpha: float) -> torch.Tensor | None:
 
 
 def calibration_fit(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeConfig,
-                    calibration: torch.Tensor, reference: torch.Tensor, magnitudes: dict[str, torch.Tensor],
-                    alphas: dict[str, float]) -> tuple[float, float]:
+                    calibration: torch.Tensor, reference: torch.Tensor, scales: dict[str, torch.Tensor | None],
+                    clips: dict[str, torch.Tensor]) -> tuple[float, float]:
     """(KL(unquantized || quantized) of the next-token distributions, share of positions where both pick the same top
     token) on the calibration tokens (reference: the unquantized model's log-probabilities there), for `model`
-    (quantize's own copy) with its layers quantized at these per-layer alphas; the layers are put back afterwards.
+    (quantize's own copy) with its layers quantized with these input scales and clip bounds; the layers are put back
+    afterwards.
     What quantization should keep small is the change in what the model says, not its loss on a sample."""
-    trials = {name: QuantizedLinear(layer, config.weights, config.group_size, input_scale(magnitudes[name], alphas[name]))
+    trials = {name: QuantizedLinear(layer, config.weights, config.group_size, scales.get(name), clips.get(name))
               for name, layer in layers.items()}
     replace_layers(model, trials)
     try:
