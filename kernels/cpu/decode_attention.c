@@ -47,17 +47,22 @@ typedef struct {
     int64_t ks_block, ks_pos, ks_head, vs_block, vs_pos, vs_head;
     int64_t block_size;
     int heads, kv_heads, kv_per_task, dk, dv, dtype;
-    const float *fp8; /* the 256 float8 e4m3 values by bit pattern, for fp8 rows; NULL: int8 rows */
+    int fp8; /* rows are float8 e4m3 (1) or int8 (0) */
 } Cache;
 
-/* The value of each float8 e4m3 bit pattern (torch.float8_e4m3fn: exponent bias 7, no infinities, S.1111.111 NaN). */
-static void fp8_e4m3_values(float *table) {
-    for (int bits = 0; bits < 256; bits++) {
-        int exponent = (bits >> 3) & 15, mantissa = bits & 7;
-        float magnitude = exponent ? ldexpf(1.0f + mantissa / 8.0f, exponent - 7) : ldexpf((float)mantissa, -9);
-        if (exponent == 15 && mantissa == 7) magnitude = NAN;
-        table[bits] = bits & 128 ? -magnitude : magnitude;
-    }
+/* A float8 e4m3 value (torch.float8_e4m3fn: exponent bias 7, no infinities) as fp32, by moving its bits: a normal
+ * number's exponent is rebiased to 127 and its 3 mantissa bits go to the top of fp32's 23; a subnormal is m * 2^-9.
+ * Branch-free, so a row converts in vector registers (a 256-entry table costs a load per element). The NaN pattern
+ * S.1111.111 reads as 480: quantized rows never hold it (clamped to 448). */
+static inline float fp8_e4m3(uint8_t b) {
+    uint32_t exponent = (b >> 3) & 15, mantissa = b & 7, sign = (uint32_t)(b & 128) << 24;
+    uint32_t bits = sign | (exponent + 120) << 23 | mantissa << 20, small_bits;
+    float normal, small = (float)mantissa * (1.0f / 512.0f);
+    memcpy(&normal, &bits, 4);
+    memcpy(&small_bits, &small, 4);
+    small_bits |= sign;
+    memcpy(&small, &small_bits, 4);
+    return exponent ? normal : small;
 }
 
 /* Element offsets of rows [first, first + n) of one KV head, walking the block table a block at a time (no
@@ -97,7 +102,7 @@ static void tile_rows(const Cache *c, Rows rows_at, Rows scales, const int32_t *
         const int8_t *src = (const int8_t *)rows_at.base + offsets[t];
         float scale = load1(scales.base, scale_offsets[t], c->dtype), *row = buf + (int64_t)t * width;
         if (c->fp8)
-            for (int i = 0; i < width; i++) row[i] = scale * c->fp8[(uint8_t)src[i]];
+            for (int i = 0; i < width; i++) row[i] = scale * fp8_e4m3((uint8_t)src[i]);
         else
             for (int i = 0; i < width; i++) row[i] = scale * (float)src[i];
         rows[t] = row;
@@ -222,10 +227,8 @@ int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int
         splits < 1 || kv_per_task < 1 || kv_heads % kv_per_task)
         return -1;
     int group = heads / kv_heads, chunks = kv_heads / kv_per_task, task_heads = group * kv_per_task;
-    float fp8_table[256];
-    if (fp8_rows) fp8_e4m3_values(fp8_table);
     Cache c = {k, v, k_block, k_pos, k_head, v_block, v_pos, v_head, ks, vs, ks_block, ks_pos, ks_head, vs_block,
-               vs_pos, vs_head, block_size, heads, kv_heads, kv_per_task, dk, dv, dtype, fp8_rows ? fp8_table : NULL};
+               vs_pos, vs_head, block_size, heads, kv_heads, kv_per_task, dk, dv, dtype, fp8_rows};
     /* task = (sequence, chunk of kv_per_task KV heads, split of the keys); partials [task][task_heads] */
     int64_t tasks = (int64_t)batch * chunks * splits, work_floats = (int64_t)TILE * (dk + dv);
     float *partial = malloc(sizeof(float) * (tasks * task_heads * (dv + 2) + (int64_t)batch * heads * dk));

@@ -102,3 +102,20 @@ def test_cpu_kernel_reads_one_byte_caches_in_every_layout(paged_cache, dtype, kv
     got = contiguous_decode_attention(q[:2], rows, rows, slots, lengths, 0.2, 32, k_scales=row_scales,
                                       v_scales=row_scales)
     torch.testing.assert_close(got.float(), want.float(), **tolerance)
+
+
+def test_cpu_kernel_reads_every_fp8_value():
+    """One cached token: attention returns its value row exactly, so a row holding every float8 e4m3 bit pattern
+    (subnormals, both zeros, the largest, negatives; not the NaN pattern, which quantized rows never hold) must come
+    back as torch converts it."""
+    from kernels import cpu_decode, cpu_kernels_available
+    if not cpu_kernels_available():
+        pytest.skip("no C compiler: the CPU kernels did not build")
+    patterns = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F] + [0, 0], dtype=torch.uint8)  # 256 wide
+    values = patterns.view(torch.float8_e4m3fn).reshape(1, 1, 1, 256)
+    keys = torch.zeros(1, 1, 1, 256, dtype=torch.float8_e4m3fn)
+    scales = torch.ones(1, 1, 1, 1)
+    q = torch.randn(1, 2, 256)
+    got = cpu_decode.contiguous_decode_attention_cpu(q, keys, values, torch.tensor([0]), torch.tensor([1]), 0.1, 256,
+                                                     k_scales=scales, v_scales=scales)
+    assert torch.equal(got, values.float().reshape(1, 1, 256).expand(1, 2, 256))
