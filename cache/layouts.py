@@ -95,8 +95,8 @@ class KVTensors:
         return self.k.nbytes + (0 if self.v is None else self.v.nbytes)
 
     def stored(self) -> tuple:
-        """(keys, values, key scales, value scales) as a kernel reads them: the float tensors and no scales, or an
-        int8 cache's int8 rows and their scales."""
+        """(keys, values, key scales, value scales) as a kernel reads them: the float tensors and no scales, or a
+        one-byte cache's int8 / fp8 rows and their scales."""
         if not self.quantized:
             return self.k, self.v, None, None
         return (self.k.values, None if self.v is None else self.v.values, self.k.scales,

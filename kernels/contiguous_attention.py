@@ -37,7 +37,7 @@ def contiguous_decode_attention(q, k, v, slots, seq_lens, scale: float, value_di
                                 v_scales=None) -> torch.Tensor:
     """rows_read: rows the SDPA path reads (default: all; a compiled step passes a fixed number so its shapes do
     not change with the lengths). slot_range: the same rows as `slots` when they are consecutive (SDPA reads a view).
-    k_scales, v_scales: an int8 cache's row scales [slots, kv_heads, rows, 1] (None: a float cache; v_scales None
+    k_scales, v_scales: a one-byte (int8 / fp8) cache's row scales [slots, kv_heads, rows, 1] (None: a float cache; v_scales None
     with v None: a latent cache, whose values are its keys)."""
     if use_cpu_kernel(q, k) and cpu_decode.fits(q, k, k.shape[1], value_dim, k_scales):
         return cpu_decode.contiguous_decode_attention_cpu(q, k, v, slots, seq_lens, scale, value_dim, k_scales, v_scales)
@@ -45,7 +45,7 @@ def contiguous_decode_attention(q, k, v, slots, seq_lens, scale: float, value_di
     length = k.shape[2] if rows_read is None else rows_read
     keys = k[rows, :, :length]
     values = keys if v is None else v[rows, :, :length]
-    if k_scales is not None:  # int8 rows, read back in the query's dtype
+    if k_scales is not None:  # one-byte rows, read back in the query's dtype
         keys = keys.to(q.dtype) * k_scales[rows, :, :length]
         values = keys if v is None else values.to(q.dtype) * v_scales[rows, :, :length]
     visible = (torch.arange(length, device=q.device) < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]

@@ -11,9 +11,9 @@ once as key and once as value. The Triton kernel here loads a row once and uses 
 reads only the latent. Split-K like paged_attention: stage 1 gives each (head tile, split, sequence)
 program a slice of the sequence with an online softmax, stage 2 merges the slices by log-sum-exp.
 
-An int8 pool (the engine's kv_dtype="int8") comes with latent_scales [num_blocks, block_size, 1], one scale per row:
-the kernel folds a row's scale into its score and its probability, as paged_attention does, so no row is
-dequantized.
+A one-byte pool (the engine's kv_dtype "int8" or "fp8") comes with latent_scales [num_blocks, block_size, 1], one
+scale per row: the kernel folds a row's scale into its score and its probability, as paged_attention does, so no
+row is dequantized.
 """
 
 from __future__ import annotations  # keeps the `tl.constexpr` annotations inert until triton is imported
@@ -94,7 +94,7 @@ def _split_kernel(
     dim_v_ok = dims_v < VALUE_DIM
     dim_r_ok = dims_r < VALUE_DIM + REST_DIM
 
-    # int8 rows are multiplied in the scales' dtype (exact: |int8| <= 127); float pools in their own
+    # one-byte rows are multiplied in the scales' dtype (exact: int8 and e4m3 fit fp16 / bf16); float pools in their own
     compute_dtype = scales_ptr.dtype.element_ty if QUANTIZED else latent_pool_ptr.dtype.element_ty
     q_rows = q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head
     q_value = tl.load(q_rows + dims_v[None, :] * stride_q_dim, mask=head_ok[:, None] & dim_v_ok[None, :],

@@ -14,9 +14,10 @@ its chunk. Keys outside are never read: the engine returns blocks that leave the
 sets their table entries to -1. max_keys bounds the keys any query sees (the policy's capacity; None:
 the block table's), which sizes the Triton splits without a device sync.
 
-int8 pools (the engine's kv_dtype="int8", cache/quantized_rows.py): k_pool and v_pool hold int8 rows and k_scales,
-v_scales [num_blocks, block_size, KVH, 1] one scale per row; a key is k * k_scale. The kernel folds the scales into
-the scores (q . k_int8 * k_scale) and the probabilities (p * v_scale before p . v_int8), so no row is dequantized.
+One-byte pools (the engine's kv_dtype "int8" or "fp8", cache/quantized_rows.py): k_pool and v_pool hold int8 or
+float8 e4m3 rows and k_scales, v_scales [num_blocks, block_size, KVH, 1] one scale per row; a key is k * k_scale. The
+kernel folds the scales into the scores (q . k * k_scale) and the probabilities (p * v_scale before p . v), so no row
+is dequantized.
 
 The PyTorch reference is the CPU path and the oracle. The Triton kernel is split-K
 "flash-decoding": stage 1 gives each (sequence, KV head, split) program the whole GQA group of
@@ -87,7 +88,7 @@ def paged_decode_attention_ref(
     pages, offsets = torch.where(valid, pages, 0), positions % block_size
     keys = k_pool[pages, offsets].float()  # [B, L, KVH, Dk]
     values = v_pool[pages, offsets].float()
-    if k_scales is not None:  # int8 rows: each times its scale
+    if k_scales is not None:  # one-byte rows: each times its scale
         keys, values = keys * k_scales[pages, offsets].float(), values * v_scales[pages, offsets].float()
     # zero the masked values: a never-written slot of a torch.empty pool may hold NaN
     values = values.masked_fill(~valid[:, :, None, None], 0.0)
@@ -134,7 +135,7 @@ def _split_kernel(
         q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims_k[None, :] * stride_q_dim,
         mask=row_ok[:, None] & dim_k_ok[None, :], other=0.0,
     )
-    # int8 rows are multiplied in the scales' dtype (exact: |int8| <= 127); float pools in their own
+    # one-byte rows are multiplied in the scales' dtype (exact: int8 and e4m3 fit fp16 / bf16); float pools in their own
     compute_dtype = k_scales_ptr.dtype.element_ty if QUANTIZED else k_pool_ptr.dtype.element_ty
     q = q.to(compute_dtype)
 
@@ -273,7 +274,7 @@ def paged_decode_attention(
     q, k_pool, v_pool, block_table, seq_lens, scale: float, starts=None, sinks: int = 0, max_keys: int | None = None,
     k_scales=None, v_scales=None,
 ) -> torch.Tensor:
-    """k_scales, v_scales: an int8 pool's row scales (None: float pools)."""
+    """k_scales, v_scales: a one-byte (int8 / fp8) pool's row scales (None: float pools)."""
     args = (q, k_pool, v_pool, block_table, seq_lens, scale)
     scales = dict(k_scales=k_scales, v_scales=v_scales)
     if use_triton(q, k_pool, v_pool, block_table, seq_lens):

@@ -8,10 +8,11 @@ Two ways to round:
   each layer's weight columns are scaled up by s = mean|x|^alpha before rounding and the input divided by s at run
   time (y = Q(W diag(s)) (x / s)). alpha in [0, 1] is searched on calibration tokens: per layer for the smallest
   output error (AWQ's search), and as one alpha for all layers; the candidate whose outputs diverge least (KL) from
-  the unquantized model's wins, and alpha 0 (plain rounding) is a candidate. For int4, AWQ's clip search follows:
-  each group's weights are clipped to the bound (a share of its max |w|) whose quantized group gives that group's
-  share of the output the smallest error, kept only where the model then diverges less. AWQ folds 1/s into the op before; here it
-  stays in the layer (one multiply per input value), which works for every mixer alike.
+  the unquantized model's wins, among those that neither diverge more nor agree less often on the top token than
+  alpha 0 (plain rounding, itself a candidate). For int4, AWQ's clip search follows: each group's weights are
+  clipped to the bound (a share of its max |w|) whose quantized group gives that group's share of the output the
+  smallest error, kept only where the model then diverges less. AWQ folds 1/s into the op before; here it stays in
+  the layer (one multiply per input value), which works for every mixer alike.
 
 Which layers: every nn.Linear of the blocks (mixers and MLPs) at least one group wide, and the vocabulary head if
 asked. A layer narrower than one group (Mamba's dt projection at small sizes) keeps its weights. The embedding stays.
@@ -193,8 +194,7 @@ def awq_scales(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeC
                   for alpha in AWQ_ALPHAS}
         per_layer[name] = min(errors, key=errors.get)
     candidates = [per_layer] + [dict.fromkeys(layers, alpha) for alpha in AWQ_ALPHAS]
-    with torch.no_grad():
-        reference = model(calibration.to(next(model.parameters()).device)).float().log_softmax(-1)
+    reference = model(calibration.to(next(model.parameters()).device)).float().log_softmax(-1)  # under quantize's no_grad
     scales_of = [{name: input_scale(magnitudes[name], alpha) for name, alpha in alphas.items()} for alphas in candidates]
     fits = [calibration_fit(model, layers, config, calibration, reference, scales, {}) for scales in scales_of]
     plain_kl, plain_agreement = fits[1]  # candidates[1]: alpha 0 in every layer
