@@ -1,17 +1,20 @@
 """What weight quantization costs in quality, per architecture: int8, int4 round-to-nearest and int4 activation-aware
-(AWQ scales calibrated on training-split windows: 64 x 256 bytes by default, 16k tokens), against the same model unquantized.
+(AWQ, calibrated as harness/quant_calibration.py does: scales from 64 x 256 bytes of training-split windows, 16k
+tokens, judged by greedy agreement on 256 training-split prompts), against the same model unquantized.
 
 - Language models (`zoo train` folders, one per architecture): validation bits per byte on the fixed validation
   windows, the KL divergence of its next-byte distributions from the unquantized model's there (bits per byte), and
-  greedy agreement over 256 tokens from held-out prompts (the share of positions where the quantized
-  model's token equals the unquantized one's, and the mean position of the first difference).
+  greedy agreement over 256 tokens from 512 held-out prompts (the share of positions where the quantized
+  model's token equals the unquantized one's, and the mean position of the first difference); AWQ against RTN also
+  prompt by prompt: the mean difference of their agreements and its standard error.
 - KV-cache quantization (int8, fp8 e4m3; the weights unquantized), for the language models with a per-token cache:
   decode reads the cache, so each is run through the engine against the float cache: greedy agreement as above,
   and the KL of the next-byte distributions at the positions before a prompt's first difference, where both runs
   have seen the same text (bits per byte).
 - Associative recall (Zoology's MQAR, L 64 with 4 key-value pairs, d_model 64, 32,000 training examples as `zoo
   recall`): each architecture is trained here with its registry learning rate until solved (0.99) or --recall-steps,
-  then scored quantized on the same 2,000 test examples (8,000 queries). AWQ against RTN is also a paired count:
+  then scored quantized on the same 2,000 test examples (8,000 queries). AWQ's scales come from 256 training
+  examples and its candidates are judged by their accuracy on 2,000 others. AWQ against RTN is also a paired count:
   the queries only one of them answers, with McNemar's exact two-sided p (could the split be chance?).
 
 Rows go to OUT/results.jsonl atomically as they finish; a re-run skips them.
@@ -20,6 +23,7 @@ Rows go to OUT/results.jsonl atomically as they finish; a re-run skips them.
 """
 import argparse
 import math
+import statistics
 from pathlib import Path
 
 import torch
@@ -28,8 +32,9 @@ import zoo
 from harness import Engine, SamplingParams
 from harness.recall.data import MQARSetting, make_splits
 from harness.recall.train import TrainConfig, evaluate, labelled_logits, train_recall
+from harness.quant_calibration import Calibration, awq_quantize
 from harness.results import ResultStore
-from harness.train.corpus import load_corpus, training_batch, validation_windows
+from harness.train.corpus import load_corpus, validation_windows
 from harness.train.objective import validation_bpb
 from harness.train.checkpoint import read_train_state
 
@@ -38,15 +43,22 @@ VARIANTS = {"int8": zoo.QuantizeConfig("int8"), "int4 rtn": zoo.QuantizeConfig("
 KEY = ("task", "arch", "variant")
 
 
-def agreement(model, quantized, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """(share of equal tokens position by position, mean position of the first difference) over greedy runs."""
+def agreement(model, quantized, prompts: list[list[int]], new_tokens: int) -> tuple[list[float], float]:
+    """(each prompt's share of equal tokens position by position, mean position of the first difference) over greedy
+    runs."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
     runs = [Engine(m, max_batch=len(prompts), max_seq_len=len(prompts[0]) + new_tokens).generate(prompts, params)
             for m in (model, quantized)]
-    same = [sum(a == b for a, b in zip(x.token_ids, y.token_ids)) for x, y in zip(*runs)]
+    same = [sum(a == b for a, b in zip(x.token_ids, y.token_ids)) / new_tokens for x, y in zip(*runs)]
     first = [next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), new_tokens)
              for x, y in zip(*runs)]
-    return sum(same) / (len(prompts) * new_tokens), sum(first) / len(first)
+    return same, sum(first) / len(first)
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean of a - b over paired samples and its standard error."""
+    d = torch.tensor(a) - torch.tensor(b)
+    return float(d.mean()), float(d.std() / math.sqrt(len(d)))
 
 
 @torch.no_grad()
@@ -65,17 +77,21 @@ def lm_rows(arch: str, folder: Path, args) -> list[dict]:
     corpus = load_corpus(Path(state["settings"]["corpus"]) if state["settings"]["corpus"] else None)
     context = state["settings"]["context"]
     windows = validation_windows(corpus, 256, context + 1)
-    calibration = training_batch(corpus, 0, 0, args.calibration_windows, 256)
+    calibration = Calibration(windows=args.calibration_windows)
     prompts = validation_windows(corpus, args.prompts, args.prompt_len).tolist()
     base = validation_bpb(model, windows, 32)
     rows = [{"task": "lm", "arch": arch, "variant": "none", "val_bpb": base, "weight_bytes": zoo.parameter_bytes(model)}]
+    per_prompt = {}
     for name, config in VARIANTS.items():
-        quantized = zoo.quantize(model, config, calibration if config.method == "awq" else None)
-        same, first = agreement(model, quantized, prompts, args.new_tokens)
+        quantized = (awq_quantize(model, config, state["settings"]["corpus"], calibration) if config.method == "awq"
+                     else zoo.quantize(model, config))
+        per_prompt[name], first = agreement(model, quantized, prompts, args.new_tokens)
         bpb = validation_bpb(quantized, windows, 32)
         rows.append({"task": "lm", "arch": arch, "variant": name, "val_bpb": bpb, "bpb_delta": bpb - base,
-                     "kl_bits": divergence(model, quantized, windows), "agreement": same, "first_difference": first,
-                     "weight_bytes": zoo.parameter_bytes(quantized)})
+                     "kl_bits": divergence(model, quantized, windows), "agreement": statistics.mean(per_prompt[name]),
+                     "first_difference": first, "weight_bytes": zoo.parameter_bytes(quantized)})
+    difference, error = paired(per_prompt["int4 awq"], per_prompt["int4 rtn"])
+    rows[-1].update(agreement_vs_rtn=difference, agreement_vs_rtn_se=error)
     return rows
 
 
@@ -136,8 +152,11 @@ def recall_rows(arch: str, args) -> list[dict]:
     base = evaluate(model, *test)["accuracy"]
     rows = [{"task": "mqar", "arch": arch, "variant": "none", "accuracy": base, "steps": trained["steps"]}]
     hits = {}
+    # AWQ's scales from the first training examples, its candidates judged on others (never the test set)
+    calibration, judged = x[:args.calibration_examples], (x[-args.judge_examples:], y[-args.judge_examples:])
     for name, config in VARIANTS.items():
-        quantized = zoo.quantize(model, config, x[:args.calibration_examples] if config.method == "awq" else None)
+        quantized = (zoo.quantize(model, config, calibration, score=lambda m: evaluate(m, *judged)["accuracy"])
+                     if config.method == "awq" else zoo.quantize(model, config))
         accuracy = evaluate(quantized, *test)["accuracy"]
         hits[name] = query_hits(quantized, *test)
         rows.append({"task": "mqar", "arch": arch, "variant": name, "accuracy": accuracy, "accuracy_delta": accuracy - base})
@@ -154,11 +173,13 @@ def main() -> None:
     parser.add_argument("--recall-archs", default="gqa,mla,mamba,hybrid")
     parser.add_argument("--recall-steps", type=int, default=1500)
     parser.add_argument("--recall-test-examples", type=int, default=2000)
-    parser.add_argument("--prompts", type=int, default=128, help="held-out prompts for greedy agreement")
+    parser.add_argument("--prompts", type=int, default=512, help="held-out prompts for greedy agreement")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--calibration-windows", type=int, default=64, help="AWQ's training-split windows of 256 bytes")
     parser.add_argument("--calibration-examples", type=int, default=256, help="AWQ's MQAR training examples")
+    parser.add_argument("--judge-examples", type=int, default=2000, help="MQAR training examples AWQ's candidates "
+                        "are scored on")
     parser.add_argument("--out", default="results/quant_quality")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -193,6 +214,10 @@ def main() -> None:
     for row in (r for r in store.rows if r["task"] == "kv"):
         print(f"| {row['arch']} | {row['variant']} | {row['cache_bytes_per_token']} | {row['kl_bits']:.5f} | "
               f"{row['agreement']:.0%} / {row['first_difference']:.0f} |")
+    print("\n| arch | greedy agreement, AWQ − RTN (paired, ± standard error) |")
+    print("|---|---|")
+    for row in (r for r in store.rows if r["task"] == "lm" and "agreement_vs_rtn" in r):
+        print(f"| {row['arch']} | {row['agreement_vs_rtn']:+.1%} ± {row['agreement_vs_rtn_se']:.1%} |")
     print("\n| MQAR arch | queries only AWQ answers | only RTN answers | McNemar p |")
     print("|---|---:|---:|---:|")
     for row in (r for r in store.rows if r["task"] == "mqar" and "mcnemar_p" in r):

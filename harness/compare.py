@@ -1,7 +1,7 @@
 """`zoo compare`: every architecture x context x batch cell through the same engine, measured and written as it goes."""
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -14,8 +14,8 @@ from harness import roofline
 from harness.cache_pool import LAYOUTS
 from harness.engine import Engine
 from harness.metrics import summarize
+from harness.quant_calibration import Calibration, awq_quantize
 from harness.results import ResultStore, check_output_folder
-from harness.train.corpus import load_corpus, training_batch
 from harness.sampling import SamplingParams
 from harness.train.trained import TrainedModel, read_trained, validation_set
 from zoo import checks
@@ -181,20 +181,19 @@ def quant_label(scheme: str, settings: CompareSettings) -> str:
 
 
 def quantized(model, scheme_label: str, settings: CompareSettings, corpus: str | None = None):
-    """The model quantized as the cell's label says; AWQ is calibrated on windows of the training split of the
-    model's training corpus (`corpus`; None: the standard library), never on the validation windows it is scored on."""
+    """The model quantized as the cell's label says; AWQ is calibrated on the training split of the model's training
+    corpus (`corpus`; None: the standard library), never on the validation windows it is scored on."""
     scheme = scheme_label.split("/")[0]
     config = quant_config(scheme, settings)
     if config is None:
         return model
-    calibration = None
     if config.method == "awq":
-        windows = training_batch(load_corpus(Path(corpus) if corpus else None), settings.seed, 0, AWQ_WINDOWS, AWQ_CONTEXT)
-        calibration = windows.to(settings.device)
-    return zoo.quantize(model, config, calibration)
+        return awq_quantize(model, config, corpus, replace(AWQ_CALIBRATION, seed=settings.seed), settings.device)
+    return zoo.quantize(model, config)
 
 
-AWQ_WINDOWS, AWQ_CONTEXT = 8, 256  # calibration tokens: 2,048 bytes of the training split
+# a compare cell calibrates on 2,048 bytes and judges by 32 greedy runs of 64 tokens, to stay a small share of a run
+AWQ_CALIBRATION = Calibration(windows=8, prompts=32, new_tokens=64)
 
 
 def build_model(arch: str, settings: CompareSettings):

@@ -146,6 +146,38 @@ def test_activation_aware_scales_do_no_worse_than_rounding(weights, group):
         assert agreement(awq) >= agreement(rtn)
 
 
+def test_a_score_keeps_only_candidates_that_score_no_lower_than_rounding():
+    """Given a score, AWQ takes the least divergent candidate that scores no lower than plain rounding: a score only
+    plain rounding's outputs reach gives plain rounding's weights exactly; a score every candidate ties on changes
+    nothing."""
+    model = random_model("gqa", seed=3)
+    with torch.no_grad():
+        model.blocks[0].mixer_norm.weight[5] = 8.0  # an outlier input channel: without a score AWQ keeps scales
+    tokens = torch.tensor(make_prompts([64] * 4, model.config.vocab_size, seed=5))
+    config = zoo.QuantizeConfig("int4", group_size=32, method="awq")
+    rtn = zoo.quantize(model, zoo.QuantizeConfig("int4", group_size=32))
+    with torch.no_grad():
+        rtn_logits = rtn(tokens)
+    calls = []
+
+    def like_rounding(m):
+        calls.append(1)
+        with torch.no_grad():
+            return -float((m(tokens) - rtn_logits).abs().max())
+
+    plain = zoo.quantize(model, config, tokens, score=like_rounding)
+    assert len(calls) >= 2  # plain rounding's own score, and at least one candidate turned down
+    for name, tensor in rtn.state_dict().items():
+        assert torch.equal(plain.state_dict()[name], tensor), name
+    assert all(m.input_scale is None for m in plain.modules() if isinstance(m, QuantizedLinear))
+    unscored = zoo.quantize(model, config, tokens)
+    tied = zoo.quantize(model, config, tokens, score=lambda m: 0.0)
+    for name, tensor in unscored.state_dict().items():
+        assert torch.equal(tied.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="score ranks AWQ's candidates; method='rtn'"):
+        zoo.quantize(model, zoo.QuantizeConfig("int8"), score=lambda m: 0.0)
+
+
 def test_clip_search_lowers_each_groups_output_error():
     """AWQ's clip search (int4): every bound lies within its group's max |w|, a group whose range a lone large weight
     on a quiet input channel stretches is clipped, and no group's share of the output is further from the float one

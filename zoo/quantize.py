@@ -7,17 +7,20 @@ Two ways to round:
 - "awq", activation-aware (Lin et al. 2024, AWQ): the input channels that carry large activations matter most, so
   each layer's weight columns are scaled up by s = mean|x|^alpha before rounding and the input divided by s at run
   time (y = Q(W diag(s)) (x / s)). alpha in [0, 1] is searched on calibration tokens: per layer for the smallest
-  output error (AWQ's search), and as one alpha for all layers; the candidate whose outputs diverge least (KL) from
-  the unquantized model's wins, among those that neither diverge more nor agree less often on the top token than
-  alpha 0 (plain rounding, itself a candidate). For int4, AWQ's clip search follows: each group's weights are
-  clipped to the bound (a share of its max |w|) whose quantized group gives that group's share of the output the
-  smallest error, kept only where the model then diverges less. AWQ folds 1/s into the op before; here it stays in
-  the layer (one multiply per input value), which works for every mixer alike.
+  output error (AWQ's search), and as one alpha for all layers. For int4 each candidate comes again with AWQ's clip
+  search after its scales: each group's weights clipped to the bound (a share of its max |w|) whose quantized group
+  gives that group's share of the output the smallest error. The candidate whose outputs diverge least (KL) from the
+  unquantized model's wins, among those that neither diverge more nor agree less often on the top token than plain
+  rounding (itself a candidate) and, given a `score` (a caller's measure of a candidate model, e.g. how much of the
+  float model's greedy output it reproduces: harness/quant_calibration.py), score no lower. AWQ folds 1/s into the
+  op before; here it stays in the layer (one multiply per input value), which works for every mixer alike.
 
 Which layers: every nn.Linear of the blocks (mixers and MLPs) at least one group wide, and the vocabulary head if
 asked. A layer narrower than one group (Mamba's dt projection at small sizes) keeps its weights. The embedding stays.
 """
 import copy
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -150,10 +153,13 @@ def quantize_layers(model: nn.Module, config: QuantizeConfig) -> dict[str, nn.Li
 
 @torch.no_grad()
 def quantize(model: nn.Module, config: QuantizeConfig | None = None, calibration: torch.Tensor | None = None,
-             **settings) -> nn.Module:
+             score: Callable[[nn.Module], float] | None = None, **settings) -> nn.Module:
     """A copy of `model` with its linear layers quantized (the original is untouched): by a QuantizeConfig, or by its
     fields as keywords (`zoo.quantize(model, weights="int4", group_size=64)`). calibration [B, T]: token ids whose
-    activations the "awq" method searches its scales on (e.g. windows of the training corpus)."""
+    activations the "awq" method searches its scales on (e.g. windows of the training corpus). score ("awq"): a
+    further measure of a candidate quantized model, higher is better (e.g. how much of the unquantized model's greedy
+    output it reproduces on calibration prompts, harness/quant_calibration.py); AWQ then keeps only candidates that
+    score no lower than plain rounding."""
     if config is None:
         config = QuantizeConfig(**settings)
     elif settings:
@@ -162,11 +168,13 @@ def quantize(model: nn.Module, config: QuantizeConfig | None = None, calibration
         raise ValueError(f"config must be a zoo.QuantizeConfig, got {type(config).__name__}")
     if config.method == "awq" and calibration is None:
         raise ValueError("method='awq' searches its scales on calibration text: pass calibration token ids [B, T]")
+    if score is not None and config.method != "awq":
+        raise ValueError(f"score ranks AWQ's candidates; method={config.method!r} has none (use method='awq')")
     quantized = copy.deepcopy(model)
     layers = quantize_layers(quantized, config)
     if calibration is not None:
         checks.token_ids("calibration", calibration.flatten().tolist(), model.config.vocab_size)
-    scales, clips = awq_scales(quantized, layers, config, calibration) if config.method == "awq" else ({}, {})
+    scales, clips = awq_scales(quantized, layers, config, calibration, score) if config.method == "awq" else ({}, {})
     replace_layers(quantized, {name: QuantizedLinear(layer, config.weights, config.group_size, scales.get(name),
                                                      clips.get(name))
                                for name, layer in layers.items()})
@@ -174,15 +182,15 @@ def quantize(model: nn.Module, config: QuantizeConfig | None = None, calibration
     return quantized.eval()
 
 
-def awq_scales(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeConfig,
-               calibration: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def awq_scales(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeConfig, calibration: torch.Tensor,
+               score: Callable[[nn.Module], float] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Each layer's input-channel scale s = a^alpha / sqrt(max(a^alpha) min(a^alpha)), a = mean |x| per channel on the
     calibration tokens. Candidates: each layer's alpha from AWQ_ALPHAS with the smallest error of its own quantized
-    output (AWQ's search), and one alpha for every layer, each of AWQ_ALPHAS. Of the candidates that on the
-    calibration tokens both diverge no more from the unquantized model than plain rounding (alpha 0 everywhere)
-    and agree with its top token no less often, the one that diverges least wins; plain rounding itself always
-    qualifies, so AWQ is never worse than round to nearest by either measure there. int4 then searches clip bounds
-    for the winner's layers (awq_clips), kept if the model with them still qualifies and diverges less.
+    output (AWQ's search), and one alpha for every layer, each of AWQ_ALPHAS; for int4 each of these again with
+    AWQ's clip search after its scales (awq_clips). A candidate qualifies if on the calibration tokens it diverges
+    no more from the unquantized model than plain rounding (alpha 0 everywhere, no clipping) and agrees with its top
+    token no less often, and, given a score, scores no lower; of those the one that diverges least wins. Plain
+    rounding itself always qualifies, so AWQ is never worse than round to nearest by any of these measures there.
     Returns the layers' input scales and clip bounds (absent: none)."""
     magnitudes, inputs = calibration_inputs(model, layers, calibration)
     per_layer = {}
@@ -193,20 +201,29 @@ def awq_scales(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeC
                                                      input_scale(magnitudes[name], alpha)).weight.T) - want).pow(2).mean())
                   for alpha in AWQ_ALPHAS}
         per_layer[name] = min(errors, key=errors.get)
-    candidates = [per_layer] + [dict.fromkeys(layers, alpha) for alpha in AWQ_ALPHAS]
+    alphas = [per_layer] + [dict.fromkeys(layers, alpha) for alpha in AWQ_ALPHAS]  # [1]: alpha 0, plain rounding
+    candidates = [({name: input_scale(magnitudes[name], alpha) for name, alpha in each.items() if alpha}, {})
+                  for each in alphas]
+    if config.weights == "int4":  # each again with AWQ's clip search after its scales
+        candidates += [(scales, awq_clips(layers, inputs, scales, config.group_size)) for scales, _ in candidates]
     reference = model(calibration.to(next(model.parameters()).device)).float().log_softmax(-1)  # under quantize's no_grad
-    scales_of = [{name: input_scale(magnitudes[name], alpha) for name, alpha in alphas.items()} for alphas in candidates]
-    fits = [calibration_fit(model, layers, config, calibration, reference, scales, {}) for scales in scales_of]
-    plain_kl, plain_agreement = fits[1]  # candidates[1]: alpha 0 in every layer
-    qualified = [i for i, (kl, agreement) in enumerate(fits) if kl <= plain_kl and agreement >= plain_agreement]
-    chosen = min(qualified, key=lambda i: fits[i][0])
-    scales = {name: scale for name, scale in scales_of[chosen].items() if scale is not None}
-    if config.weights != "int4":
-        return scales, {}
-    clips = awq_clips(layers, inputs, scales, config.group_size)
-    kl, agreement = calibration_fit(model, layers, config, calibration, reference, scales, clips)
-    keep = kl < fits[chosen][0] and kl <= plain_kl and agreement >= plain_agreement
-    return scales, clips if keep else {}
+    fits = [calibration_fit(model, layers, config, calibration, reference, *candidate) for candidate in candidates]
+    (plain_kl, plain_agreement), plain_score = fits[1], None if score is None else scored(model, layers, config, score, {}, {})
+
+    def qualifies(i: int) -> bool:
+        kl, agreement = fits[i]
+        return i == 1 or kl <= plain_kl and agreement >= plain_agreement and (
+            score is None or scored(model, layers, config, score, *candidates[i]) >= plain_score)
+
+    # least divergent first; the score (the costly measure) is taken only until one qualifies
+    return candidates[next(i for i in sorted(range(len(fits)), key=lambda i: fits[i][0]) if qualifies(i))]
+
+
+def scored(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeConfig, score: Callable[[nn.Module], float],
+           scales: dict[str, torch.Tensor | None], clips: dict[str, torch.Tensor]) -> float:
+    """score(model) with its layers quantized with these input scales and clip bounds."""
+    with quantized_in_place(model, layers, config, scales, clips):
+        return float(score(model))
 
 
 def awq_clips(layers: dict[str, nn.Linear], inputs: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
@@ -263,16 +280,23 @@ def calibration_fit(model: nn.Module, layers: dict[str, nn.Linear], config: Quan
                     clips: dict[str, torch.Tensor]) -> tuple[float, float]:
     """(KL(unquantized || quantized) of the next-token distributions, share of positions where both pick the same top
     token) on the calibration tokens (reference: the unquantized model's log-probabilities there), for `model`
-    (quantize's own copy) with its layers quantized with these input scales and clip bounds; the layers are put back
-    afterwards.
+    with its layers quantized with these input scales and clip bounds.
     What quantization should keep small is the change in what the model says, not its loss on a sample."""
-    trials = {name: QuantizedLinear(layer, config.weights, config.group_size, scales.get(name), clips.get(name))
-              for name, layer in layers.items()}
-    replace_layers(model, trials)
-    try:
+    with quantized_in_place(model, layers, config, scales, clips):
         logits = model(calibration.to(reference.device)).float().log_softmax(-1)
-        kl = float(nn.functional.kl_div(logits, reference, log_target=True, reduction="batchmean"))
-        return kl, float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
+    kl = float(nn.functional.kl_div(logits, reference, log_target=True, reduction="batchmean"))
+    return kl, float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
+
+
+@contextmanager
+def quantized_in_place(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeConfig,
+                       scales: dict[str, torch.Tensor | None], clips: dict[str, torch.Tensor]):
+    """`model` (quantize's own copy) with its layers quantized with these input scales and clip bounds, for the
+    duration of the block; the float layers are put back afterwards."""
+    replace_layers(model, {name: QuantizedLinear(layer, config.weights, config.group_size, scales.get(name),
+                                                 clips.get(name)) for name, layer in layers.items()})
+    try:
+        yield model
     finally:
         replace_layers(model, layers)
 
