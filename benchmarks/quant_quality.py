@@ -14,7 +14,7 @@ tokens, judged by greedy agreement on 256 training-split prompts), against the s
 - Associative recall (Zoology's MQAR, L 64 with 4 key-value pairs, d_model 64, 32,000 training examples as `zoo
   recall`): each architecture is trained here with its registry learning rate until solved (0.99) or --recall-steps,
   then scored quantized on the same 2,000 test examples (8,000 queries). AWQ's scales come from 256 training
-  examples and its candidates are judged by their accuracy on 2,000 others. AWQ against RTN is also a paired count:
+  examples and its candidates are judged by their accuracy on 8,000 freshly drawn ones (not the test set). AWQ against RTN is also a paired count:
   the queries only one of them answers, with McNemar's exact two-sided p (could the split be chance?).
 
 Rows go to OUT/results.jsonl atomically as they finish; a re-run skips them.
@@ -152,10 +152,13 @@ def recall_rows(arch: str, args) -> list[dict]:
     base = evaluate(model, *test)["accuracy"]
     rows = [{"task": "mqar", "arch": arch, "variant": "none", "accuracy": base, "steps": trained["steps"]}]
     hits = {}
-    # AWQ's scales from the first training examples, its candidates judged on others (never the test set)
-    calibration, judged = x[:args.calibration_examples], (x[-args.judge_examples:], y[-args.judge_examples:])
+    # AWQ's scales from the first training examples; its candidates judged on freshly drawn ones (another seed:
+    # neither the test set nor training examples, which the model has partly memorised: mla answers 87% of those, 71%
+    # of new ones)
+    calibration = x[:args.calibration_examples]
+    (judge_x, judge_y, _), _ = make_splits([(setting, args.judge_examples)], [], seed=1)
     for name, config in VARIANTS.items():
-        quantized = (zoo.quantize(model, config, calibration, score=lambda m: evaluate(m, *judged)["accuracy"])
+        quantized = (zoo.quantize(model, config, calibration, score=lambda m: evaluate(m, judge_x, judge_y)["accuracy"])
                      if config.method == "awq" else zoo.quantize(model, config))
         accuracy = evaluate(quantized, *test)["accuracy"]
         hits[name] = query_hits(quantized, *test)
@@ -178,8 +181,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--calibration-windows", type=int, default=64, help="AWQ's training-split windows of 256 bytes")
     parser.add_argument("--calibration-examples", type=int, default=256, help="AWQ's MQAR training examples")
-    parser.add_argument("--judge-examples", type=int, default=2000, help="MQAR training examples AWQ's candidates "
-                        "are scored on")
+    parser.add_argument("--judge-examples", type=int, default=8000, help="fresh MQAR examples AWQ's candidates are "
+                        "scored on")
     parser.add_argument("--out", default="results/quant_quality")
     args = parser.parse_args()
     torch.set_num_threads(2)
