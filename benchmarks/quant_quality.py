@@ -14,8 +14,9 @@ tokens, judged by greedy agreement on 256 training-split prompts), against the s
 - Associative recall (Zoology's MQAR, L 64 with 4 key-value pairs, d_model 64, 32,000 training examples as `zoo
   recall`): each architecture is trained here with its registry learning rate until solved (0.99) or --recall-steps,
   then scored quantized on the same 2,000 test examples (8,000 queries). AWQ's scales come from 256 training
-  examples and its candidates are judged by their accuracy on 8,000 freshly drawn ones (not the test set). AWQ against RTN is also a paired count:
-  the queries only one of them answers, with McNemar's exact two-sided p (could the split be chance?).
+  examples and its candidates are judged by their accuracy on 8,000 freshly drawn ones (not the test set). AWQ
+  against RTN is also a paired count: the queries only one of them answers, with McNemar's exact two-sided p (could
+  the split be chance?).
 
 Rows go to OUT/results.jsonl atomically as they finish; a re-run skips them.
 
@@ -32,7 +33,7 @@ import zoo
 from harness import Engine, SamplingParams
 from harness.recall.data import MQARSetting, make_splits
 from harness.recall.train import TrainConfig, evaluate, labelled_logits, train_recall
-from harness.quant_calibration import Calibration, awq_quantize
+from harness.quant_calibration import Calibration, awq_quantize, greedy_tokens
 from harness.results import ResultStore
 from harness.train.corpus import load_corpus, validation_windows
 from harness.train.objective import validation_bpb
@@ -46,12 +47,9 @@ KEY = ("task", "arch", "variant")
 def agreement(model, quantized, prompts: list[list[int]], new_tokens: int) -> tuple[list[float], float]:
     """(each prompt's share of equal tokens position by position, mean position of the first difference) over greedy
     runs."""
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
-    runs = [Engine(m, max_batch=len(prompts), max_seq_len=len(prompts[0]) + new_tokens).generate(prompts, params)
-            for m in (model, quantized)]
-    same = [sum(a == b for a, b in zip(x.token_ids, y.token_ids)) / new_tokens for x, y in zip(*runs)]
-    first = [next((i for i, (a, b) in enumerate(zip(x.token_ids, y.token_ids)) if a != b), new_tokens)
-             for x, y in zip(*runs)]
+    runs = [greedy_tokens(m, prompts, new_tokens) for m in (model, quantized)]
+    same = [sum(a == b for a, b in zip(x, y)) / new_tokens for x, y in zip(*runs)]
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), new_tokens) for x, y in zip(*runs)]
     return same, sum(first) / len(first)
 
 

@@ -28,20 +28,20 @@ class Calibration:
     seed: int = 0
 
 
+def greedy_tokens(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """`model`'s greedy continuation of each prompt (prompts of one length), all in one engine batch."""
+    engine = Engine(model, max_batch=len(prompts), max_seq_len=len(prompts[0]) + new_tokens)
+    return [r.token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=0.0))]
+
+
 def greedy_agreement(model, prompts: list[list[int]], new_tokens: int) -> Callable:
     """A score for zoo.quantize: the share of greedy tokens a candidate model produces equal, position by position,
     to `model`'s own on the same prompts (its run is made once, here)."""
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
-
-    def run(m) -> list[list[int]]:
-        engine = Engine(m, max_batch=len(prompts), max_seq_len=len(prompts[0]) + new_tokens)
-        return [result.token_ids for result in engine.generate(prompts, params)]
-
-    reference = run(model)
+    reference = greedy_tokens(model, prompts, new_tokens)
 
     def score(candidate) -> float:
-        same = sum(a == b for want, got in zip(reference, run(candidate)) for a, b in zip(want, got))
-        return same / (len(prompts) * new_tokens)
+        got = greedy_tokens(candidate, prompts, new_tokens)
+        return sum(a == b for x, y in zip(reference, got) for a, b in zip(x, y)) / (len(prompts) * new_tokens)
 
     return score
 
