@@ -11,18 +11,20 @@ tokens, judged by greedy agreement on 256 training-split prompts), against the s
   decode reads the cache, so each is run through the engine against the float cache: greedy agreement as above,
   and the KL of the next-byte distributions at the positions before a prompt's first difference, where both runs
   have seen the same text (bits per byte).
-- Associative recall (Zoology's MQAR, L 64 with 4 key-value pairs, d_model 64, 32,000 training examples as `zoo
-  recall`): each architecture is trained here with its registry learning rate until solved (0.99) or --recall-steps,
-  then scored quantized on the same 2,000 test examples (8,000 queries). AWQ's scales come from 256 training
-  examples and its candidates are judged by their accuracy on 8,000 freshly drawn ones (not the test set). AWQ
-  against RTN is also a paired count: the queries only one of them answers, with McNemar's exact two-sided p (could
-  the split be chance?).
+- Associative recall (Zoology's MQAR at L 64, d_model 64), each architecture trained here as `zoo recall` trains
+  it: N = 4 and 8 key-value pairs mixed, 32,000 examples each, its registry learning rate, until solved (0.99), at a
+  plateau, or --recall-steps. Scored quantized on the same 2,000 test examples per N: the trained N (4 and 8, 24,000
+  queries) and the held-out N = 16 (32,000 queries). AWQ's scales come from 256 training examples and its
+  candidates are judged by their accuracy on 8,000 freshly drawn examples of the trained N (neither test nor
+  training examples). AWQ against RTN is also a paired count: the queries only one of them answers, with McNemar's
+  exact two-sided p (could the split be chance?).
 
 Rows go to OUT/results.jsonl atomically as they finish; a re-run skips them.
 
     python benchmarks/quant_quality.py --lm-dir runs/lm/tiny --archs gqa,mla,mamba,hybrid-1in6
 """
 import argparse
+import dataclasses
 import math
 import statistics
 from pathlib import Path
@@ -32,7 +34,8 @@ import torch
 import zoo
 from harness import Engine, SamplingParams
 from harness.recall.data import MQARSetting, make_splits
-from harness.recall.train import TrainConfig, evaluate, labelled_logits, train_recall
+from harness.recall.suite import RecallSettings, make_data, train_config
+from harness.recall.train import RECIPE_LAYERS, evaluate, labelled_logits, train_recall
 from harness.quant_calibration import Calibration, awq_quantize, greedy_tokens
 from harness.results import ResultStore
 from harness.train.corpus import load_corpus, validation_windows
@@ -140,30 +143,45 @@ def mcnemar_p(only_a: int, only_b: int) -> float:
 
 
 def recall_rows(arch: str, args) -> list[dict]:
-    setting = MQARSetting(seq_len=64, num_kv_pairs=4)
-    # zoo recall's training size; a test set four times its 500, so a 0.1% difference is a few queries, not one
-    (x, y, _), [test] = make_splits([(setting, 32_000)], [(setting, args.recall_test_examples)], seed=0)
-    config = TrainConfig(arch=arch, d_model=64, lr=zoo.registry.recall_lr(arch), max_steps=args.recall_steps,
-                         **({"overrides": {"layers": "mamba,gqa"}} if arch == "hybrid" else {}))
-    trained = train_recall(config, (x, y), {"N=4": test}, keep_model=True)
+    # zoo recall's data and recipe (N = 4 and 8 mixed, 32,000 examples each, stopped when solved or at a plateau), so
+    # the model quantized here is the one the recall table reports; tested on the trained N and the held-out N = 16
+    settings = RecallSettings(test_examples=args.recall_test_examples, max_steps=args.recall_steps)
+    train, tests = make_data(settings, seed=0)
+    config = train_config({"arch": arch, "n_layers": RECIPE_LAYERS, "d_model": 64, "lr": zoo.registry.recall_lr(arch),
+                           "seed": 0}, settings)
+    if arch == "hybrid":  # a 2-layer mamba + gqa model, the hybrid-1in6 language model's two mixers
+        config = dataclasses.replace(config, overrides={"layers": "mamba,gqa"})
+    trained = train_recall(config, train, tests, keep_model=True)
     model = trained["model"]
-    base = evaluate(model, *test)["accuracy"]
-    rows = [{"task": "mqar", "arch": arch, "variant": "none", "accuracy": base, "steps": trained["steps"]}]
-    hits = {}
-    # AWQ's scales from the first training examples; its candidates judged on freshly drawn ones (another seed:
-    # neither the test set nor training examples, which the model has partly memorised: mla answers 87% of those, 71%
-    # of new ones)
-    calibration = x[:args.calibration_examples]
-    (judge_x, judge_y, _), _ = make_splits([(setting, args.judge_examples)], [], seed=1)
-    for name, config in VARIANTS.items():
-        quantized = (zoo.quantize(model, config, calibration, score=lambda m: evaluate(m, judge_x, judge_y)["accuracy"])
-                     if config.method == "awq" else zoo.quantize(model, config))
-        accuracy = evaluate(quantized, *test)["accuracy"]
-        hits[name] = query_hits(quantized, *test)
-        rows.append({"task": "mqar", "arch": arch, "variant": name, "accuracy": accuracy, "accuracy_delta": accuracy - base})
-    awq_only = int((hits["int4 awq"] & ~hits["int4 rtn"]).sum())
-    rtn_only = int((hits["int4 rtn"] & ~hits["int4 awq"]).sum())
-    rows[-1].update(awq_only=awq_only, rtn_only=rtn_only, mcnemar_p=mcnemar_p(awq_only, rtn_only))
+    seen = config.trained_sets
+    # AWQ's scales from the first training examples; its candidates judged on freshly drawn ones of the trained N
+    # (another seed: neither the test sets nor training examples, which a model may partly memorise)
+    calibration = train[0][:args.calibration_examples]
+    judges = make_splits([], [(MQARSetting(settings.seq_len, n, settings.vocab_size),
+                               args.judge_examples // len(settings.kv_pairs)) for n in settings.kv_pairs],
+                         seed=0, test_seed_base=1)[1]
+
+    def judged(m) -> float:
+        return statistics.mean(evaluate(m, x, y)["accuracy"] for x, y in judges)
+
+    rows, hits = [], {}
+    for name, quant in {"none": None, **VARIANTS}.items():
+        quantized = (model if quant is None else zoo.quantize(model, quant, calibration, score=judged)
+                     if quant.method == "awq" else zoo.quantize(model, quant))
+        hits[name] = {test: query_hits(quantized, *tests[test]) for test in tests}
+        per_n = {test: evaluate(quantized, *tests[test])["accuracy"] for test in tests}
+        rows.append({"task": "mqar", "arch": arch, "variant": name, "steps": trained["steps"],
+                     "accuracy": statistics.mean(per_n[test] for test in seen),
+                     "held_out_accuracy": statistics.mean(per_n[test] for test in tests if test not in seen),
+                     "per_setting": per_n})
+    for row in rows[1:]:
+        row.update(accuracy_delta=row["accuracy"] - rows[0]["accuracy"],
+                   held_out_delta=row["held_out_accuracy"] - rows[0]["held_out_accuracy"])
+    for group, names in (("", seen), ("held_out_", [test for test in tests if test not in seen])):
+        awq, rtn = (torch.cat([hits[variant][test] for test in names]) for variant in ("int4 awq", "int4 rtn"))
+        awq_only, rtn_only = int((awq & ~rtn).sum()), int((rtn & ~awq).sum())
+        rows[-1].update({f"{group}awq_only": awq_only, f"{group}rtn_only": rtn_only,
+                         f"{group}mcnemar_p": mcnemar_p(awq_only, rtn_only)})
     return rows
 
 
@@ -179,8 +197,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--calibration-windows", type=int, default=64, help="AWQ's training-split windows of 256 bytes")
     parser.add_argument("--calibration-examples", type=int, default=256, help="AWQ's MQAR training examples")
-    parser.add_argument("--judge-examples", type=int, default=8000, help="fresh MQAR examples AWQ's candidates are "
-                        "scored on")
+    parser.add_argument("--judge-examples", type=int, default=8000, help="fresh MQAR examples (trained N) AWQ's "
+                        "candidates are scored on")
     parser.add_argument("--out", default="results/quant_quality")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -206,7 +224,7 @@ def main() -> None:
         agree = f"{row['agreement']:.0%} / {row['first_difference']:.0f}" if "agreement" in row else ""
         mqar_arch = "hybrid" if row["arch"].startswith("hybrid") else row["arch"]
         r = recall.get((mqar_arch, row["variant"]))
-        mqar = "" if r is None else f"{r['accuracy']:.3f}" + (f" ({r['accuracy_delta']:+.3f})" if "accuracy_delta" in r else "")
+        mqar = "" if r is None else f"{r['accuracy']:.4f}" + (f" ({r['accuracy_delta']:+.4f})" if "accuracy_delta" in r else "")
         kl = f"{row['kl_bits']:.4f}" if "kl_bits" in row else ""
         print(f"| {row['arch']} | {row['variant']} | {lm} | {kl} | {agree} | {mqar} |")
     print("\n| arch | KV cache | bytes / token | KL before the first difference (bits/byte) | greedy agreement / first "
@@ -219,11 +237,18 @@ def main() -> None:
     print("|---|---|")
     for row in (r for r in store.rows if r["task"] == "lm" and "agreement_vs_rtn" in r):
         print(f"| {row['arch']} | {row['agreement_vs_rtn']:+.1%} ± {row['agreement_vs_rtn_se']:.1%} |")
-    print("\n| MQAR arch | queries only AWQ answers | only RTN answers | McNemar p |")
-    print("|---|---:|---:|---:|")
+    print("\n| MQAR arch | weights | steps | accuracy, trained N (Δ) | held-out N (Δ) |")
+    print("|---|---|---:|---|---|")
+    for row in (r for r in store.rows if r["task"] == "mqar"):
+        delta = (f" ({row['accuracy_delta']:+.4f})", f" ({row['held_out_delta']:+.4f})") if "accuracy_delta" in row else ("", "")
+        print(f"| {row['arch']} | {row['variant']} | {row['steps']} | {row['accuracy']:.4f}{delta[0]} | "
+              f"{row['held_out_accuracy']:.4f}{delta[1]} |")
+    print("\n| MQAR arch | queries | only AWQ answers | only RTN answers | McNemar exact p |")
+    print("|---|---|---:|---:|---:|")
     for row in (r for r in store.rows if r["task"] == "mqar" and "mcnemar_p" in r):
-        print(f"| {row['arch']} | {row['awq_only']} | {row['rtn_only']} | {row['mcnemar_p']:.2f} |")
-
+        for group, label in (("", "trained N"), ("held_out_", "held-out N")):
+            print(f"| {row['arch']} | {label} | {row[group + 'awq_only']} | {row[group + 'rtn_only']} | "
+                  f"{row[group + 'mcnemar_p']:.2f} |")
 
 if __name__ == "__main__":
     main()
