@@ -23,6 +23,9 @@ def check_heads(n_heads: int, n_kv_heads: int) -> None:
 
 
 class Attention(nn.Module):
+    # layers whose outputs meet in the query-key product: AWQ leaves their weights unclipped (zoo/quantize.py)
+    query_key_projections = ("q_proj", "k_proj")
+
     def __init__(
         self,
         d_model: int,

@@ -41,6 +41,9 @@ def feature_width(feature_map: str, feature_dim: int) -> int:
 
 
 class LinearAttention(nn.Module):
+    # layers whose outputs meet in the query-key product: AWQ leaves their weights unclipped (zoo/quantize.py)
+    query_key_projections = ("q_proj", "k_proj")
+
     def __init__(
         self,
         d_model: int,

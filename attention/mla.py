@@ -13,6 +13,10 @@ from kernels import Linear
 
 
 class MLAttention(nn.Module):
+    # layers whose outputs meet in the query-key product (the latent feeds the keys as well as the values): AWQ
+    # leaves their weights unclipped (zoo/quantize.py)
+    query_key_projections = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+
     def __init__(
         self,
         d_model: int,

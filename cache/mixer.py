@@ -3,7 +3,9 @@ views the engine hands it offer the mixer. `zoo` checks each mixer it builds aga
 
 A mixer is an nn.Module constructed as cls(d_model=..., layer_idx=..., **its settings), whose settings are annotated
 int / float / bool / str constructor parameters (the registry validates them by those annotations). Taking a
-`causal: bool` parameter says it can also attend both ways (a masked diffusion LM's layers).
+`causal: bool` parameter says it can also attend both ways (a masked diffusion LM's layers). A mixer may name, in a
+class attribute `query_key_projections`, its linear layers whose outputs meet in a query-key product (zoo.quantize's
+AWQ does not clip their weights).
 """
 from typing import Protocol, runtime_checkable
 

@@ -6,7 +6,7 @@
   the share of positions where a candidate's token equals the unquantized model's. Teacher-forced measures alone
   (KL, top-token agreement on text) do not settle this: on the tiny trained gqa model, AWQ's one-alpha candidates
   reproduce 29% to 39% of the greedy tokens, not in the order of their KL, and their order on training-split prompts
-  carries over to held-out ones.
+  largely carries over to held-out ones (rank correlation 0.66 over all 24 candidates).
 """
 from collections.abc import Callable
 from dataclasses import dataclass

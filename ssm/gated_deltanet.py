@@ -48,6 +48,10 @@ class GatedHeadNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    # layers whose outputs meet in the query-key product (in_proj holds q and k with v and the gates): AWQ leaves
+    # their weights unclipped (zoo/quantize.py)
+    query_key_projections = ("in_proj",)
+
     def __init__(
         self,
         d_model: int,

@@ -2,6 +2,8 @@
 rounding stays within half a step, every causal architecture's quantized model decodes through the engine exactly
 as its own full forward in both layouts, the bytes counted are the bytes stored, and activation-aware scales never
 do worse than plain rounding on their calibration data."""
+import sys
+
 import pytest
 import torch
 
@@ -198,6 +200,28 @@ def test_clip_search_lowers_each_groups_output_error():
                             (dq - weight).unflatten(-1, (-1, 32))).pow(2).mean(dim=0)
 
     assert (group_errors(clip_groups(weight, bounds, 32)) <= group_errors(weight) * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "linear", "hybrid"])
+def test_awq_clip_search_leaves_query_and_key_projections_unclipped(arch, monkeypatch):
+    """As in AWQ's own code, the clip search skips the layers whose outputs meet in a query-key product (attention's
+    q and k projections; MLA's query and latent projections, whose latent feeds the keys) and sees every other
+    quantized layer (o_proj, the MLP, a recurrent mixer's projections)."""
+    quantize_module = sys.modules["zoo.quantize"]
+    search, searched = quantize_module.awq_clips, set()
+
+    def recording(layers, *args):
+        searched.update(layers)
+        return search(layers, *args)
+
+    monkeypatch.setattr(quantize_module, "awq_clips", recording)
+    model = random_model(arch)
+    tokens = torch.tensor(make_prompts([32] * 2, model.config.vocab_size, seed=1))
+    quantized = zoo.quantize(model, zoo.QuantizeConfig("int4", group_size=32, method="awq"), calibration=tokens)
+    query_key = {"q_proj", "k_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"}
+    names = {name for name, m in quantized.named_modules() if isinstance(m, QuantizedLinear)}
+    assert names & {n for n in names if n.rpartition(".")[2] in query_key}, "the model has query or key projections"
+    assert searched == {n for n in names if n.rpartition(".")[2] not in query_key}
 
 
 def test_bad_quantization_settings_are_errors_before_work():

@@ -9,10 +9,11 @@ Two ways to round:
   time (y = Q(W diag(s)) (x / s)). alpha in [0, 1] is searched on calibration tokens: per layer for the smallest
   output error (AWQ's search), and as one alpha for all layers. For int4 each candidate comes again with AWQ's clip
   search after its scales: each group's weights clipped to the bound (a share of its max |w|) whose quantized group
-  gives that group's share of the output the smallest error. The candidate whose outputs diverge least (KL) from the
-  unquantized model's wins, among those that neither diverge more nor agree less often on the top token than plain
-  rounding (itself a candidate) and, given a `score` (a caller's measure of a candidate model, e.g. how much of the
-  float model's greedy output it reproduces: harness/quant_calibration.py), score no lower. AWQ folds 1/s into the
+  gives that group's share of the output the smallest error; as in AWQ's own code, not in the layers whose outputs
+  meet in a query-key product (a mixer's query_key_projections). The candidate whose outputs diverge least (KL)
+  from the unquantized model's wins, among those that neither diverge more nor agree less often on the top token
+  than plain rounding (itself a candidate) and, given a `score` (a caller's measure of a candidate model, e.g. how
+  much of the float model's greedy output it reproduces: harness/quant_calibration.py), score no lower. AWQ folds 1/s into the
   op before; here it stays in the layer (one multiply per input value), which works for every mixer alike.
 
 Which layers: every nn.Linear of the blocks (mixers and MLPs) at least one group wide, and the vocabulary head if
@@ -187,10 +188,11 @@ def awq_scales(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeC
     """Each layer's input-channel scale s = a^alpha / sqrt(max(a^alpha) min(a^alpha)), a = mean |x| per channel on the
     calibration tokens. Candidates: each layer's alpha from AWQ_ALPHAS with the smallest error of its own quantized
     output (AWQ's search), and one alpha for every layer, each of AWQ_ALPHAS; for int4 each of these again with
-    AWQ's clip search after its scales (awq_clips). A candidate qualifies if on the calibration tokens it diverges
-    no more from the unquantized model than plain rounding (alpha 0 everywhere, no clipping) and agrees with its top
-    token no less often, and, given a score, scores no lower; of those the one that diverges least wins. Plain
-    rounding itself always qualifies, so AWQ is never worse than round to nearest by any of these measures there.
+    AWQ's clip search after its scales (awq_clips; not on layers that feed a query-key product). A candidate
+    qualifies if on the calibration tokens it diverges no more from the unquantized model than plain rounding (alpha
+    0 everywhere, no clipping) and agrees with its top token no less often, and, given a score, scores no lower; of
+    those the one that diverges least wins. Plain rounding itself always qualifies, so AWQ is never worse than round
+    to nearest by any of these measures there.
     Returns the layers' input scales and clip bounds (absent: none)."""
     magnitudes, inputs = calibration_inputs(model, layers, calibration)
     per_layer = {}
@@ -205,7 +207,8 @@ def awq_scales(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeC
     candidates = [({name: input_scale(magnitudes[name], alpha) for name, alpha in each.items() if alpha}, {})
                   for each in alphas]
     if config.weights == "int4":  # each again with AWQ's clip search after its scales
-        candidates += [(scales, awq_clips(layers, inputs, scales, config.group_size)) for scales, _ in candidates]
+        clipped = {name: layer for name, layer in layers.items() if not feeds_query_key(model, name)}
+        candidates += [(scales, awq_clips(clipped, inputs, scales, config.group_size)) for scales, _ in candidates]
     reference = model(calibration.to(next(model.parameters()).device)).float().log_softmax(-1)  # under quantize's no_grad
     fits = [calibration_fit(model, layers, config, calibration, reference, *candidate) for candidate in candidates]
     (plain_kl, plain_agreement), plain_score = fits[1], None if score is None else scored(model, layers, config, score, {}, {})
@@ -224,6 +227,15 @@ def scored(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeConfi
     """score(model) with its layers quantized with these input scales and clip bounds."""
     with quantized_in_place(model, layers, config, scales, clips):
         return float(score(model))
+
+
+def feeds_query_key(model: nn.Module, name: str) -> bool:
+    """Whether layer `name`'s outputs meet in a query-key product (its mixer lists it in query_key_projections).
+    AWQ's code leaves such layers unclipped: through the product, a clipped weight's effect on attention is not what
+    the layer's own output error measures (on MQAR, clipped query and key weights cost recall of more keys than the
+    calibration held: BENCHMARKS.md)."""
+    parent, _, attribute = name.rpartition(".")
+    return attribute in getattr(model.get_submodule(parent), "query_key_projections", ())
 
 
 def awq_clips(layers: dict[str, nn.Linear], inputs: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
