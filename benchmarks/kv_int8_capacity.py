@@ -1,7 +1,8 @@
-"""Sequences a 2 GiB cache budget holds at context 4096, bf16 cache against int8 (a scale per token and KV head),
-for every architecture with a per-token cache, at the small preset in bf16: analytic (budget // bytes a sequence
-holds) and as the engine sizes it (harness.cache_pool.size_cache: the contiguous rows it would allocate, and the
-paged blocks per group it splits the budget into). Arithmetic only: nothing is allocated.
+"""Sequences a 2 GiB cache budget holds at context 4096, bf16 cache against int8 (a scale per token and KV head; two
+per MLA latent row, for the latent and its rotary part), for every architecture with a per-token cache, at the
+small preset in bf16: analytic (budget // bytes a sequence holds) and as the engine sizes it
+(harness.cache_pool.size_cache: the contiguous rows it would allocate, and the paged blocks per group it splits the
+budget into). Arithmetic only: nothing is allocated.
 
     python benchmarks/kv_int8_capacity.py
 """

@@ -71,7 +71,8 @@ def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 class KVTensors:
     """Keys (for a "latent" cache, the one row per token) and values; their bytes are the layer's measured cache.
 
-    kv_format "int8" or "fp8" keeps every row in one byte an element with its own scale (cache/quantized_rows.py):
+    kv_format "int8" or "fp8" keeps every row in one byte an element with its own scale (a latent row: two, for the
+    latent and its rotary key part; cache/quantized_rows.py):
     reads through an index dequantize, writes quantize. The one-query decode kernels read the stored rows and their
     scales in place (the C kernel converts a row at a time, the Triton kernels fold the scales into scores and
     probabilities); a several-token step attends over the rows it gathers, dequantized.
@@ -82,12 +83,12 @@ class KVTensors:
         self.retention = spec.retention
         self.quantized = kv_format != "auto"
 
-        def zeros(dim: int):
+        def zeros(dim: int, split: int | None = None):
             if self.quantized:
-                return QuantizedRows.zeros(*shape(dim), dtype=dtype, device=device, kv_format=kv_format)
+                return QuantizedRows.zeros(*shape(dim), dtype=dtype, device=device, kv_format=kv_format, split=split)
             return torch.zeros(*shape(dim), dtype=dtype, device=device)
 
-        self.k = zeros(spec.head_dim)
+        self.k = zeros(spec.head_dim, spec.latent_split)
         self.v = zeros(spec.value_dim) if spec.kind == "kv" else None
 
     @property

@@ -74,18 +74,26 @@ class CacheSpec:
         return self.state_elements * (self.state_dtype or dtype).itemsize
 
     @property
-    def rows_per_token(self) -> int:
-        """Rows one cached token stores (each int8 row has its own scale): a key and a value per KV head, or the
-        latent row."""
+    def latent_split(self) -> int | None:
+        """Where a one-byte latent row's second scale begins: a "latent" row is the latent (value_dim columns) and
+        the rotary part of the key, each with its own scale (cache/quantized_rows.py); None: one scale per row."""
+        return self.value_dim if self.kind == "latent" and self.head_dim > self.value_dim else None
+
+    @property
+    def scales_per_token(self) -> int:
+        """Scales one cached token stores in a one-byte cache: one per key and per value row of each KV head, or the
+        latent row's one or two."""
         if self.kind in ("shared", "state"):
             return 0
-        return self.kv_heads * (1 if self.kind == "latent" else 2)
+        if self.kind == "latent":
+            return self.kv_heads * (1 if self.latent_split is None else 2)
+        return self.kv_heads * 2
 
     def token_bytes(self, dtype: torch.dtype, kv_format: str = "auto") -> int:
         """Bytes one cached token costs in this layer: its elements in `dtype`, or one-byte elements (int8, fp8) and
-        a scale in `dtype` per row."""
+        their scales in `dtype`."""
         if kv_format != "auto":
-            return self.elements_per_token + self.rows_per_token * dtype.itemsize
+            return self.elements_per_token + self.scales_per_token * dtype.itemsize
         return self.elements_per_token * dtype.itemsize
 
     def bytes(self, seq_len: int, dtype: torch.dtype, kv_format: str = "auto") -> int:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from . import cpu_decode
 from .dispatch import use_cpu_kernel
+from .row_scales import spread_scales
 
 
 def contiguous_decode_attention_ref(q, k, v, slots, seq_lens, scale: float, value_dim: int) -> torch.Tensor:
@@ -38,7 +39,8 @@ def contiguous_decode_attention(q, k, v, slots, seq_lens, scale: float, value_di
     """rows_read: rows the SDPA path reads (default: all; a compiled step passes a fixed number so its shapes do
     not change with the lengths). slot_range: the same rows as `slots` when they are consecutive (SDPA reads a view).
     k_scales, v_scales: a one-byte (int8 / fp8) cache's row scales [slots, kv_heads, rows, 1] (None: a float cache; v_scales None
-    with v None: a latent cache, whose values are its keys)."""
+    with v None: a latent cache, whose values are its keys; its k_scales may be [..., 2], for the value_dim latent
+    columns and the rest, cache/quantized_rows.py)."""
     if use_cpu_kernel(q, k) and cpu_decode.fits(q, k, k.shape[1], value_dim, k_scales):
         return cpu_decode.contiguous_decode_attention_cpu(q, k, v, slots, seq_lens, scale, value_dim, k_scales, v_scales)
     rows = slots if slot_range is None else slot_range
@@ -46,7 +48,7 @@ def contiguous_decode_attention(q, k, v, slots, seq_lens, scale: float, value_di
     keys = k[rows, :, :length]
     values = keys if v is None else v[rows, :, :length]
     if k_scales is not None:  # one-byte rows, read back in the query's dtype
-        keys = keys.to(q.dtype) * k_scales[rows, :, :length]
+        keys = keys.to(q.dtype) * spread_scales(k_scales[rows, :, :length], value_dim, keys.shape[-1])
         values = keys if v is None else values.to(q.dtype) * v_scales[rows, :, :length]
     visible = (torch.arange(length, device=q.device) < seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=visible, scale=scale,

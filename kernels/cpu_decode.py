@@ -10,7 +10,8 @@ Layouts (k and v 4-D, last dim contiguous):
   "rows":   [slots, kv_heads, rows, dim], sequence b in row table[b, 0] (contiguous; a ring buffer is `rows` wide).
 v None: the keys are MLA latent rows and the value is their first `value_dim` columns.
 One-byte k and v (the engine's kv_dtype "int8" or "fp8", int8 or float8_e4m3fn rows) come with k_scales and v_scales,
-[..., 1] in the same layout and q's dtype: a row is its stored values times its scale.
+[..., 1] in the same layout and q's dtype: a row is its stored values times its scale. A latent cache's k_scales may
+be [..., 2]: the first for the row's value_dim latent columns, the second for the rest (cache/quantized_rows.py).
 """
 import ctypes
 import functools
@@ -75,7 +76,7 @@ def _library() -> ctypes.CDLL | None:
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.decode_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
                                      ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i32, i32, i32, i32, i32, i32,
-                                     ctypes.c_float, i32, ptr, i64, i64, i32, i32, i32]
+                                     ctypes.c_float, i32, ptr, i64, i64, i32, i32, i32, i64, i32]
     lib.selective_state_update.restype = ctypes.c_int
     lib.selective_state_update.argtypes = ([ptr, i64, i64, i64, i64, i32] + [ptr, i64, i64, i64] * 2 + [ptr, i64, i64]
                                            + [ptr, i64, i64, i64] * 3 + [ptr, i64, i64] + [ptr, i64, i64, i64]
@@ -133,6 +134,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
     def scales_at(scales):  # (pointer, strides) of an int8 cache's scales; NULL for a float cache
         return (None, 0, 0, 0) if scales is None else (scales.data_ptr(), *_strides(scales, layout))
 
+    # a latent row's two scales: the first over its value_dim latent columns, the second over the rest
+    two_scales = k_scales is not None and k_scales.shape[-1] == 2
+    key_scale_parts = (k_scales.stride(-1), value_dim) if two_scales else (0, dim_k)
     threads = torch.get_num_threads()
     # a paged task reads all KV heads of its blocks, tile by tile: a block's heads lie together (one stream per block,
     # 1.1-1.3x faster than a task per head at 16 x 4096 keys); a contiguous cache streams one KV head per task
@@ -148,7 +152,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
         batch, heads, kv_heads, kv_per_task, dim_k, value_dim, scale,
         splits or _num_splits(batch * kv_heads // kv_per_task, max_keys, threads),
         out.data_ptr(), out.stride(0), out.stride(1), DTYPE_CODES[q.dtype], threads,
-        int(k.dtype == torch.float8_e4m3fn),
+        int(k.dtype == torch.float8_e4m3fn), *key_scale_parts,
     )
     if status:
         raise ValueError(f"decode_attention: sizes beyond the CPU kernel (query heads per KV head {heads // kv_heads} <= 128, "
@@ -179,8 +183,8 @@ def paged_decode_attention_cpu(q, k_pool, v_pool, block_table, seq_lens, scale: 
 
 
 def mla_decode_attention_cpu(q, latent_pool, block_table, seq_lens, scale: float, value_dim: int, latent_scales=None):
-    """The MLA kernel's contract (kernels/mla_attention.py): latent_pool [num_blocks, block_size, W]; an int8 pool's
-    scales [num_blocks, block_size, 1, 1]."""
+    """The MLA kernel's contract (kernels/mla_attention.py): latent_pool [num_blocks, block_size, W]; a one-byte
+    pool's scales [num_blocks, block_size, 1, 1 or 2]."""
     return decode_attention(q, latent_pool.unsqueeze(2), None, block_table, seq_lens, "blocks", scale, value_dim,
                             k_scales=latent_scales)
 

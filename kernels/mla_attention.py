@@ -12,8 +12,9 @@ reads only the latent. Split-K like paged_attention: stage 1 gives each (head ti
 program a slice of the sequence with an online softmax, stage 2 merges the slices by log-sum-exp.
 
 A one-byte pool (the engine's kv_dtype "int8" or "fp8") comes with latent_scales [num_blocks, block_size, 1], one
-scale per row: the kernel folds a row's scale into its score and its probability, as paged_attention does, so no
-row is dequantized.
+scale per row, or [num_blocks, block_size, 2], one for the latent (the first value_dim columns) and one for the
+rest (cache/quantized_rows.py): the kernel folds the scales into the score's two dot products and the latent's
+into its probability, as paged_attention does, so no row is dequantized.
 """
 
 from __future__ import annotations  # keeps the `tl.constexpr` annotations inert until triton is imported
@@ -25,6 +26,7 @@ import torch
 from . import cpu_decode, paged_attention
 from .dispatch import jit_kernels, use_cpu_kernel, use_triton
 from .paged_attention import _default_num_splits, _tile_shape
+from .row_scales import spread_scales
 from .tiles import cdiv, padded
 
 tl = None  # triton.language, bound by dispatch.jit_kernels on the first Triton call
@@ -59,8 +61,8 @@ def mla_decode_attention_ref(q, latent_pool, block_table, seq_lens, scale: float
     slots = torch.where(valid, pages * block_size + positions % block_size, 0)
     # zero the masked rows: a never-written slot of a torch.empty pool may hold NaN
     rows = latent_pool.flatten(0, 1)[slots].float()  # [B, L, W]
-    if latent_scales is not None:  # int8 rows times their scales
-        rows = rows * latent_scales.flatten(0, 1)[slots].float()
+    if latent_scales is not None:  # one-byte rows times their scales
+        rows = rows * spread_scales(latent_scales.flatten(0, 1)[slots].float(), value_dim, rows.shape[-1])
     rows = rows.masked_fill(~valid[:, :, None], 0.0)
     scores = torch.einsum("bhw,blw->bhl", q.float(), rows) * scale
     probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(dim=-1)
@@ -72,11 +74,11 @@ def _split_kernel(
     scale, split_len,
     stride_q_seq, stride_q_head, stride_q_dim,
     stride_pool_block, stride_pool_pos, stride_pool_dim,
-    stride_scales_block, stride_scales_pos,
+    stride_scales_block, stride_scales_pos, stride_scales_part,
     stride_table_seq, stride_table_entry,
     NUM_HEADS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
     VALUE_DIM: tl.constexpr, VALUE_PAD: tl.constexpr, REST_DIM: tl.constexpr, REST_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, KEYS_PER_STEP: tl.constexpr, QUANTIZED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KEYS_PER_STEP: tl.constexpr, QUANTIZED: tl.constexpr, REST_SCALED: tl.constexpr,
 ):
     head_tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -119,11 +121,17 @@ def _split_kernel(
                        mask=pos_ok[:, None] & dim_r_ok[None, :], other=0.0).to(compute_dtype)
         # "ieee": fp32 inputs would otherwise be rounded to tf32; ignored for 16-bit inputs
         scores = tl.dot(q_value, tl.trans(latent), input_precision="ieee")
-        scores += tl.dot(q_rest, tl.trans(rope), input_precision="ieee")
-        if QUANTIZED:  # q . (row * s) = (q . row) * s
-            row_scales = tl.load(scales_ptr + block * stride_scales_block
-                                 + (positions % BLOCK_SIZE) * stride_scales_pos, mask=pos_ok, other=0.0).to(tl.float32)
-            scores = scores * row_scales[None, :]
+        rest_scores = tl.dot(q_rest, tl.trans(rope), input_precision="ieee")
+        if QUANTIZED:  # q . (row * s) = (q . row) * s, for each part of the row with its own scale
+            row_scales = scales_ptr + block * stride_scales_block + (positions % BLOCK_SIZE) * stride_scales_pos
+            latent_scales = tl.load(row_scales, mask=pos_ok, other=0.0).to(tl.float32)
+            scores = scores * latent_scales[None, :]
+            if REST_SCALED:
+                rest_scales = tl.load(row_scales + stride_scales_part, mask=pos_ok, other=0.0).to(tl.float32)
+                rest_scores = rest_scores * rest_scales[None, :]
+            else:
+                rest_scores = rest_scores * latent_scales[None, :]
+        scores += rest_scores
         scores = tl.where(pos_ok[None, :], scores * scale, float("-inf"))
 
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -133,7 +141,7 @@ def _split_kernel(
         # the value is the latent already loaded as the key: no second read; an int8 row's scale goes on its weight
         weights = probs
         if QUANTIZED:
-            weights = probs * row_scales[None, :]
+            weights = probs * latent_scales[None, :]
         acc = acc * rescale[:, None] + tl.dot(weights.to(compute_dtype), latent, input_precision="ieee")
         running_max = new_max
 
@@ -158,7 +166,7 @@ def mla_decode_attention_triton(
     q, latent_pool, block_table, seq_lens, scale: float, value_dim: int, num_splits: int | None = None,
     latent_scales=None,
 ) -> torch.Tensor:
-    """latent_scales [num_blocks, block_size, 1]: an int8 pool's row scales (None: a float pool)."""
+    """latent_scales [num_blocks, block_size, 1 or 2]: a one-byte pool's row scales (None: a float pool)."""
     _check_args(q, latent_pool, block_table, seq_lens, value_dim)
     quantized = latent_scales is not None
     split_kernel, merge_kernel = _jitted_kernels()
@@ -181,12 +189,12 @@ def mla_decode_attention_triton(
     split_kernel[(head_tiles, num_splits, batch)](
         q, latent_pool, latent_scales if quantized else q, block_table, seq_lens, partial_out, partial_lse,  # q: unread
         scale, split_len,
-        *q.stride(), *latent_pool.stride(), *(latent_scales.stride()[:2] if quantized else (0, 0)),
+        *q.stride(), *latent_pool.stride(), *(latent_scales.stride() if quantized else (0, 0, 0)),
         *block_table.stride(),
         NUM_HEADS=num_heads, HEADS_PER_PROGRAM=_HEADS_PER_PROGRAM,
         VALUE_DIM=value_dim, VALUE_PAD=value_pad, REST_DIM=width - value_dim, REST_PAD=rest_pad,
         BLOCK_SIZE=block_size, KEYS_PER_STEP=keys_per_step, QUANTIZED=quantized,
-        num_warps=num_warps,
+        REST_SCALED=quantized and latent_scales.shape[-1] == 2, num_warps=num_warps,
     )
     merge_kernel[(batch, num_heads)](
         partial_out, partial_lse, out, *out.stride(),
@@ -198,7 +206,7 @@ def mla_decode_attention_triton(
 
 def mla_decode_attention(q, latent_pool, block_table, seq_lens, scale: float, value_dim: int,
                          latent_scales=None) -> torch.Tensor:
-    """latent_scales [num_blocks, block_size, 1]: an int8 pool's row scales (None: a float pool)."""
+    """latent_scales [num_blocks, block_size, 1 or 2]: a one-byte pool's row scales (None: a float pool)."""
     if use_triton(q, latent_pool, block_table, seq_lens):
         return mla_decode_attention_triton(q, latent_pool, block_table, seq_lens, scale, value_dim,
                                            latent_scales=latent_scales)

@@ -1,5 +1,5 @@
 """The one-byte KV caches (Engine(kv_dtype="int8" or "fp8")): rows stored as int8 or float8 e4m3 with a scale per
-token and KV head, for every architecture with a per-token cache, in both layouts. The stored rows are what an
+token and KV head (an MLA latent row: one for the latent, one for its rotary part), for every architecture with a per-token cache, in both layouts. The stored rows are what an
 independent rounding gives, paged equals contiguous token for token, the bytes allocated are the analytic bytes with
 their scales, decoding stays within rounding of the float cache, and bad settings fail before any work."""
 import pytest
@@ -42,6 +42,26 @@ def test_fp8_rows_keep_e4m3_precision():
     assert ((stored - scaled).abs() <= 2 ** -10 + 1e-6)[~normal].all()  # subnormals: steps of 2^-9
     assert torch.allclose(stored.abs().amax(dim=-1), torch.full((4, 3), 448.0))
     assert torch.equal(store.values.float().to(torch.float8_e4m3fn).float(), store.values.float())
+
+
+def test_a_latent_row_keeps_a_scale_for_its_latent_and_one_for_its_rotary_part():
+    """MLA caches the normalised latent and the rotary part of the key side by side, of very different sizes: each
+    part is rounded in steps of its own max |x| / 127 (one scale for both would round the latent in the rotary
+    part's steps), and a token costs its row in bytes plus two scales, in the engine's allocation too."""
+    rows = torch.randn(2, 7, 24, generator=torch.Generator().manual_seed(1))
+    rows[..., 16:] *= 20
+    store = QuantizedRows.zeros(2, 7, 24, dtype=torch.float32, device="cpu", split=16)
+    store[:, :] = rows
+    for part in (slice(0, 16), slice(16, 24)):
+        step = rows[..., part].abs().amax(dim=-1, keepdim=True) / 127
+        assert (store[:, :][..., part] - rows[..., part]).abs().le(step / 2 + 1e-6).all()
+    assert store.nbytes == 2 * 7 * (24 + 2 * 4)
+    model = zoo.build("mla", preset="tiny")
+    mixer = model.blocks[0].mixer
+    row = mixer.kv_lora_rank + mixer.rope_dim
+    assert zoo.cache_bytes(model, 10, kv_format="int8") == 10 * len(model.blocks) * (row + 2 * 4)  # fp32 scales
+    engine = Engine(model, max_batch=1, max_seq_len=10, kv_dtype="int8")
+    assert engine.cache_bytes_allocated == 10 * len(model.blocks) * (row + 2 * 4)
 
 
 @pytest.mark.parametrize("arch,kv_format", [(a, "int8") for a in KV_ARCHS] + [(a, "fp8") for a in ("gqa", "mla", "swa")])

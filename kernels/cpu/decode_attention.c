@@ -8,8 +8,9 @@
  * heads that share it (GQA without repeating K/V), keeps an online softmax in fp32, and a second pass merges the
  * splits by their log-sum-exp (flash-decoding). Rows are converted to fp32 one at a time, so 16-bit caches are
  * read as they are, and so are one-byte caches (the engine's kv_dtype "int8" and "fp8"): an int8 or float8 e4m3 row
- * times its scale, which lives in a tensor of its own, one per row, in the query's dtype. Built at first use by kernels/cpu_decode.py with the
- * compiler flags written there.
+ * times its scale, which lives in a tensor of its own, one per row, in the query's dtype (an MLA latent row has two:
+ * its first k_split columns, the latent, under one and the rotary key part under the other). Built at first use by
+ * kernels/cpu_decode.py with the compiler flags written there.
  */
 #include <math.h>
 #include <omp.h>
@@ -45,6 +46,8 @@ typedef struct {
     int64_t k_block, k_pos, k_head, v_block, v_pos, v_head;
     const void *ks, *vs; /* one-byte rows' scales (NULL: float rows in dtype) */
     int64_t ks_block, ks_pos, ks_head, vs_block, vs_pos, vs_head;
+    int64_t ks_part; /* a key row's second scale, this far from its first (used past column k_split) */
+    int k_split;     /* key columns under a row's first scale: dk, or the latent's width */
     int64_t block_size;
     int heads, kv_heads, kv_per_task, dk, dv, dtype;
     int fp8; /* rows are float8 e4m3 (1) or int8 (0) */
@@ -87,9 +90,10 @@ typedef struct {
 } Rows;
 
 /* Rows [first, first + n) of one KV head as fp32 pointers: in place for an fp32 cache, converted into buf
- * (n rows of `width`) otherwise; one-byte rows (scales.base not NULL), int8 or fp8, times their scales. */
-static void tile_rows(const Cache *c, Rows rows_at, Rows scales, const int32_t *table_row, int kv, int64_t first, int n,
-                      int width, float *buf, const float **rows) {
+ * (n rows of `width`) otherwise; one-byte rows (scales.base not NULL), int8 or fp8, times their scales: columns
+ * before `split` times a row's first scale, the rest times its second, `part` elements further on. */
+static void tile_rows(const Cache *c, Rows rows_at, Rows scales, int split, int64_t part, const int32_t *table_row,
+                      int kv, int64_t first, int n, int width, float *buf, const float **rows) {
     int64_t offsets[TILE];
     row_offsets(c, rows_at.block, rows_at.pos, rows_at.head, table_row, kv, first, n, offsets);
     if (!scales.base) {
@@ -101,10 +105,15 @@ static void tile_rows(const Cache *c, Rows rows_at, Rows scales, const int32_t *
     for (int t = 0; t < n; t++) {
         const int8_t *src = (const int8_t *)rows_at.base + offsets[t];
         float scale = load1(scales.base, scale_offsets[t], c->dtype), *row = buf + (int64_t)t * width;
-        if (c->fp8)
-            for (int i = 0; i < width; i++) row[i] = scale * fp8_e4m3((uint8_t)src[i]);
-        else
-            for (int i = 0; i < width; i++) row[i] = scale * (float)src[i];
+        float rest = split < width ? load1(scales.base, scale_offsets[t] + part, c->dtype) : scale;
+        int head = split < width ? split : width;
+        if (c->fp8) {
+            for (int i = 0; i < head; i++) row[i] = scale * fp8_e4m3((uint8_t)src[i]);
+            for (int i = head; i < width; i++) row[i] = rest * fp8_e4m3((uint8_t)src[i]);
+        } else {
+            for (int i = 0; i < head; i++) row[i] = scale * (float)src[i];
+            for (int i = head; i < width; i++) row[i] = rest * (float)src[i];
+        }
         rows[t] = row;
     }
 }
@@ -151,7 +160,7 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int6
         float *out = out_task + (int64_t)(kv - kv0) * group * dv;
         float *max_out = max_task + (kv - kv0) * group, *sum_out = sum_task + (kv - kv0) * group;
         tile_rows(c, (Rows){c->k, c->k_block, c->k_pos, c->k_head}, (Rows){c->ks, c->ks_block, c->ks_pos, c->ks_head},
-                  table_row, kv, first, n, dk, work, krows);
+                  c->k_split, c->ks_part, table_row, kv, first, n, dk, work, krows);
         for (int g = 0; g < group; g++) {  /* scores: four keys at a time, four independent dot products */
             const float *qg = q + (int64_t)g * dk;
             int t = 0;
@@ -186,8 +195,9 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int6
             float *acc = out + (int64_t)g * dv;
             for (int d = 0; d < dv; d++) acc[d] *= rescale;
         }
+        /* a value row has one scale (a latent's value is its first dv columns, under the first) */
         tile_rows(c, (Rows){c->v, c->v_block, c->v_pos, c->v_head}, (Rows){c->vs, c->vs_block, c->vs_pos, c->vs_head},
-                  table_row, kv, first, n, dv, work + TILE * dk, vrows);
+                  dv, 0, table_row, kv, first, n, dv, work + TILE * dk, vrows);
         for (int g = 0; g < group; g++) {  /* values: 32 output columns stay in 4 registers over the whole tile */
             const float *p = scores[g];
             float *acc = out + (int64_t)g * dv;
@@ -222,13 +232,13 @@ int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int
                      const int32_t *table, int64_t table_stride, int64_t block_size, const int32_t *seq_lens,
                      const int32_t *starts, int64_t sinks, int batch, int heads, int kv_heads, int kv_per_task, int dk, int dv,
                      float scale, int splits, void *out, int64_t out_b, int64_t out_h, int dtype, int threads,
-                     int fp8_rows) {
+                     int fp8_rows, int64_t ks_part, int k_split) {
     if (kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_HEADS || dk > MAX_DIM || dv > MAX_DIM ||
-        splits < 1 || kv_per_task < 1 || kv_heads % kv_per_task)
+        splits < 1 || kv_per_task < 1 || kv_heads % kv_per_task || k_split < 1 || k_split > dk)
         return -1;
     int group = heads / kv_heads, chunks = kv_heads / kv_per_task, task_heads = group * kv_per_task;
     Cache c = {k, v, k_block, k_pos, k_head, v_block, v_pos, v_head, ks, vs, ks_block, ks_pos, ks_head, vs_block,
-               vs_pos, vs_head, block_size, heads, kv_heads, kv_per_task, dk, dv, dtype, fp8_rows};
+               vs_pos, vs_head, ks_part, k_split, block_size, heads, kv_heads, kv_per_task, dk, dv, dtype, fp8_rows};
     /* task = (sequence, chunk of kv_per_task KV heads, split of the keys); partials [task][task_heads] */
     int64_t tasks = (int64_t)batch * chunks * splits, work_floats = (int64_t)TILE * (dk + dv);
     float *partial = malloc(sizeof(float) * (tasks * task_heads * (dv + 2) + (int64_t)batch * heads * dk));

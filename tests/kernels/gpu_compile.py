@@ -148,10 +148,10 @@ def gemv_case(dtype, int4: bool):
 
 
 def mla_case(dtype, element=None):
-    def call():  # DeepSeek-V2's latent: 512 + 64 rope columns, 128 heads; a one-byte element: a scale per row
+    def call():  # DeepSeek-V2's latent: 512 + 64 rope columns, 128 heads; one-byte: a scale for each of the two
         q = torch.empty(2, 128, 576, dtype=dtype)
         pool = torch.empty(32, 16, 576, dtype=element or dtype)
-        scales = None if element is None else torch.empty(32, 16, 1, dtype=dtype)
+        scales = None if element is None else torch.empty(32, 16, 2, dtype=dtype)
         mla_attention.mla_decode_attention_triton(q, pool, torch.zeros(2, 8, dtype=torch.int32),
                                                   torch.full((2,), 100, dtype=torch.int32), 0.1, 512,
                                                   latent_scales=scales)

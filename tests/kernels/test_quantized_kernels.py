@@ -8,6 +8,7 @@ from cache.quantized_rows import quantize_rows
 from kernels.mla_attention import mla_decode_attention_ref, mla_decode_attention_triton
 from kernels.paged_attention import paged_decode_attention_ref, paged_decode_attention_triton
 from kernels.quantized_matmul import int4_matmul_ref, int8_matmul_ref, quantized_gemv_triton
+from kernels.row_scales import spread_scales
 from zoo.quantize import quantize_int4, quantize_int8
 
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=2e-2, rtol=2e-2)}
@@ -51,19 +52,22 @@ def test_one_byte_paged_decode_equals_the_reference(force_triton, paged_cache, h
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("split", [None, 32])
 @pytest.mark.parametrize("kv_format", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_one_byte_mla_decode_equals_the_reference(force_triton, paged_cache, dtype, kv_format):
-    """An int8 or fp8 latent pool (one scale per row): 48-wide rows of which the first 32 are the value. Rows no
-    sequence owns get a NaN scale, so a kernel that reads one shows it."""
+def test_one_byte_mla_decode_equals_the_reference(force_triton, paged_cache, dtype, kv_format, split):
+    """An int8 or fp8 latent pool: 48-wide rows of which the first 32 are the value, with one scale per row or (split
+    32, the engine's latent rows) one for the value columns and one for the other 16, which here are 8x larger. Rows
+    no sequence owns get NaN scales, so a kernel that reads one shows it."""
     cache = paged_cache([1, 19, 70, 33], 16, 1, 48, 48, torch.float32, "cpu")
-    rows = cache.k_pool[:, :, 0]  # [blocks, block_size, 48]
-    latent, latent_scales = quantize_rows(rows.nan_to_num(), kv_format)
-    latent_scales[rows.isnan().any(-1, keepdim=True)] = float("nan")
+    rows = cache.k_pool[:, :, 0] * torch.cat([torch.ones(32), torch.full((16,), 8.0)])  # [blocks, block_size, 48]
+    latent, latent_scales = quantize_rows(rows.nan_to_num(), kv_format, split)
+    latent_scales[rows.isnan().any(-1)] = float("nan")
     q = torch.randn(4, 5, 48, generator=torch.Generator().manual_seed(4)).to(dtype)
     args = (q, latent, cache.block_table, cache.seq_lens, 0.2, 32)
     want = mla_decode_attention_ref(*args, latent_scales=latent_scales)
-    dequantized = mla_decode_attention_ref(q.float(), latent.float() * latent_scales, *args[2:])
+    dequantized = mla_decode_attention_ref(q.float(), latent.float() * spread_scales(latent_scales, split, 48),
+                                           *args[2:])
     torch.testing.assert_close(want.float(), dequantized, **TOLERANCE[dtype])
     got = mla_decode_attention_triton(*args, latent_scales=latent_scales.to(dtype))
     assert got.dtype == dtype
@@ -94,6 +98,12 @@ def test_cpu_kernel_reads_one_byte_caches_in_every_layout(paged_cache, dtype, kv
     mla_args = (q, latent, cache.block_table, cache.seq_lens, 0.1, 16)
     torch.testing.assert_close(mla_decode_attention(*mla_args, latent_scales).float(),
                                mla_decode_attention_ref(*mla_args, latent_scales).float(), **tolerance)
+    # the engine's latent rows: a scale for the 16 value columns and one for the rest
+    latent, latent_scales = quantize_rows(cache.k_pool[:, :, 0].nan_to_num(), kv_format, split=16)
+    latent_scales = latent_scales.to(dtype)
+    torch.testing.assert_close(mla_decode_attention(*mla_args[:1], latent, *mla_args[2:], latent_scales).float(),
+                               mla_decode_attention_ref(*mla_args[:1], latent, *mla_args[2:], latent_scales).float(),
+                               **tolerance)
     rows, row_scales = quantize_rows(torch.randn(3, 2, 40, 32, generator=torch.Generator().manual_seed(3)), kv_format)
     row_scales = row_scales.to(dtype)
     slots, lengths = torch.tensor([2, 0]), torch.tensor([40, 7], dtype=torch.int32)
@@ -101,6 +111,13 @@ def test_cpu_kernel_reads_one_byte_caches_in_every_layout(paged_cache, dtype, kv
                                            lengths, 0.2, 32)
     got = contiguous_decode_attention(q[:2], rows, rows, slots, lengths, 0.2, 32, k_scales=row_scales,
                                       v_scales=row_scales)
+    torch.testing.assert_close(got.float(), want.float(), **tolerance)
+    rows, row_scales = quantize_rows(torch.randn(3, 1, 40, 32, generator=torch.Generator().manual_seed(6)), kv_format,
+                                     split=24)  # a contiguous latent cache: 24 value columns, then 8
+    row_scales = row_scales.to(dtype)
+    dequantized = rows.to(dtype) * spread_scales(row_scales, 24, 32)
+    want = contiguous_decode_attention_ref(q[:2], dequantized, None, slots, lengths, 0.2, 24)
+    got = contiguous_decode_attention(q[:2], rows, None, slots, lengths, 0.2, 24, k_scales=row_scales)
     torch.testing.assert_close(got.float(), want.float(), **tolerance)
 
 
