@@ -38,13 +38,14 @@ from harness.recall.suite import RecallSettings, make_data, train_config
 from harness.recall.train import RECIPE_LAYERS, evaluate, labelled_logits, train_recall
 from harness.quant_calibration import Calibration, awq_quantize, greedy_tokens
 from harness.results import ResultStore
-from harness.train.corpus import load_corpus, validation_windows
+from harness.train.corpus import load_corpus, training_batch, validation_windows
 from harness.train.objective import validation_bpb
 from harness.train.checkpoint import read_train_state
 
 VARIANTS = {"int8": zoo.QuantizeConfig("int8"), "int4 rtn": zoo.QuantizeConfig("int4", group_size=32),
             "int4 awq": zoo.QuantizeConfig("int4", group_size=32, method="awq")}
 KEY = ("task", "arch", "variant")
+TRAINING_PROMPT_SEED = 7  # --agreement-prompts training: not Calibration's seed, so not the prompts AWQ judged by
 
 
 def agreement(model, quantized, prompts: list[list[int]], new_tokens: int) -> tuple[list[float], float]:
@@ -54,6 +55,14 @@ def agreement(model, quantized, prompts: list[list[int]], new_tokens: int) -> tu
     same = [sum(a == b for a, b in zip(x, y)) / new_tokens for x, y in zip(*runs)]
     first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), new_tokens) for x, y in zip(*runs)]
     return same, sum(first) / len(first)
+
+
+def agreement_prompts(corpus, args) -> list[list[int]]:
+    """The prompts greedy agreement runs from: held-out validation windows, or (--agreement-prompts training)
+    training-split windows of another seed than AWQ's calibration prompts, to tell a split's text from the rest."""
+    if args.agreement_prompts == "training":
+        return training_batch(corpus, TRAINING_PROMPT_SEED, 1, args.prompts, args.prompt_len).tolist()
+    return validation_windows(corpus, args.prompts, args.prompt_len).tolist()
 
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -79,7 +88,7 @@ def lm_rows(arch: str, folder: Path, args) -> list[dict]:
     context = state["settings"]["context"]
     windows = validation_windows(corpus, 256, context + 1)
     calibration = Calibration(windows=args.calibration_windows, prompts=args.calibration_prompts)
-    prompts = validation_windows(corpus, args.prompts, args.prompt_len).tolist()
+    prompts = agreement_prompts(corpus, args)
     base = validation_bpb(model, windows, 32)
     rows = [{"task": "lm", "arch": arch, "variant": "none", "val_bpb": base, "weight_bytes": zoo.parameter_bytes(model)}]
     per_prompt = {}
@@ -189,11 +198,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lm-dir", default="runs/lm/tiny", help="zoo train outputs, one folder per architecture")
     parser.add_argument("--archs", default="gqa,mla,mamba,hybrid-1in6")
-    parser.add_argument("--recall-archs", default="gqa,mla,mamba,hybrid")
+    parser.add_argument("--recall-archs", default="gqa,mla,mamba,hybrid", help="MQAR models to train (empty: none)")
     parser.add_argument("--recall-steps", type=int, default=1500)
     parser.add_argument("--recall-test-examples", type=int, default=2000)
     parser.add_argument("--prompts", type=int, default=2048,
                         help="held-out prompts for greedy agreement (at 512 the paired AWQ - RTN standard error is 1 point)")
+    parser.add_argument("--agreement-prompts", choices=("validation", "training"), default="validation",
+                        help="where greedy agreement's prompts come from (training: another seed than AWQ's)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--calibration-windows", type=int, default=64, help="AWQ's training-split windows of 256 bytes")
@@ -206,15 +217,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     store = ResultStore(Path(args.out) / "results.jsonl", KEY)
-    for arch in args.archs.split(","):
+    for arch in filter(None, args.archs.split(",")):
         if not store.done({"task": "lm", "arch": arch, "variant": "none"}):
             for row in lm_rows(arch, Path(args.lm_dir) / arch, args):
                 store.append(row)
-    for arch in args.archs.split(","):
+    for arch in filter(None, args.archs.split(",")):
         if not store.done({"task": "kv", "arch": arch, "variant": "int8"}):
             for row in kv_rows(arch, Path(args.lm_dir) / arch, args):
                 store.append(row)
-    for arch in args.recall_archs.split(","):
+    for arch in filter(None, args.recall_archs.split(",")):
         if not store.done({"task": "mqar", "arch": arch, "variant": "none"}):
             for row in recall_rows(arch, args):
                 store.append(row)
