@@ -213,8 +213,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--quant-group", type=int, default=d.quant_group, help=f"int4 group size: 32, 64 or 128 "
                    f"(default: {d.quant_group})")
     c.add_argument("--quant-method", default=d.quant_method, choices=["rtn", "awq"], help="round to nearest, or "
-                   "activation-aware scales calibrated on training-corpus windows and judged by greedy agreement on training "
-                   "prompts (default: rtn)")
+                   "activation-aware scales calibrated on training-corpus windows and judged by greedy agreement on "
+                   "training prompts (default: rtn)")
     c.add_argument("--kv-dtypes", type=name_list, default=d.kv_dtypes, help="comma-separated per-token cache "
                    "storage: auto (the model's dtype), int8 or fp8 (e4m3; either with a scale per token and KV head) "
                    f"(default: {','.join(d.kv_dtypes)})")

@@ -38,9 +38,9 @@ def contiguous_decode_attention(q, k, v, slots, seq_lens, scale: float, value_di
                                 v_scales=None) -> torch.Tensor:
     """rows_read: rows the SDPA path reads (default: all; a compiled step passes a fixed number so its shapes do
     not change with the lengths). slot_range: the same rows as `slots` when they are consecutive (SDPA reads a view).
-    k_scales, v_scales: a one-byte (int8 / fp8) cache's row scales [slots, kv_heads, rows, 1] (None: a float cache; v_scales None
-    with v None: a latent cache, whose values are its keys; its k_scales may be [..., 2], for the value_dim latent
-    columns and the rest, cache/quantized_rows.py)."""
+    k_scales, v_scales: a one-byte (int8 / fp8) cache's row scales [slots, kv_heads, rows, 1] (None: a float cache;
+    v_scales None with v None: a latent cache, whose values are its keys; its k_scales may be [..., 2], for the
+    value_dim latent columns and the rest, cache/quantized_rows.py)."""
     if use_cpu_kernel(q, k) and cpu_decode.fits(q, k, k.shape[1], value_dim, k_scales):
         return cpu_decode.contiguous_decode_attention_cpu(q, k, v, slots, seq_lens, scale, value_dim, k_scales, v_scales)
     rows = slots if slot_range is None else slot_range

@@ -1,7 +1,8 @@
 """The one-byte KV caches (Engine(kv_dtype="int8" or "fp8")): rows stored as int8 or float8 e4m3 with a scale per
-token and KV head (an MLA latent row: one for the latent, one for its rotary part), for every architecture with a per-token cache, in both layouts. The stored rows are what an
-independent rounding gives, paged equals contiguous token for token, the bytes allocated are the analytic bytes with
-their scales, decoding stays within rounding of the float cache, and bad settings fail before any work."""
+token and KV head (an MLA latent row: one for the latent, one for its rotary part), for every architecture with a
+per-token cache, in both layouts. The stored rows are what an independent rounding gives, paged equals contiguous
+token for token, the bytes allocated are the analytic bytes with their scales, decoding stays within rounding of the
+float cache, and bad settings fail before any work."""
 import pytest
 import torch
 
