@@ -14,7 +14,8 @@ import zoo
 from harness import cli
 from harness.train import TrainSettings, load_corpus, run_train, training_batch, unigram_bpb, validation_windows
 from harness.train import checkpoint, objective, trainer
-from harness.train.corpus import VALIDATION_SHARE, hash_fraction, stdlib_files, stdlib_root
+from harness.train.corpus import (VALIDATION_SHARE, hash_fraction, stdlib_files, stdlib_root, training_starts,
+                                  validation_starts)
 from harness.train.schedule import FINAL_SHARE, lr_factor, progress
 
 # a run that takes a second: the tiny preset on 32-byte windows, 8 per step, steps only (no clock in the schedule)
@@ -92,6 +93,30 @@ def test_batches_are_a_function_of_seed_and_step(corpus_dir):
     windows = validation_windows(corpus, 8, 33)
     assert torch.equal(windows, validation_windows(corpus, 8, 33))
     assert all(bytes(row.tolist()) in corpus.validation.tobytes() for row in windows)
+
+
+def test_a_window_start_is_traced_to_its_file(tmp_path):
+    # the files are told apart by their bytes: file i is all byte i
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    sizes = [300, 50, 700, 1, 120, 400, 90, 260]
+    for i, size in enumerate(sizes):
+        (folder / f"f{i}.txt").write_bytes(bytes([i]) * size)
+    corpus = load_corpus(folder)
+    for side, data in (("train", corpus.train), ("validation", corpus.validation)):
+        names = corpus.file_names[side]
+        assert corpus.file_ends[side][-1] == len(data)
+        offsets = np.arange(len(data))
+        assert [names[i] for i in corpus.files_at(side, offsets)] == [f"f{b}.txt" for b in data.tolist()]
+    starts = validation_starts(corpus, 16, 1)
+    assert torch.equal(validation_windows(corpus, 16, 1)[:, 0], torch.from_numpy(corpus.validation[starts]).long())
+    starts = training_starts(corpus, 3, 2, 16, 1)
+    assert torch.equal(training_batch(corpus, 3, 2, 16, 1)[:, 0], torch.from_numpy(corpus.train[starts]).long())
+    text = tmp_path / "one.txt"
+    text.write_bytes(bytes(range(200)))
+    single = load_corpus(text)
+    assert single.file_names == {"train": ("one.txt",), "validation": ("one.txt",)}
+    assert single.files_at("validation", [0, 9]).tolist() == [0, 0]
 
 
 # ---- schedule and baseline ---------------------------------------------------------------------------------------

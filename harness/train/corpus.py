@@ -18,7 +18,7 @@ fixed seed, the same for every run and architecture on the same corpus.
 """
 import hashlib
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +34,14 @@ class Corpus:
     train: np.ndarray  # uint8 bytes of the training split
     validation: np.ndarray  # uint8 bytes of the validation split
     description: dict  # source, path, files and bytes per split: recorded with results, checked on resume
+    # per split ("train", "validation"): its files' names in order and where each ends (bytes, cumulative), so a
+    # window's file can be told (samples drawn from one file are not independent of each other)
+    file_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    file_ends: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def files_at(self, side: str, offsets: np.ndarray) -> np.ndarray:
+        """Index (into file_names[side]) of the file holding each byte offset of split `side`."""
+        return np.searchsorted(self.file_ends[side], np.asarray(offsets), side="right")
 
 
 def stdlib_root() -> Path:
@@ -87,11 +95,14 @@ def folder_corpus(root: Path, files: list[Path], source: str) -> Corpus:
     fractions = {relative: hash_fraction(relative) for relative in texts}
     held_out = ({r for r, f in fractions.items() if f < VALIDATION_SHARE}
                 or {min((r for r in texts if texts[r]), key=fractions.get)})  # no file hashed low: the lowest non-empty
-    splits = {side: [texts[r] for r in sorted(texts) if (r in held_out) == side] for side in (False, True)}
-    train, validation = (np.frombuffer(b"".join(splits[side]), dtype=np.uint8) for side in (False, True))
+    names = {side: tuple(r for r in sorted(texts) if (r in held_out) == side) for side in (False, True)}
+    train, validation = (np.frombuffer(b"".join(texts[r] for r in names[side]), dtype=np.uint8) for side in (False, True))
     return Corpus(train, validation, {
-        "source": source, "path": str(root.resolve()), "train_files": len(splits[False]),
-        "validation_files": len(splits[True]), "train_bytes": len(train), "validation_bytes": len(validation)})
+        "source": source, "path": str(root.resolve()), "train_files": len(names[False]),
+        "validation_files": len(names[True]), "train_bytes": len(train), "validation_bytes": len(validation)},
+        {"train": names[False], "validation": names[True]},
+        {"train": np.cumsum([len(texts[r]) for r in names[False]]),
+         "validation": np.cumsum([len(texts[r]) for r in names[True]])})
 
 
 def file_corpus(path: Path) -> Corpus:
@@ -99,7 +110,9 @@ def file_corpus(path: Path) -> Corpus:
     cut = len(data) - round(len(data) * VALIDATION_SHARE)
     return Corpus(data[:cut], data[cut:], {
         "source": "file", "path": str(path.resolve()), "train_files": 1, "validation_files": 1,
-        "train_bytes": cut, "validation_bytes": len(data) - cut})
+        "train_bytes": cut, "validation_bytes": len(data) - cut},
+        {"train": (path.name,), "validation": (path.name,)},
+        {"train": np.array([cut]), "validation": np.array([len(data) - cut])})
 
 
 def check_window_fits(corpus: Corpus, length: int) -> None:
@@ -111,17 +124,31 @@ def check_window_fits(corpus: Corpus, length: int) -> None:
                              f"(context + 1); use a larger corpus or a shorter context")
 
 
-def windows(data: np.ndarray, count: int, length: int, generator: np.random.Generator) -> torch.Tensor:
-    """`count` windows of `length` bytes at uniformly random offsets, as token ids [count, length]."""
-    starts = generator.integers(0, len(data) - length + 1, size=count)
+def window_starts(size: int, count: int, length: int, generator: np.random.Generator) -> np.ndarray:
+    """`count` uniformly random offsets of `length`-byte windows in `size` bytes."""
+    return generator.integers(0, size - length + 1, size=count)
+
+
+def windows_at(data: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:
+    """The windows of `length` bytes at `starts`, as token ids [len(starts), length]."""
     return torch.from_numpy(data[starts[:, None] + np.arange(length)].astype(np.int64))
+
+
+def training_starts(corpus: Corpus, seed: int, step: int, batch_size: int, length: int) -> np.ndarray:
+    """Where step `step`'s batch windows start in the training split: drawn by a generator seeded from (seed, step)."""
+    return window_starts(len(corpus.train), batch_size, length, np.random.default_rng([seed, step]))
 
 
 def training_batch(corpus: Corpus, seed: int, step: int, batch_size: int, length: int) -> torch.Tensor:
     """Step `step`'s batch: drawn by a generator seeded from (seed, step) alone."""
-    return windows(corpus.train, batch_size, length, np.random.default_rng([seed, step]))
+    return windows_at(corpus.train, training_starts(corpus, seed, step, batch_size, length), length)
+
+
+def validation_starts(corpus: Corpus, count: int, length: int) -> np.ndarray:
+    """Where the fixed validation windows start in the validation split."""
+    return window_starts(len(corpus.validation), count, length, np.random.default_rng(VALIDATION_SEED))
 
 
 def validation_windows(corpus: Corpus, count: int, length: int) -> torch.Tensor:
     """The fixed validation set: the same windows at every evaluation, for every run on this corpus."""
-    return windows(corpus.validation, count, length, np.random.default_rng(VALIDATION_SEED))
+    return windows_at(corpus.validation, validation_starts(corpus, count, length), length)
