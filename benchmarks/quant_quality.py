@@ -76,15 +76,16 @@ def agreement_prompts(corpus, args) -> tuple[list[list[int]], list[str]]:
 
 def awq_against_rtn(awq: dict[str, list[float]], rtn: dict[str, list[float]], files: list[str]) -> dict:
     """AWQ's per-prompt measures against RTN's (agreement(), same prompts): each mean difference with its
-    file-clustered and its per-prompt standard error, and the difference within the file most prompts come from and
-    over the others."""
+    file-clustered (prompt by prompt where all come from one file) and its per-prompt standard error, and the
+    difference within the file most prompts come from and over the others."""
+    clusters = files if len(set(files)) > 1 else None  # a single-file corpus: one cluster has no error of its own
     top = max(set(files), key=files.count)
     inside = [i for i, f in enumerate(files) if f == top]
     outside = [i for i, f in enumerate(files) if f != top]
     row = {"agreement_files": len(set(files)), "top_file": top, "top_file_prompts": len(inside)}
     for measure in awq:
         a, b = awq[measure], rtn[measure]
-        difference, error = paired_difference(a, b, files)
+        difference, error = paired_difference(a, b, clusters)
         row.update({f"{measure}_vs_rtn": difference, f"{measure}_vs_rtn_se": error,
                     f"{measure}_vs_rtn_se_prompts": paired_difference(a, b)[1]})
         for part, index in (("top_file", inside), ("other_files", outside)):

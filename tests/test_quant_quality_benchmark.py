@@ -26,3 +26,11 @@ def test_awq_against_rtn_clusters_by_file_and_splits_off_the_most_drawn_file():
         assert row[f"{measure}_vs_rtn_other_files"] == pytest.approx(sum(d[5:]) / 4)
         assert row[f"{measure}_vs_rtn_other_files_se"] == pytest.approx(
             paired_difference(awq[measure][5:], rtn[measure][5:], files[5:])[1])
+
+
+def test_awq_against_rtn_on_a_single_file_corpus_counts_prompts():
+    awq, rtn = {"agreement": [0.5, 0.7, 0.6]}, {"agreement": [0.4, 0.4, 0.7]}
+    row = bench.awq_against_rtn(awq, rtn, ["one.txt"] * 3)
+    assert row["agreement_vs_rtn_se"] == pytest.approx(paired_difference(awq["agreement"], rtn["agreement"])[1])
+    assert row["agreement_vs_rtn_top_file"] == pytest.approx(row["agreement_vs_rtn"])
+    assert "agreement_vs_rtn_other_files" not in row

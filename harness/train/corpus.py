@@ -18,7 +18,7 @@ fixed seed, the same for every run and architecture on the same corpus.
 """
 import hashlib
 import sysconfig
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +36,8 @@ class Corpus:
     description: dict  # source, path, files and bytes per split: recorded with results, checked on resume
     # per split ("train", "validation"): its files' names in order and where each ends (bytes, cumulative), so a
     # window's file can be told (samples drawn from one file are not independent of each other)
-    file_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    file_ends: dict[str, np.ndarray] = field(default_factory=dict)
+    file_names: dict[str, tuple[str, ...]]
+    file_ends: dict[str, np.ndarray]
 
     def files_at(self, side: str, offsets: np.ndarray) -> np.ndarray:
         """Index (into file_names[side]) of the file holding each byte offset of split `side`."""
