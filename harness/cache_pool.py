@@ -34,29 +34,46 @@ def cache_groups(specs: list[CacheSpec]) -> list[CacheGroup]:
 
 class CachePool:
     def __init__(self, specs: list[CacheSpec], layout: str, max_batch: int, max_seq_len: int,
-                 block_size: int, num_blocks: list[int], dtype: torch.dtype, device, kv_format: str = "auto"):
+                 block_size: int, num_blocks: list[int], dtype: torch.dtype, device, kv_format: str = "auto",
+                 spare_slot: bool = False):
         """num_blocks: pool size of each cache group (paged layout). kv_format: how per-token caches store rows
-        (cache.KV_FORMATS)."""
+        (cache.KV_FORMATS). spare_slot: one more slot row (index max_batch) that no sequence owns, where the padding
+        rows of a graph-captured decode step write (harness/decode_graphs.py); not counted in nbytes."""
         self.specs, self.layout, self.block_size = specs, layout, block_size
         self.dtype, self.kv_format = dtype, kv_format
+        self.max_batch, self.spare_slot = max_batch, max_batch if spare_slot else None
+        slot_rows = max_batch + int(spare_slot)
         self.groups = cache_groups(specs)
         self.layers = [None] * len(specs)
         for g, group in enumerate(self.groups):
             for i in group.layers:
-                self.layers[i] = (ContiguousKV(specs[i], max_batch, max_seq_len, dtype, device, kv_format)
+                self.layers[i] = (ContiguousKV(specs[i], slot_rows, max_seq_len, dtype, device, kv_format)
                                   if layout == "contiguous"
                                   else PagedKV(specs[i], num_blocks[g], block_size, g, dtype, device, kv_format))
         for i, spec in enumerate(specs):
             if spec.kind == "state":  # one row per batch slot, in either layout
-                self.layers[i] = StateSlots(spec, max_batch, dtype, device)
+                self.layers[i] = StateSlots(spec, slot_rows, dtype, device)
             elif not spec.owns_memory:
                 self.layers[i] = self.layers[spec.source]  # cross-layer sharing: the producer's cache object
         self.state_slot_bytes = sum(spec.state_bytes(dtype) for spec in specs)
 
     @property
     def nbytes(self) -> int:
-        """Bytes actually allocated for the caches (the measured figure); a shared cache counts once."""
+        """Bytes actually allocated for the caches (the measured figure); a shared cache counts once; the spare slot
+        is the decode graphs' (spare_bytes)."""
+        return self.allocated_bytes - self.spare_bytes
+
+    @property
+    def allocated_bytes(self) -> int:
         return sum({id(layer): layer.nbytes for layer in self.layers}.values())
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of the spare slot row in the slot-indexed caches (contiguous rows, recurrent state); 0 without one."""
+        if self.spare_slot is None:
+            return 0
+        slotted = {id(layer): layer for layer in self.layers if isinstance(layer, (ContiguousKV, StateSlots))}
+        return sum(layer.nbytes // (self.max_batch + 1) for layer in slotted.values())
 
     def read_bytes(self, tokens: int) -> int:
         """Analytic cache bytes a decode step reads for one sequence of `tokens` tokens; a shared cache is read by

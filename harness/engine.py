@@ -10,7 +10,7 @@ from harness.beam_search import BeamOutput, BeamSearch, BeamSearchParams
 from harness.block_manager import BlockManager
 from harness.cache_pool import CachePool, size_cache
 from harness.decode_stats import DecodeStats
-from harness.engine_checks import check_options, check_speculative
+from harness.engine_checks import check_options, check_speculative, resolve_graph_mode
 from harness.model_runner import ModelRunner, prefill_batches
 from harness.sampling import SamplingParams, sample_token
 from harness.scheduler import Scheduler
@@ -41,7 +41,8 @@ class Engine:
                  block_size: int = 16, num_blocks: int | None = None, cache_budget_bytes: int | None = None,
                  compile: bool = False, admission: str = "reserve", max_num_batched_tokens: int | None = None,
                  prefix_caching: bool = False, speculative: SpeculativeConfig | None = None,
-                 quantize: "zoo.QuantizeConfig | None" = None, kv_dtype: str = "auto"):
+                 quantize: "zoo.QuantizeConfig | None" = None, kv_dtype: str = "auto",
+                 cuda_graphs: "bool | str | None" = None):
         """kv_cache: "contiguous" ([slots, kv_heads, max_seq_len, head_dim] per layer) or "paged" (block pool).
 
         num_blocks / cache_budget_bytes size the paged pool (default: room for max_batch full-length sequences;
@@ -68,11 +69,18 @@ class Engine:
         kv_dtype: "auto" (the model's dtype), "int8" or "fp8" (float8 e4m3): per-token caches (keys, values, MLA
         latents) stored one byte an element with a scale per token and KV head, about half the bytes of bf16;
         recurrent state keeps its declared dtype.
+        cuda_graphs: capture the decode step in a CUDA graph per batch-size bucket (1, 2, 4, 8, 16, 32, ... up to
+        max_batch) on its first use, pad each batch to its bucket and replay (harness/decode_graphs.py), so a step
+        costs its kernels, not their launches. None: on for a CUDA model where the engine allows it (else off, and
+        `cuda_graphs_off` says why); True: on, or a ValueError saying why not; False: off. "static": the same padded
+        step on the same buffers, run eagerly on any device (what the CPU tests check of capture's needs).
+        Prefill, chunked prefill and speculative verification run eagerly.
         """
         max_batch, max_seq_len, block_size, num_blocks, cache_budget_bytes, max_num_batched_tokens = check_options(
             model, max_batch, max_seq_len, kv_cache, block_size, num_blocks, cache_budget_bytes, compile, admission,
             max_num_batched_tokens, prefix_caching, kv_dtype, quantize)
         lookahead = check_speculative(speculative, model, compile, kv_cache, max_seq_len)
+        graph_mode, self.cuda_graphs_off = resolve_graph_mode(cuda_graphs, model, compile, kv_dtype, speculative)
         if quantize is not None:
             model = zoo.quantize(model, quantize)
         param = next(model.parameters())
@@ -93,13 +101,13 @@ class Engine:
                                            num_blocks, cache_budget_bytes, step_tokens, kv_dtype)
         self.max_batch, self.kv_dtype = max_batch, kv_dtype
         self.pool = CachePool(specs, kv_cache, max_batch, cache_len, block_size, num_blocks, self.dtype, self.device,
-                              kv_dtype)
+                              kv_dtype, spare_slot=graph_mode is not None)
         # one block manager per cache group (paged layout only)
         self.block_managers = [BlockManager(n, block_size, group.retention, admission, step_tokens=step_tokens,
                                             prefix_caching=prefix_caching)
                                for n, group in zip(num_blocks, self.pool.groups)]
         self.scheduler = Scheduler(max_batch, self.block_managers, prefix_caching, decode_tokens=lookahead + 1)
-        self.runner = ModelRunner(model, self.pool, self.block_managers, self.device, cache_len, compile)
+        self.runner = ModelRunner(model, self.pool, self.block_managers, self.device, cache_len, compile, graph_mode)
         self.speculator = None if speculative is None else SpeculativeDecoder(
             speculative, self.runner, kv_cache, max_batch, cache_len, block_size)
         self.tokenizer = ByteTokenizer()
@@ -163,6 +171,18 @@ class Engine:
                 seq.num_cached = len(seq.prompt_ids)
                 seq.output_ids.append(seq.prompt_ids[-1])
             return seqs
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode steps replay captured CUDA graphs."""
+        return self.runner.graphs is not None and self.runner.graphs.mode == "capture"
+
+    @property
+    def graph_bytes(self) -> int:
+        """Device bytes the decode graphs hold: their memory pool, static input buffers and the caches' spare slot
+        row for padding; 0 without graphs."""
+        graphs = self.runner.graphs
+        return 0 if graphs is None else graphs.nbytes + self.pool.spare_bytes
 
     @property
     def preemptions(self) -> int:

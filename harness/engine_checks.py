@@ -84,3 +84,29 @@ def check_speculative(speculative, model, compile: bool, kv_cache: str, max_seq_
                              f"fewer than the k + 1 = {k + 1} tokens a verification writes; lower k below {rows} or "
                              f"use kv_cache='paged'")
     return k
+
+
+def resolve_graph_mode(cuda_graphs, model, compile: bool, kv_dtype: str, speculative) -> tuple[str | None, str]:
+    """(the decode runner's graph mode: "capture", "static" or None; why graphs are off, "" when captured).
+    cuda_graphs=True where they cannot run is an error naming the reason."""
+    if not (cuda_graphs is None or isinstance(cuda_graphs, bool) or cuda_graphs == "static"):
+        raise ValueError(f"cuda_graphs must be None (on for CUDA), True, False or 'static', got {cuda_graphs!r}")
+    if cuda_graphs is False:
+        return None, "cuda_graphs=False"
+    device = next(model.parameters()).device
+    blockers = [
+        f"the model is on {device.type}: CUDA graphs need a CUDA device" if device.type != "cuda" else "",
+        "compile=True: the torch.compile'd step runs as compiled" if compile else "",
+        f"kv_dtype={kv_dtype!r}: the one-byte paged write selects its kept rows with nonzero(), a host "
+        f"synchronisation" if kv_dtype != "auto" else "",
+        "speculative decoding verifies k + 1 tokens a step, eagerly" if speculative is not None else "",
+    ]
+    static_blockers = [reason for reason in blockers[1:] if reason]
+    if cuda_graphs == "static":
+        if static_blockers:
+            raise ValueError(f"cuda_graphs='static' cannot run here: {static_blockers[0]}")
+        return "static", "cuda_graphs='static': the padded step runs eagerly, not captured"
+    reasons = [reason for reason in blockers if reason]
+    if reasons and cuda_graphs is True:
+        raise ValueError(f"cuda_graphs=True cannot run here: {reasons[0]}")
+    return (None, reasons[0]) if reasons else ("capture", "")

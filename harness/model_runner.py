@@ -4,22 +4,29 @@ import torch
 from cache import CacheBatch
 from harness.block_manager import BlockManager
 from harness.cache_pool import CachePool
+from harness.decode_graphs import DecodeGraphs, StepRows
 from harness.sequence import Sequence
 
 
 class ModelRunner:
     def __init__(self, model, pool: CachePool, block_managers: list[BlockManager], device, max_seq_len: int,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, graph_mode: str | None = None):
+        """graph_mode: None runs the decode step as it comes; "capture" replays it from a CUDA graph per batch-size
+        bucket, "static" runs the same padded step on the same buffers eagerly (harness/decode_graphs.py)."""
         self.model = model
         self.pool = pool
         self.block_managers = block_managers
         self.device = device
         self.max_seq_len = max_seq_len
-        self.compile_decode = compile_decode
-        # A compiled step needs fixed shapes: attend over the whole cache (masked) instead of the longest sequence.
+        # A compiled or captured step needs fixed shapes: attend over the whole cache (masked) instead of the longest
+        # sequence, with block tables as wide as max_seq_len needs.
+        self.fixed_shapes = compile_decode or graph_mode is not None
         # No weight freezing: oneDNN's pre-packed linears measured no faster than the eager GEMMs on CPU (gqa base,
         # batch 1 and 16, fp32 and bf16), and a frozen step would keep the weights it was compiled with.
         self.decode_forward = torch.compile(model, dynamic=False) if compile_decode else model
+        self.graphs = None if graph_mode is None else DecodeGraphs(
+            self.decode_forward, pool.layers, pool.max_batch, max_seq_len,
+            [manager.blocks_for(max_seq_len) for manager in block_managers], pool.spare_slot, device, graph_mode)
 
     @torch.inference_mode()
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
@@ -32,11 +39,11 @@ class ModelRunner:
         starts = [seq.num_cached for seq in seqs]
         tokens = torch.tensor([seq.prefill_ids[start:start + n] + [0] * (width - n)
                                for (seq, n), start in zip(chunks, starts)], device=self.device)
-        positions = torch.tensor([range(start, start + width) for start in starts], device=self.device)
+        positions = [list(range(start, start + width)) for start in starts]
         step = "prefill" if not any(starts) else "chunk" if width > 1 else "decode"
         batch = self.cache_batch(seqs, positions, [start + n for (_, n), start in zip(chunks, starts)], step)
         batch.padded = any(n < width for _, n in chunks)
-        logits = self.model(tokens, positions, self.pool.layers, batch, last_only=True)
+        logits = self.model(tokens, batch.positions, self.pool.layers, batch, last_only=True)
         for seq, n in chunks:
             seq.num_cached += n
         self.name_full_blocks(seqs)
@@ -45,15 +52,21 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each sequence's newest token; returns logits [B, vocab]."""
-        tokens = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)
-        positions = torch.tensor([[s.num_cached] for s in seqs], device=self.device)
+        tokens = [s.output_ids[-1] for s in seqs]
+        positions = [[s.num_cached] for s in seqs]
         lengths = [s.num_cached + 1 for s in seqs]
-        batch = self.cache_batch(seqs, positions, lengths, step="decode")
-        logits = self.decode_forward(tokens, positions, self.pool.layers, batch)
+        if self.graphs is not None:
+            tables, mappings = self.layout(seqs, positions, lengths)
+            logits = self.graphs.run(StepRows(tokens, [p for p, in positions], lengths, [s.slot for s in seqs],
+                                              tables, mappings))
+        else:
+            batch = self.cache_batch(seqs, positions, lengths, step="decode")
+            logits = self.decode_forward(torch.tensor([[t] for t in tokens], device=self.device), batch.positions,
+                                         self.pool.layers, batch)[:, -1]
         for s in seqs:
             s.num_cached += 1
         self.name_full_blocks(seqs)
-        return logits[:, -1]
+        return logits
 
     @torch.inference_mode()
     def feed(self, seqs: list, tokens: list[list[int]], checkpoints: bool = False,
@@ -65,10 +78,10 @@ class ModelRunner:
         t = len(tokens[0])
         starts = [s.num_cached for s in seqs]
         step = "prefill" if not any(starts) else "decode" if t == 1 else "chunk"
-        positions = torch.tensor([range(start, start + t) for start in starts], device=self.device)
+        positions = [list(range(start, start + t)) for start in starts]
         batch = self.cache_batch(seqs, positions, [start + t for start in starts], step, floors)
         batch.checkpoints = checkpoints
-        logits = self.model(torch.tensor(tokens, device=self.device), positions, self.pool.layers, batch)
+        logits = self.model(torch.tensor(tokens, device=self.device), batch.positions, self.pool.layers, batch)
         for s in seqs:
             s.num_cached += t
         if not checkpoints:
@@ -93,18 +106,32 @@ class ModelRunner:
             for s in seqs:
                 manager.name_full_blocks(s)
 
-    def cache_batch(self, seqs: list[Sequence], positions: torch.Tensor, lengths: list[int], step: str,
+    def cache_batch(self, seqs: list[Sequence], positions: list[list[int]], lengths: list[int], step: str,
                     floors: list[int] | None = None) -> CacheBatch:
+        """The step's CacheBatch: positions [B][T] of its new tokens, lengths [B] after it."""
         slots = [s.slot for s in seqs]
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        fixed = self.fixed_shapes and step == "decode"
         batch = CacheBatch(
-            positions=positions,
+            positions=torch.tensor(positions, device=self.device),
             lengths=torch.tensor(lengths, dtype=torch.int32, device=self.device),
-            max_length=self.max_seq_len if self.compile_decode and step == "decode" else max(lengths),
+            max_length=self.max_seq_len if fixed else max(lengths),
             step=step,
             slots=torch.tensor(slots, device=self.device),
             slot_range=slice(slots[0], slots[0] + len(slots)) if consecutive else None,
         )
+        tables, mappings = self.layout(seqs, positions, lengths, floors)
+        widths = [manager.blocks_for(self.max_seq_len) if fixed else max(map(len, rows))
+                  for manager, rows in zip(self.block_managers, tables)]
+        batch.block_tables = tuple(torch.tensor([row + [-1] * (width - len(row)) for row in rows], dtype=torch.int32,
+                                                device=self.device) for rows, width in zip(tables, widths))
+        batch.slot_mappings = tuple(torch.tensor(mapping, dtype=torch.int64, device=self.device) for mapping in mappings)
+        return batch
+
+    def layout(self, seqs: list[Sequence], positions: list[list[int]], lengths: list[int],
+               floors: list[int] | None = None) -> tuple[list[list[list[int]]], list[list[int]]]:
+        """Grow each cache group's block tables to the step's lengths (copying shared blocks it writes into first);
+        returns per group each sequence's block table and the flat pool slot of each new token (-1: not written)."""
         # a step on top of the cache reads its keys there: keep what its first query sees (prefill: none), or what
         # the shortest length a speculative rollback may return to sees
         firsts = floors or [s.num_cached + 1 if s.num_cached else None for s in seqs]
@@ -115,14 +142,10 @@ class ModelRunner:
             if manager.copies:  # copy-on-write: a shared block this step writes into, copied before the write
                 self.pool.copy_blocks(group, manager.copies)
                 manager.copies = []
-            rows = [manager.tables[s.request_id] for s in seqs]
-            width = manager.blocks_for(self.max_seq_len) if self.compile_decode else max(map(len, rows))
-            tables.append(torch.tensor([row + [-1] * (width - len(row)) for row in rows], dtype=torch.int32, device=self.device))
-            mapping = [manager.slot(s, p, first or n) if p < n else -1  # padding is not written
-                       for s, n, first, row in zip(seqs, lengths, firsts, positions.tolist()) for p in row]
-            mappings.append(torch.tensor(mapping, dtype=torch.int64, device=self.device))
-        batch.block_tables, batch.slot_mappings = tuple(tables), tuple(mappings)
-        return batch
+            tables.append([manager.tables[s.request_id] for s in seqs])
+            mappings.append([manager.slot(s, p, first or n) if p < n else -1  # padding is not written
+                             for s, n, first, row in zip(seqs, lengths, firsts, positions) for p in row])
+        return tables, mappings
 
 
 PADDING_WASTE = 0.25  # a batched prefill pads its rows to the longest: at most this share of its tokens is padding
