@@ -17,6 +17,7 @@ never touches a real sequence's cache. Its logits are dropped.
 "static" mode (any device) runs the same padded step on the same buffers eagerly, without capture: what the tests
 check on CPU (stable buffers, no host synchronisation, tokens equal to the plain step's).
 """
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +117,7 @@ class DecodeGraphs:
         self.steps: dict[int, tuple] = {}  # bucket -> (graph or None, its CacheBatch, its logits or None)
         self.memory_pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
         self.pool_bytes = 0  # device memory the captured graphs reserved
+        self.failure = ""  # why capture failed: every bucket then runs in "static" mode
 
     @property
     def nbytes(self) -> int:
@@ -130,8 +132,7 @@ class DecodeGraphs:
         n = len(step.tokens)
         rows = self.bucket(n)
         if rows not in self.steps:
-            self.steps[rows] = self.capture(rows) if self.mode == "capture" else (None, self.inputs.batch(
-                rows, self.max_length), None)
+            self.steps[rows] = self.prepare(rows)
         graph, batch, logits = self.steps[rows]
         self.inputs.write(step, rows)
         if graph is None:
@@ -139,6 +140,18 @@ class DecodeGraphs:
         else:
             graph.replay()
         return logits[:n, -1]
+
+    def prepare(self, rows: int) -> tuple:
+        """A bucket's (graph or None, CacheBatch, logits or None). A capture that fails leaves every bucket eager on
+        the static buffers, with a warning and the reason in `failure`, so the requests go on."""
+        if self.mode == "capture":
+            try:
+                return self.capture(rows)
+            except Exception as error:  # noqa: BLE001 - any capture failure falls back to the eager step
+                self.failure = f"capture of the batch-{rows} decode step failed: {type(error).__name__}: {error}"
+                warnings.warn(f"CUDA graphs off: {self.failure}", RuntimeWarning, stacklevel=3)
+                self.mode, self.steps = "static", {}
+        return None, self.inputs.batch(rows, self.max_length), None
 
     def capture(self, rows: int) -> tuple:
         """Warm the bucket's step up on a side stream, then capture it; every row is padding meanwhile, so neither

@@ -80,7 +80,7 @@ class Engine:
             model, max_batch, max_seq_len, kv_cache, block_size, num_blocks, cache_budget_bytes, compile, admission,
             max_num_batched_tokens, prefix_caching, kv_dtype, quantize)
         lookahead = check_speculative(speculative, model, compile, kv_cache, max_seq_len)
-        graph_mode, self.cuda_graphs_off = resolve_graph_mode(cuda_graphs, model, compile, kv_dtype, speculative)
+        graph_mode, self.graphs_off_reason = resolve_graph_mode(cuda_graphs, model, compile, kv_dtype, speculative)
         if quantize is not None:
             model = zoo.quantize(model, quantize)
         param = next(model.parameters())
@@ -176,6 +176,12 @@ class Engine:
     def cuda_graphs(self) -> bool:
         """Whether decode steps replay captured CUDA graphs."""
         return self.runner.graphs is not None and self.runner.graphs.mode == "capture"
+
+    @property
+    def cuda_graphs_off(self) -> str:
+        """Why decode steps do not replay CUDA graphs ("" when they do)."""
+        graphs = self.runner.graphs
+        return graphs.failure if graphs is not None and graphs.failure else self.graphs_off_reason
 
     @property
     def graph_bytes(self) -> int:

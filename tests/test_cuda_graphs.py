@@ -118,3 +118,21 @@ def test_cuda_graph_option_checks():
     engine = Engine(model)
     assert not engine.cuda_graphs and engine.graph_bytes == 0
     assert "cpu" in engine.cuda_graphs_off
+
+
+def test_failed_capture_falls_back_to_the_eager_padded_step(monkeypatch):
+    """A step CUDA cannot capture must not take the requests with it: a warning, the reason, the same tokens."""
+    model = random_model("gqa")
+    _, want = run(model, "paged", cuda_graphs=False)
+    engine = Engine(model, max_batch=5, max_seq_len=48, kv_cache="paged", block_size=8, cuda_graphs="static")
+    engine.runner.graphs.mode = "capture"  # as on CUDA, with a capture that fails
+
+    def failing_capture(rows):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(engine.runner.graphs, "capture", failing_capture)
+    with pytest.warns(RuntimeWarning, match="CUDA graphs off"):
+        got = engine.generate(make_prompts(LENGTHS, model.config.vocab_size), [greedy(n) for n in NEW_TOKENS])
+    for g, w in zip(got, want):
+        assert_same_output(g, w, context="after a failed capture")
+    assert "capture of the batch-4 decode step failed" in engine.cuda_graphs_off and not engine.cuda_graphs
