@@ -66,6 +66,8 @@ class StaticInputs:
             self.buffers[f"table{g}"] = pair((rows, width), torch.int32)
             self.buffers[f"mapping{g}"] = pair((rows,), torch.int64)
         self.groups = len(table_widths)
+        # the pinned host copies are rewritten only once the previous step's copies out of them have run
+        self.copied = torch.cuda.Event() if pinned else None
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +87,8 @@ class StaticInputs:
     def write(self, step: StepRows | None, rows: int) -> None:
         """Fill the first `rows` rows: the step's sequences, then padding rows (all padding without a step)."""
         n = 0 if step is None else len(step.tokens)
+        if self.copied is not None:
+            self.copied.synchronize()
         host = {name: pair[0] for name, pair in self.buffers.items()}
         padding_values = {"tokens": 0, "positions": 0, "lengths": 1, "slots": self.pad_slot}
         for name, padding in padding_values.items():
@@ -103,6 +107,8 @@ class StaticInputs:
             mapping[n:rows] = -1  # a padding row's key is not written
         for host_buffer, device_buffer in self.buffers.values():
             device_buffer[:rows].copy_(host_buffer[:rows], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
 
 
 class DecodeGraphs:
