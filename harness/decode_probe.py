@@ -59,12 +59,13 @@ def fill_random(layers: list, seed: int = 0) -> None:
 
 
 def decode_probe(model, batch: int, context: int, kv_cache: str = "contiguous", block_size: int = 16,
-                 compile: bool = False, seed: int = 0) -> DecodeProbe:
-    """`batch` sequences admitted with `context`-token prompts, caches filled at random, one output token each."""
+                 compile: bool = False, seed: int = 0, cuda_graphs: "bool | str | None" = None) -> DecodeProbe:
+    """`batch` sequences admitted with `context`-token prompts, caches filled at random, one output token each.
+    cuda_graphs: the Engine's (None: captured on CUDA, where the first step captures the batch's graph)."""
     if batch < 1 or context < 1:
         raise ValueError(f"batch and context must be >= 1, got batch={batch}, context={context}")
     engine = Engine(model, max_batch=batch, max_seq_len=context + HEADROOM, kv_cache=kv_cache, block_size=block_size,
-                    compile=compile)
+                    compile=compile, cuda_graphs=cuda_graphs)
     generator = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     for _ in range(batch):
