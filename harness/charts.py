@@ -167,7 +167,9 @@ def diffusion_chart(diffusion: list[dict], autoregressive: list[dict], out: Path
         for i, (name, rs) in enumerate(series.items()):
             xs, ys = sorted_xy(rs, "steps", lambda r: r["output_tok_s"])
             ax.plot(xs, ys, marker=MARKERS[i % len(MARKERS)], linestyle=DASHES[i % len(DASHES)], label=name)
-        for arch, rs in by_arch([r for r in autoregressive if r["context"] == context and r["batch"] == batch]).items():
+        level = [r for r in autoregressive if r["context"] == context and r["batch"] == batch
+                 and r.get("output_tok_s") is not None]  # a decode-probe row ran no prefill: no output tok/s
+        for arch, rs in by_arch(level).items():
             ax.axhline(rs[0]["output_tok_s"], color="black", linestyle=DASHES[1], label=f"{arch} autoregressive")
         ax.set_xscale("log", base=2)
         ax.set_xticks(steps)

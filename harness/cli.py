@@ -11,7 +11,8 @@ from zoo import checkpoint
 from harness.block_manager import ADMISSIONS
 from harness.charts import write_charts
 from harness.diffusion import DiffusionSampler
-from harness.compare import DTYPES, CompareSettings, run_compare
+from harness.compare import (CPU_DEFAULTS, CUDA_DEFAULTS, DTYPES, MEASURES, CompareSettings, is_cuda,
+                             run_compare)
 from harness.engine import Engine
 from harness.recall import cli as recall_cli
 from harness.results import settings_dict, write_atomic
@@ -30,6 +31,10 @@ def int_list(text: str) -> list[int]:
         return list(dict.fromkeys(int(part) for part in text.split(",") if part))  # repeats dropped, order kept
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def joined(values) -> str:
+    return ",".join(map(str, values))
 
 
 def name_list(text: str) -> list[str]:
@@ -61,23 +66,50 @@ def cmd_compare(args) -> None:
                                diffusion_steps=args.diffusion_steps, block_length=args.block_length,
                                diffusion_caches=args.diffusion_caches,
                                weights=Path(args.weights) if args.weights else None, quant=args.quant,
-                               quant_group=args.quant_group, quant_method=args.quant_method, kv_dtypes=args.kv_dtypes)
+                               quant_group=args.quant_group, quant_method=args.quant_method, kv_dtypes=args.kv_dtypes,
+                               measure=args.measure, cuda_graphs=args.cuda_graphs)
     rows = run_compare(settings, show_progress=not args.quiet)
-    table = markdown_table(rows)
+    measured = [r for r in rows if not r.get("skipped")]
+    table = (markdown_table(measured) if measured else "") + skipped_text([r for r in rows if r.get("skipped")])
     write_atomic(settings.out / "table.md", table)
-    charts = write_charts(rows, settings.out)
+    charts = write_charts(measured, settings.out) if measured else []
     print(table)
-    rated = [r for r in rows if r.get("stream_gb_s")]
+    rated = [r for r in measured if r.get("stream_gb_s")]
     if rated:
         print(f"roofline ceilings: {rated[-1]['stream_gb_s']:.1f} GB/s stream, {rated[-1]['matmul_gflop_s']:.0f} GFLOP/s "
               f"matmul ({rated[-1]['rates_how']}); floor = max(step bytes / stream, step FLOPs / matmul)")
-    trained = [r for r in rows if "val_bpb" in r]
+    probed = [r for r in measured if r.get("measure") == "decode-probe"]
+    if probed:
+        print(f"decode-probe: {len(probed)} cells timed {probed[0]['new_tokens']} decode steps at their context over "
+              f"caches filled at random as if prefilled; no prefill ran, so TTFT and TPOT are blank")
+    if is_cuda(settings.device):
+        print(graphs_text(measured))
+    trained = [r for r in measured if "val_bpb" in r]
     if trained:
         print(f"val bpb: measured here on {trained[0]['val_windows']} fixed validation windows at context "
               f"{trained[0]['val_context']} of the checkpoints' corpus (a diffusion LM's: its ELBO bound); "
               f"unigram baseline {trained[0]['unigram_bpb']:.3f} bpb")
     print(f"settings: {settings_dict(settings)}")
     print(f"wrote {settings.out / 'results.jsonl'}, {settings.out / 'table.md'}, " + ", ".join(str(c) for c in charts))
+
+
+def skipped_text(rows: list[dict]) -> str:
+    """The cells compare did not run, each with its reason, under the table ("" when none)."""
+    if not rows:
+        return ""
+    lines = [f"- {r['arch']} context {r['context']} batch {r['batch']}: {r['skipped']}" for r in rows]
+    return "\nSkipped (not run; delete their rows from results.jsonl to try again):\n\n" + "\n".join(lines) + "\n"
+
+
+def graphs_text(rows: list[dict]) -> str:
+    """One line: in how many autoregressive cells decode replayed CUDA graphs, their memory, or why they were off."""
+    engine_rows = [r for r in rows if not r.get("steps")]
+    captured = [r for r in engine_rows if r.get("cuda_graphs")]
+    if captured:
+        return (f"CUDA graphs: on in {len(captured)} of {len(engine_rows)} cells, holding up to "
+                f"{max(r['graph_bytes'] for r in captured) / 2**20:.1f} MiB")
+    reasons = sorted({r["cuda_graphs_off"] for r in engine_rows if r.get("cuda_graphs_off")})
+    return "CUDA graphs: off" + (f" ({'; '.join(reasons)})" if reasons else "")
 
 
 def shared_prefix(text: str) -> tuple[int, int, int]:
@@ -180,21 +212,41 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("arch", help="a registered architecture (see `zoo list`)")
     d.set_defaults(func=cmd_describe)
 
+    cpu, gpu = CPU_DEFAULTS, CUDA_DEFAULTS
     c = sub.add_parser("compare", help="measure cache bytes, TTFT, TPOT, decode throughput, MBU and the roofline floor per architecture",
                        description="Run every architecture x context x batch cell through the same engine. Rows are "
                                    "appended to OUT/results.jsonl as each cell finishes (a re-run skips finished cells); "
-                                   "prints a table and writes OUT/table.md and PNG charts.")
+                                   "prints a table and writes OUT/table.md and PNG charts. CUDA defaults: with --device "
+                                   f"cuda, each option you leave out takes the GPU default instead: preset {gpu.preset}, "
+                                   f"contexts {joined(gpu.contexts)}, batches {joined(gpu.batches)}, dtype {gpu.dtype}, "
+                                   f"kv-cache {gpu.kv_cache}, measure {gpu.measure}, CUDA graphs on (estimated under 3 "
+                                   "minutes on one H100); a cell whose cache does not fit in the GPU's free memory is "
+                                   "skipped with the reason. See docs/gpu.md.")
     d = CompareSettings()
     c.add_argument("--archs", type=name_list, default=d.archs, help=f"comma-separated architectures (default: {','.join(d.archs)}; see `zoo list`)")
-    c.add_argument("--preset", choices=list(zoo.PRESETS), help=f"model size (default: {d.preset}; with --weights, the "
-                                                               f"checkpoints' own, which a given --preset must match)")
-    c.add_argument("--contexts", type=int_list, default=d.contexts, help=f"comma-separated prompt lengths in tokens (default: {','.join(map(str, d.contexts))})")
-    c.add_argument("--batches", type=int_list, default=d.batches, help=f"comma-separated batch sizes (default: {','.join(map(str, d.batches))})")
-    c.add_argument("--new-tokens", type=int, default=d.new_tokens, help=f"tokens decoded per request, greedy (default: {d.new_tokens})")
-    c.add_argument("--dtype", default=d.dtype, choices=list(DTYPES), help=f"weights and cache dtype (default: {d.dtype})")
-    c.add_argument("--kv-cache", default=d.kv_cache, choices=["contiguous", "paged"], help=f"KV cache layout (default: {d.kv_cache})")
+    c.add_argument("--preset", choices=list(zoo.PRESETS), help=f"model size (default: {cpu.preset}; CUDA default: "
+                                                               f"{gpu.preset}; with --weights, the checkpoints' own, "
+                                                               f"which a given --preset must match)")
+    c.add_argument("--contexts", type=int_list, help=f"comma-separated prompt lengths in tokens (default: "
+                                                     f"{joined(cpu.contexts)}; CUDA default: {joined(gpu.contexts)})")
+    c.add_argument("--batches", type=int_list, help=f"comma-separated batch sizes (default: {joined(cpu.batches)}; "
+                                                    f"CUDA default: {joined(gpu.batches)})")
+    c.add_argument("--new-tokens", type=int, default=d.new_tokens, help=f"tokens decoded per request, greedy; with "
+                   f"--measure decode-probe, decode steps timed (default: {d.new_tokens})")
+    c.add_argument("--dtype", choices=list(DTYPES), help=f"weights and cache dtype (default: {cpu.dtype}; CUDA "
+                                                         f"default: {gpu.dtype})")
+    c.add_argument("--kv-cache", choices=["contiguous", "paged"], help=f"KV cache layout (default: {cpu.kv_cache}; "
+                                                                       f"CUDA default: {gpu.kv_cache})")
     c.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per block for the paged layout (default: {d.block_size})")
-    c.add_argument("--device", default=d.device, help=f"torch device, e.g. cpu or cuda (default: {d.device})")
+    c.add_argument("--device", default=d.device, help=f"torch device, e.g. cpu or cuda; cuda changes the defaults "
+                                                      f"marked CUDA default (default: {d.device})")
+    c.add_argument("--measure", choices=list(MEASURES), help="generate: prefill the prompts, then decode new-tokens "
+                   "(TTFT, TPOT, decode steps); decode-probe: caches filled at random as if the prompts were "
+                   "prefilled, new-tokens decode steps timed at the context held fixed, no prefill (no TTFT, TPOT) "
+                   f"(default: {cpu.measure}; CUDA default: {gpu.measure})")
+    c.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, help="replay the decode step from CUDA "
+                   "graphs captured per batch-size bucket (--no-cuda-graphs: eager launches); each row records "
+                   "whether they ran and their bytes (default: the engine's: on for CUDA where it can, off on CPU)")
     c.add_argument("--seed", type=int, default=d.seed, help=f"seed for weights and prompts (default: {d.seed})")
     c.add_argument("--out", default=str(d.out), help=f"output folder (default: {d.out})")
     c.add_argument("--diffusion-steps", type=int_list, help="masked diffusion LMs: comma-separated sampler steps "

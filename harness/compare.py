@@ -1,7 +1,8 @@
 """`zoo compare`: every architecture x context x batch cell through the same engine, measured and written as it goes."""
+import gc
 import statistics
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from harness.compare_diffusion import (CACHE_MODES, default_block_length, defaul
                                        prompts_for)
 from harness import roofline
 from harness.cache_pool import LAYOUTS
+from harness.decode_probe import DecodeProbe, fill_random
 from harness.engine import Engine
 from harness.metrics import summarize
 from harness.quant_calibration import Calibration, awq_quantize
@@ -27,21 +29,69 @@ CELL_KEY = ("arch", "preset", "context", "batch", "new_tokens", "dtype", "kv_cac
             "steps", "block_length", "diffusion_cache",  # these three: diffusion cells only (None otherwise)
             "weights",  # the trained checkpoint's folder (None: random weights, as every row before --weights)
             "quant",  # weight quantization, quant_label ("none": as every row before --quant)
-            "kv_dtype")  # how per-token caches are stored ("auto": the model's dtype, as every row before --kv-dtypes)
+            "kv_dtype",  # how per-token caches are stored ("auto": the model's dtype, as every row before --kv-dtypes)
+            "measure",  # how the decode step was timed ("generate": as every row before --measure)
+            "graphs")  # CUDA graphs asked for: "auto" (the engine's default; every row before --cuda-graphs), "on", "off"
+# what an older row lacking a key field had: its cell is found done instead of being run again
+KEY_DEFAULTS = {"weights": None, "quant": "none", "kv_dtype": "auto", "measure": "generate", "graphs": "auto"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# generate: prefill the prompts, then decode new_tokens (TTFT, TPOT); decode-probe: caches filled at random as if
+# prefilled, new_tokens decode steps timed at the context held fixed (no prefill, so no TTFT or TPOT)
+MEASURES = ("generate", "decode-probe")
+GRAPHS = {"auto": None, "on": True, "off": False}  # a cell's graphs field -> Engine(cuda_graphs=...)
+PROBE_WARMUP = 2  # untimed steps: the first of a batch size captures its CUDA graph (and compiles Triton kernels)
+# device memory a cell keeps free beyond its cache: a step's activations, the graph pool, allocator slack
+WORKING_BYTES = 4 * 2**30
+
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """What an unset compare setting becomes on a device; see device_defaults."""
+
+    preset: str
+    contexts: tuple[int, ...]
+    batches: tuple[int, ...]
+    dtype: str
+    kv_cache: str
+    measure: str
+
+
+CPU_DEFAULTS = DeviceDefaults(preset="small", contexts=(256, 1024, 2048),
+                              batches=(1, 2, 4),  # 8 made the CPU default prefill-bound (BENCHMARKS.md)
+                              dtype="float32", kv_cache="contiguous", measure="generate")
+# One H100 in under 3 minutes (an estimate, docs/gpu.md): the large preset streams its weights in over 1 ms, so
+# the floor is HBM's; prefilling 64 x 32k tokens would take minutes, so the decode step is probed without it.
+CUDA_DEFAULTS = DeviceDefaults(preset="large", contexts=(1024, 8192, 32768), batches=(1, 16, 64),
+                               dtype="bfloat16", kv_cache="paged", measure="decode-probe")
+
+
+def is_cuda(device) -> bool:
+    """Whether `device` names a CUDA device (parsed only: no GPU needed); a bad name is validate's to report."""
+    try:
+        return isinstance(device, str) and torch.device(device).type == "cuda"
+    except RuntimeError:  # torch's word for a string that names no device
+        return False
+
+
+def device_defaults(device) -> DeviceDefaults:
+    return CUDA_DEFAULTS if is_cuda(device) else CPU_DEFAULTS
 
 
 @dataclass
 class CompareSettings:
     archs: list[str] = field(default_factory=zoo.compare_defaults)  # the registry entries marked compare_default
-    preset: str | None = None  # None: "small", or with weights the preset the checkpoints were trained at
-    contexts: list[int] = field(default_factory=lambda: [256, 1024, 2048])
-    batches: list[int] = field(default_factory=lambda: [1, 2, 4])  # 8 made the CPU default prefill-bound (BENCHMARKS.md)
-    new_tokens: int = 16
-    dtype: str = "float32"
-    kv_cache: str = "contiguous"
+    # None below: the device's default (device_defaults: CPU_DEFAULTS, or CUDA_DEFAULTS on a CUDA device); a preset
+    # left None with weights is the one the checkpoints were trained at
+    preset: str | None = None
+    contexts: list[int] | None = None
+    batches: list[int] | None = None
+    new_tokens: int = 16  # tokens decoded per request (decode-probe: decode steps timed)
+    dtype: str | None = None
+    kv_cache: str | None = None
     block_size: int = 16
     device: str = "cpu"
+    measure: str | None = None  # one of MEASURES
+    cuda_graphs: bool | None = None  # None: the engine's default (on for a CUDA model where it can), True, False
     seed: int = 0
     out: Path = Path("results/compare")
     # masked diffusion LMs (e.g. "diffusion") run through the LLaDA sampler instead of the engine, once per
@@ -60,8 +110,7 @@ class CompareSettings:
     kv_dtypes: list[str] = field(default_factory=lambda: ["auto"])  # per-token cache storage: auto, int8, fp8 (the engine's)
 
     def __post_init__(self):
-        if self.preset is None and self.weights is None:
-            self.preset = "small"
+        self.fill_device_defaults()
         # the diffusion defaults are derived from these two, so they are checked first
         checks.integer("new_tokens (TPOT needs two tokens)", self.new_tokens, minimum=2)
         if self.block_length is None:
@@ -69,6 +118,22 @@ class CompareSettings:
         checks.integer("block_length", self.block_length, minimum=1)
         if self.diffusion_steps is None:
             self.diffusion_steps = default_steps(self.new_tokens, self.block_length)
+
+    def fill_device_defaults(self) -> None:
+        """The one place a default depends on the device: each setting left None takes the device's value, so a
+        value the caller gave always wins. Without weights the preset too (with them, the checkpoints decide)."""
+        defaults = device_defaults(self.device)
+        for name in (f.name for f in fields(DeviceDefaults) if f.name != "preset"):
+            if getattr(self, name) is None:
+                value = getattr(defaults, name)
+                setattr(self, name, list(value) if isinstance(value, tuple) else value)
+        if self.preset is None and self.weights is None:
+            self.preset = defaults.preset
+
+    @property
+    def graphs(self) -> str:
+        """The cells' graphs field: what was asked of the engine."""
+        return next(name for name, value in GRAPHS.items() if value is self.cuda_graphs)
 
     def validate(self) -> dict[str, TrainedModel]:
         """Every bad setting is reported before any model is built; returns the trained models (none without
@@ -86,6 +151,8 @@ class CompareSettings:
         checks.power_of_two("block_size", self.block_size)  # the engine's rule, checked before any model is built
         checks.integer("seed", self.seed, minimum=0, maximum=2**64 - 1)  # what torch.manual_seed takes
         checks.device("device", self.device)
+        checks.choice("measure", self.measure, MEASURES)
+        self.validate_graphs()
         check_output_folder(self.out)
         trained = {} if self.weights is None else read_trained(self.weights, self.archs, self.preset)
         if trained:
@@ -113,6 +180,18 @@ class CompareSettings:
                                          f"state, which stays in its declared dtype; leave it out of a quantized KV "
                                          f"comparison")
         return trained
+
+    def validate_graphs(self) -> None:
+        """cuda_graphs=True where the engine could not capture is refused here, before any model is built."""
+        if self.cuda_graphs not in GRAPHS.values():
+            raise ValueError(f"cuda_graphs must be None (the engine's default: on for CUDA), True or False, got "
+                             f"{self.cuda_graphs!r}")
+        if self.cuda_graphs is True and not is_cuda(self.device):
+            raise ValueError(f"cuda_graphs=True needs a CUDA device, got device {self.device!r}")
+        quantized_kv = [k for k in self.kv_dtypes if k != "auto"] if isinstance(self.kv_dtypes, (list, tuple)) else []
+        if self.cuda_graphs is True and quantized_kv:
+            raise ValueError(f"cuda_graphs=True with kv_dtypes {','.join(quantized_kv)}: the engine decodes a "
+                             f"one-byte cache eagerly; leave cuda_graphs unset (on where it can) or compare them apart")
 
     def validate_quant(self, trained: dict[str, TrainedModel]) -> None:
         """Each scheme is known and fits every model's layer widths (checked on shapes alone, before any work)."""
@@ -144,7 +223,8 @@ class CompareSettings:
     def cells(self, trained: dict[str, TrainedModel] | None = None) -> list[dict]:
         common = {"preset": self.preset, "new_tokens": self.new_tokens, "dtype": self.dtype,
                   "kv_cache": self.kv_cache, "device": self.device, "block_size": self.block_size}
-        autoregressive = {"steps": None, "block_length": None, "diffusion_cache": None}
+        autoregressive = {"steps": None, "block_length": None, "diffusion_cache": None, "measure": self.measure,
+                          "graphs": self.graphs}
         cells = []
         for a in self.archs:
             weights = str(trained[a].folder) if trained else None
@@ -157,12 +237,15 @@ class CompareSettings:
                                        "kv_dtype": kv_dtype} for kv_dtype in self.kv_dtypes]
                         else:  # no-cache first: cached cells measure their agreement against it
                             cells += [{"arch": a, "context": c, "batch": b, **common, **model, "kv_dtype": "auto",
-                                       "steps": s, "block_length": self.block_length, "diffusion_cache": cache}
+                                       "steps": s, "block_length": self.block_length, "diffusion_cache": cache,
+                                       **DIFFUSION_RUN}
                                       for s in self.diffusion_steps for cache in self.diffusion_caches]
         return cells
 
 
 QUANT_CHOICES = ("none", *WEIGHT_SCHEMES)
+# a diffusion cell runs the LLaDA sampler, never the engine's decode step: its measure and graphs stay the old defaults
+DIFFUSION_RUN = {"measure": "generate", "graphs": "auto"}
 
 
 def quant_config(scheme: str, settings: CompareSettings) -> zoo.QuantizeConfig | None:
@@ -197,8 +280,11 @@ AWQ_CALIBRATION = Calibration(windows=8, prompts=32, new_tokens=64)
 
 
 def build_model(arch: str, settings: CompareSettings):
+    """Built on its device: a large model initialised on the CPU and copied over takes seconds per architecture."""
     torch.manual_seed(settings.seed)
-    return zoo.build(arch, preset=settings.preset).to(device=settings.device, dtype=DTYPES[settings.dtype]).eval()
+    with torch.device(settings.device):
+        model = zoo.build(arch, preset=settings.preset)
+    return model.to(dtype=DTYPES[settings.dtype]).eval()
 
 
 def load_trained(trained: TrainedModel, settings: CompareSettings):
@@ -206,12 +292,32 @@ def load_trained(trained: TrainedModel, settings: CompareSettings):
 
 
 def measure_cell(model, cell: dict, rates: roofline.MachineRates, seed: int) -> dict:
-    """Prefill `batch` prompts of `context` tokens together, decode `new_tokens` each; times and bytes, and the
-    roofline floor of the median decode step beside it."""
+    """Time the cell's decode steps as its measure says (generate: prefill `batch` prompts of `context` tokens
+    together, decode `new_tokens` each; decode-probe: `new_tokens` steps at `context` without the prefill); times and
+    bytes, whether CUDA graphs ran, and the roofline floor of the median decode step beside it."""
     max_seq_len = cell["context"] + cell["new_tokens"]
     engine = Engine(model, max_batch=cell["batch"], max_seq_len=max_seq_len, kv_cache=cell["kv_cache"],
-                    block_size=cell["block_size"], kv_dtype=cell["kv_dtype"])
-    prompts = prompts_for(cell, model.config.vocab_size, seed)
+                    block_size=cell["block_size"], kv_dtype=cell["kv_dtype"], cuda_graphs=GRAPHS[cell["graphs"]])
+    timed = timed_generate if cell["measure"] == "generate" else timed_probe
+    times, step_s = timed(engine, cell, model.config.vocab_size, seed)
+    return {
+        **cell,
+        "params": sum(p.numel() for p in model.parameters()),
+        "weight_bytes": zoo.parameter_bytes(model),  # as stored: a quantized model's payload and scales
+        "analytic_cache_bytes": zoo.cache_bytes(model, seq_len=max_seq_len, batch=cell["batch"], kv_format=cell["kv_dtype"]),
+        "measured_cache_bytes": engine.cache_bytes_allocated,
+        "cache_bytes_per_token": zoo.cache_bytes(model, seq_len=1, kv_format=cell["kv_dtype"]),
+        **times,
+        **floor_fields(model, cell, step_s, rates),
+        "cuda_graphs": engine.cuda_graphs,
+        "cuda_graphs_off": engine.cuda_graphs_off,
+        "graph_bytes": engine.graph_bytes,  # after the steps: graphs are captured on a batch size's first step
+    }
+
+
+def timed_generate(engine: Engine, cell: dict, vocab: int, seed: int) -> tuple[dict, float]:
+    """The cell's prompts through engine.generate: its latency fields, and the median decode step in seconds."""
+    prompts = prompts_for(cell, vocab, seed)
     # No stop tokens: every request runs exactly new_tokens, so cells are comparable.
     params = SamplingParams(max_new_tokens=cell["new_tokens"], temperature=0.0)
     start = time.perf_counter()
@@ -221,27 +327,81 @@ def measure_cell(model, cell: dict, rates: roofline.MachineRates, seed: int) -> 
     stats = engine.decode_stats
     step_s = statistics.median(stats.seconds)  # robust to a noisy machine's outliers
     return {
-        **cell,
-        "params": sum(p.numel() for p in model.parameters()),
-        "weight_bytes": zoo.parameter_bytes(model),  # as stored: a quantized model's payload and scales
-        "analytic_cache_bytes": zoo.cache_bytes(model, seq_len=max_seq_len, batch=cell["batch"], kv_format=cell["kv_dtype"]),
-        "measured_cache_bytes": engine.cache_bytes_allocated,
-        "cache_bytes_per_token": zoo.cache_bytes(model, seq_len=1, kv_format=cell["kv_dtype"]),
         "ttft_ms": summary["Mean TTFT (ms)"],
         "tpot_ms": summary["Mean TPOT (ms)"],
         "itl_p99_ms": summary["P99 ITL (ms)"],
         "step_ms_p50": 1000 * step_s,
         "decode_tok_s": stats.tokens_per_second,
         "output_tok_s": summary["Output token throughput (tok/s)"],
-        **floor_fields(model, cell, step_s, rates),
         "wall_s": duration,
-    }
+    }, step_s
+
+
+def timed_probe(engine: Engine, cell: dict, vocab: int, seed: int) -> tuple[dict, float]:
+    """The cell's prompts admitted as if prefilled, every cache filled at random (harness/decode_probe.py), and
+    new_tokens decode steps timed at the context held fixed: a step's cost depends on how many cached values there
+    are, not on what they are. No prefill runs, so the latency fields a prefill sets are None."""
+    start = time.perf_counter()
+    params = SamplingParams(max_new_tokens=cell["new_tokens"], temperature=0.0)
+    for prompt in prompts_for(cell, vocab, seed):
+        engine.add_request(prompt, params)
+    seqs = engine.admit_prefilled()
+    if len(seqs) != cell["batch"]:  # the engine was sized for the whole batch: anything less is a bug
+        raise RuntimeError(f"the engine admitted {len(seqs)} of {cell['batch']} sequences of {cell['context']} tokens")
+    with torch.no_grad():
+        fill_random(engine.pool.layers, seed)
+    step_s = DecodeProbe(engine, seqs, cell["context"]).median_step(steps=cell["new_tokens"], warmup=PROBE_WARMUP)
+    return {
+        "ttft_ms": None,
+        "tpot_ms": None,
+        "itl_p99_ms": None,
+        "step_ms_p50": 1000 * step_s,
+        "decode_tok_s": cell["batch"] / step_s,
+        "output_tok_s": None,
+        "wall_s": time.perf_counter() - start,
+    }, step_s
 
 
 def floor_context(cell: dict) -> int:
-    """Tokens cached before the middle decode step: the k-th of the new_tokens - 1 decode steps starts from
-    context + k (the first new token comes from the prefill), so this is their mean context, rounded down."""
+    """Tokens cached before the middle decode step. generate: the k-th of the new_tokens - 1 decode steps starts
+    from context + k (the first new token comes from the prefill), so this is their mean context, rounded down;
+    decode-probe: every step starts from context."""
+    if cell["measure"] == "decode-probe":
+        return cell["context"]
     return cell["context"] + (cell["new_tokens"] - 2) // 2
+
+
+def cell_cache_bytes(model, cell: dict) -> int:
+    """What the cell's engine will allocate for caches, from the declarations alone (an upper estimate): every
+    sequence at context + new_tokens, paged pools rounded up to whole blocks plus the one a step may open, and one
+    spare row (CUDA graphs pad a batch into it)."""
+    tokens = cell["context"] + cell["new_tokens"]
+    if cell["kv_cache"] == "paged":
+        tokens = -(-tokens // cell["block_size"]) * cell["block_size"] + cell["block_size"]
+    return zoo.cache_bytes(model, seq_len=tokens, batch=cell["batch"] + 1, kv_format=cell["kv_dtype"])
+
+
+def free_device_bytes(device: str) -> int | None:
+    """Bytes a new engine can allocate on a CUDA device; None elsewhere (compare sizes no CPU cell against memory)."""
+    if not is_cuda(device):
+        return None
+    gc.collect()  # the previous cell's engine may still be held by a reference cycle
+    torch.cuda.empty_cache()  # and its blocks cached by the allocator, which mem_get_info counts as used
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def memory_shortfall(cache_bytes: int, free_bytes: int | None) -> str:
+    """Why a cell cannot run on the device ("" when it fits): its caches and WORKING_BYTES beyond the free memory."""
+    if free_bytes is None or cache_bytes + WORKING_BYTES <= free_bytes:
+        return ""
+    return (f"does not fit in device memory: {cache_bytes / 1e9:.1f} GB of cache + {WORKING_BYTES / 1e9:.1f} GB "
+            f"working room > {free_bytes / 1e9:.1f} GB free")
+
+
+def skip_reason(model, cell: dict, device: str) -> str:
+    """Why the cell is skipped ("" when it runs), decided before its engine allocates anything."""
+    free = free_device_bytes(device)
+    return "" if free is None else memory_shortfall(cell_cache_bytes(model, cell), free)
 
 
 def floor_fields(model, cell: dict, step_s: float, rates: roofline.MachineRates) -> dict:
@@ -274,10 +434,10 @@ def measure_rates(settings: CompareSettings) -> roofline.MachineRates:
 
 def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[dict]:
     """Measure every cell not already in results.jsonl; returns all rows of this settings' cells. With weights,
-    each architecture's rows also carry its validation figure, measured once per model."""
+    each architecture's rows also carry its validation figure, measured once per model. A cell whose cache would
+    not fit in the device's free memory is not run: its row holds the reason under "skipped"."""
     trained = settings.validate()
-    store = ResultStore(settings.out / "results.jsonl", CELL_KEY,
-                        defaults={"weights": None, "quant": "none", "kv_dtype": "auto"})
+    store = ResultStore(settings.out / "results.jsonl", CELL_KEY, defaults=KEY_DEFAULTS)
     todo = [c for c in settings.cells(trained) if not store.done(c)]
     if todo:
         rates = measure_rates(settings) if any(not c["steps"] for c in todo) else None
@@ -296,6 +456,8 @@ def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[d
                 quality = validation.fields(model, trained[arch]) if validation else {}
             if cell["steps"]:
                 store.append({**measure_diffusion_cell(model, cell, settings.seed, reference), **quality})
+            elif skipped := skip_reason(model, cell, settings.device):
+                store.append({**cell, "skipped": skipped})  # recorded, so a re-run on this device skips it too
             else:
                 store.append({**measure_cell(model, cell, rates, settings.seed), **quality})
     wanted = {store.key(c) for c in settings.cells(trained)}
