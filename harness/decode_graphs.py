@@ -66,6 +66,7 @@ class StaticInputs:
             self.buffers[f"table{g}"] = pair((rows, width), torch.int32)
             self.buffers[f"mapping{g}"] = pair((rows,), torch.int64)
         self.groups = len(table_widths)
+        self.written_tables = [[None] * rows for _ in table_widths]  # per group, the table each host row holds
         # the pinned host copies are rewritten only once the previous step's copies out of them have run
         self.copied = torch.cuda.Event() if pinned else None
 
@@ -96,12 +97,16 @@ class StaticInputs:
             values[:n] = [] if step is None else getattr(step, name)
             values[n:rows] = padding
         for g in range(self.groups):
-            table = host[f"table{g}"].numpy()
-            table[:rows] = -1
-            table[n:rows, 0] = 0  # a padding row's one key: row 0 of block 0, read and ignored
+            table, written = host[f"table{g}"].numpy(), self.written_tables[g]
             for i in range(n):
                 row = step.tables[g][i]
-                table[i, :len(row)] = row
+                if written[i] != row:  # a table changes once a block: rewriting every row cost ~0.1 ms each
+                    table[i] = -1
+                    table[i, :len(row)] = row
+                    written[i] = list(row)
+            table[n:rows] = -1
+            table[n:rows, 0] = 0  # a padding row's one key: row 0 of block 0, read and ignored
+            written[n:rows] = [None] * (rows - n)
             mapping = host[f"mapping{g}"].numpy()
             mapping[:n] = [] if step is None else step.mappings[g]
             mapping[n:rows] = -1  # a padding row's key is not written
