@@ -1,15 +1,24 @@
 """Compiles every Triton kernel for real GPUs (A100: sm_80, H100: sm_90) on a CPU-only machine, at the sizes the
 models use, in fp32, fp16 and bf16, and reports each cubin's registers, shared and local memory (spills).
 
-Run as a script (`python tests/kernels/gpu_compile.py`), without TRITON_INTERPRET: in a process where the
-interpreter has run, triton's language functions stay patched for it and a real compile fails. It prints one JSON
-line per compiled kernel. tests/kernels/test_gpu_compile.py runs it once and checks the lines.
+Run as a script, without TRITON_INTERPRET: in a process where the interpreter has run, triton's language functions
+stay patched for it and a real compile fails. It prints one JSON line per compiled kernel.
+tests/kernels/test_gpu_compile.py runs it twice and checks the lines: with the triton installed here (CI's) and
+with the GPU machines' triton (3.6.0, torch 2.11's), pip-installed into a cache folder and put first on sys.path,
+the torch staying the installed one. By hand:
+
+    python3 tests/kernels/gpu_compile.py
+    PYTHONPATH=$HOME/.cache/archzoo/triton-3.6.0:. python3 tests/kernels/gpu_compile.py --triton 3.6.0
+
+--triton VERSION refuses to compile (exit 2) unless the triton imported is that release: importing torch may import
+triton itself, so where it came from is checked, not assumed.
 
 Each case calls a kernel's launch wrapper with tensors of the wanted dtype while the wrapper's jitted kernels are
 swapped for recorders, so the exact arguments, constexprs and num_warps of every launch are captured without running
 anything. Each captured launch is then compiled with `triton.compile` for a `GPUTarget`, and the bundled cuobjdump
 reads the cubin's resource usage.
 """
+import argparse
 import importlib
 import json
 import os
@@ -240,11 +249,20 @@ def targets(case: str) -> dict[str, int]:
     return {t: cc for t, cc in TARGETS.items() if cc >= 89} if case in FP8_CASES else TARGETS
 
 
+def arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--triton", metavar="VERSION", help="exit 2 unless the triton imported is this release")
+    return parser.parse_args(argv)
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    wanted = arguments(argv).triton
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("gpu_compile: run without TRITON_INTERPRET=1 (the interpreter's patches break a real compile)",
+              file=sys.stderr)
+        return 2
+    if wanted and triton.__version__ != wanted:
+        print(f"gpu_compile: triton {triton.__version__} was imported from {triton.__file__}, not {wanted}",
               file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as folder:
@@ -264,4 +282,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
