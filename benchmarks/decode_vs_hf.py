@@ -1,17 +1,21 @@
 """archzoo Engine vs transformers `generate` on the same weights: decode tokens/s, their ratio, and MBU.
 
-The `base` GQA model (12 layers, d_model 768, 12 query / 4 KV heads, vocab 32000), greedy, random prompt.
+The `base` GQA model (12 layers, d_model 768, 12 query / 4 KV heads, vocab 32000) against its Llama twin, or
+--archs mamba: the `base` Mamba (no MLP) against its MambaForCausalLM twin; greedy, random prompt.
 Decode rate for both sides = batch * (N - 1) / (time(N new tokens) - time(1 new token)), so prefill is excluded
 the same way for both. Runs alternate between the two sides; each figure is the median of --repeats runs.
+measure_batch() is the one cell as a row of data (benchmarks/gpu_check.py calls it).
 
     python benchmarks/decode_vs_hf.py                      # bf16 and fp32, batch 1 and 16
     python benchmarks/decode_vs_hf.py --dtypes bfloat16 --batches 1 --repeats 5
+    python benchmarks/decode_vs_hf.py --archs gqa,mamba --device cuda --no-compile   # CUDA graphs, not compile
 """
 import argparse
 import statistics
+from dataclasses import dataclass
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCausalLM
 
 import harness
 import zoo
@@ -19,6 +23,18 @@ from hf_agreement import agreement, time_hf, time_zoo
 from zoo.hf import copy_weights_to_hf
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class HfRun:
+    """How one comparison cell runs: prompt and decode lengths, repeats, and the engine's options."""
+
+    prompt_len: int = 512
+    new_tokens: int = 128
+    repeats: int = 3
+    kv_cache: str = "contiguous"
+    compile: bool = True
+    device: str = "cpu"
 
 
 def hf_twin(model) -> LlamaForCausalLM:
@@ -33,53 +49,89 @@ def hf_twin(model) -> LlamaForCausalLM:
     return hf.eval()
 
 
+def mamba_twin(model) -> MambaForCausalLM:
+    """HF's Mamba with a registry Mamba's shape (blocks without MLPs, dt_rank left to both sides' default)."""
+    c, mixer = model.config, model.blocks[0].mixer
+    cfg = MambaConfig(vocab_size=c.vocab_size, hidden_size=c.d_model, num_hidden_layers=c.n_layers,
+                      state_size=mixer.d_state, conv_kernel=mixer.d_conv, expand=mixer.d_inner // c.d_model,
+                      layer_norm_epsilon=c.norm_eps, tie_word_embeddings=c.tie_embeddings, use_bias=False,
+                      use_conv_bias=True, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    hf = MambaForCausalLM(cfg)
+    copy_weights_to_hf(model, hf)
+    return hf.eval()
+
+
+# arch -> (registry overrides that give HF's layout, the HF twin)
+TWINS = {"gqa": ({}, hf_twin), "mamba": ({"mlp": "none"}, mamba_twin)}
+
+
+def build_pair(arch: str, preset: str, dtype: torch.dtype, device: str):
+    """(zoo model, HF twin with the same weights), both in `dtype` on `device`; the same weights for every dtype."""
+    overrides, twin = TWINS[arch]
+    torch.manual_seed(0)
+    model = zoo.build(arch, preset=preset, **overrides).eval()
+    hf = twin(model)
+    return model.to(device, dtype), hf.to(device, dtype)
+
+
 def decode_rate(timer, prompts, new_tokens, rates: list) -> None:
     t_full = timer(prompts, new_tokens)
     t_prefill = timer(prompts, 1)
     rates.append(prompts.shape[0] * (new_tokens - 1) / (t_full - t_prefill))
 
 
+def measure_batch(model, hf, batch: int, run: HfRun, peak: float) -> dict:
+    """Both sides' decode tokens/s at `batch`, their ratio, archzoo's MBU against `peak` (bytes/s, read + write) and
+    the greedy-token check, as a row."""
+    vocab = model.config.vocab_size
+    prompts = torch.randint(0, vocab, (batch, run.prompt_len), generator=torch.Generator().manual_seed(batch))
+    prompts = prompts.to(run.device)
+    engine = harness.Engine(model, max_batch=batch, max_seq_len=run.prompt_len + run.new_tokens,
+                            kv_cache=run.kv_cache, compile=run.compile)
+    time_zoo(engine, prompts, 4)  # warm-up (and compile, or graph capture) outside the timed runs
+    time_hf(hf, prompts, 4)
+    hf_rates, zoo_rates = [], []
+    for _ in range(run.repeats):
+        decode_rate(lambda p, n: time_hf(hf, p, n), prompts, run.new_tokens, hf_rates)
+        decode_rate(lambda p, n: time_zoo(engine, p, n), prompts, run.new_tokens, zoo_rates)
+    hf_rate, zoo_rate = statistics.median(hf_rates), statistics.median(zoo_rates)
+    kv_mean = zoo.cache_bytes(model, seq_len=run.prompt_len + run.new_tokens // 2, batch=batch)
+    mbu = harness.metrics.mbu(zoo.decode_weight_bytes(model), kv_mean, batch / zoo_rate, peak)
+    return {"arch": model.config.name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "batch": batch, "hf_tok_s": hf_rate, "zoo_tok_s": zoo_rate, "ratio": zoo_rate / hf_rate, "mbu": mbu,
+            "cuda_graphs": engine.cuda_graphs,
+            "greedy": agreement(hf, engine, prompts, run.new_tokens)}  # untimed: logits kept for the top-5 check
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--archs", default="gqa", help=f"comma-separated, of {', '.join(TWINS)} (default: gqa)")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--batches", default="1,16")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-cache", default="contiguous", choices=["contiguous", "paged"])
-    p.add_argument("--no-compile", action="store_true", help="run archzoo's decode step eagerly")
+    p.add_argument("--no-compile", action="store_true", help="run archzoo's decode step eagerly (on CUDA: graphs)")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     args = p.parse_args()
+    run = HfRun(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats, kv_cache=args.kv_cache,
+                compile=not args.no_compile, device=args.device)
 
-    torch.manual_seed(0)
-    base = zoo.build("gqa", preset="base")
-    peak = harness.measure_copy_bandwidth("cpu")
+    peak = harness.measure_copy_bandwidth(args.device)
     print(f"machine: {torch.get_num_threads()} threads; peak copy bandwidth {peak / 1e9:.1f} GB/s (read+write)")
-    print(f"model: gqa/base, {sum(p.numel() for p in base.parameters()) / 1e6:.1f}M params; prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, greedy, kv_cache={args.kv_cache}, compile={not args.no_compile}\n")
-    print("| dtype | batch | transformers tok/s | archzoo tok/s | ratio | archzoo MBU | greedy tokens vs transformers |")
-    print("|---|---:|---:|---:|---:|---:|---|")
-    for dtype_name in args.dtypes.split(","):
-        model = zoo.build("gqa", preset="base")
-        model.load_state_dict(base.state_dict())
-        model = model.to(DTYPES[dtype_name]).eval()
-        hf = hf_twin(model).to(DTYPES[dtype_name])
-        for batch in map(int, args.batches.split(",")):
-            prompts = torch.randint(0, model.config.vocab_size, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch))
-            engine = harness.Engine(model, max_batch=batch, max_seq_len=args.prompt_len + args.new_tokens,
-                                    kv_cache=args.kv_cache, compile=not args.no_compile)
-            time_zoo(engine, prompts, 4)  # warm-up (and compile) outside the timed runs
-            time_hf(hf, prompts, 4)
-            hf_rates, zoo_rates = [], []
-            for _ in range(args.repeats):
-                decode_rate(lambda p, n: time_hf(hf, p, n), prompts, args.new_tokens, hf_rates)
-                decode_rate(lambda p, n: time_zoo(engine, p, n), prompts, args.new_tokens, zoo_rates)
-            hf_rate, zoo_rate = statistics.median(hf_rates), statistics.median(zoo_rates)
-            tpot = batch / zoo_rate
-            kv_mean = zoo.cache_bytes(model, seq_len=args.prompt_len + args.new_tokens // 2, batch=batch)
-            mbu = harness.metrics.mbu(zoo.decode_weight_bytes(model), kv_mean, tpot, peak)
-            tokens = agreement(hf, engine, prompts, args.new_tokens)  # untimed: logits kept for the top-5 check
-            print(f"| {dtype_name} | {batch} | {hf_rate:.1f} | {zoo_rate:.1f} | {zoo_rate / hf_rate:.2f}x | {mbu:.0%} | {tokens} |",
-                  flush=True)
+    print(f"prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, kv_cache={args.kv_cache}, "
+          f"compile={run.compile}, device={args.device}\n")
+    print("| arch | dtype | batch | transformers tok/s | archzoo tok/s | ratio | archzoo MBU "
+          "| greedy tokens vs transformers |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for arch in args.archs.split(","):
+        for dtype_name in args.dtypes.split(","):
+            model, hf = build_pair(arch, "base", DTYPES[dtype_name], args.device)
+            for batch in map(int, args.batches.split(",")):
+                r = measure_batch(model, hf, batch, run, peak)
+                print(f"| {arch} | {dtype_name} | {batch} | {r['hf_tok_s']:.1f} | {r['zoo_tok_s']:.1f} | "
+                      f"{r['ratio']:.2f}x | {r['mbu']:.0%} | {r['greedy']} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import torch
 
 import harness
 
+TOP_K = 5  # vLLM's model tests compare greedy runs by their top-5 logprobs
+
 
 def time_hf(hf, prompts: torch.Tensor, new_tokens: int) -> float:
     """Seconds for transformers' greedy generate of exactly new_tokens per prompt."""
@@ -23,6 +25,16 @@ def time_zoo(engine, prompts: torch.Tensor, new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first step at which two greedy runs pick different tokens; None where they agree throughout."""
+    return next((step for step, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def within_top_k(token_a: int, logits_a: torch.Tensor, token_b: int, logits_b: torch.Tensor, k: int = TOP_K) -> bool:
+    """vLLM's rule at a step where two greedy runs differ: each side's token is among the other side's top k."""
+    return token_b in logits_a.topk(k).indices.tolist() and token_a in logits_b.topk(k).indices.tolist()
+
+
 def agreement(hf, engine, prompts: torch.Tensor, new_tokens: int) -> str:
     """vLLM's rule for model tests: greedy tokens identical, or at the first step where a row diverges each
     side's token is in the other's top 5 (rows are not compared past that step: their inputs differ)."""
@@ -31,16 +43,14 @@ def agreement(hf, engine, prompts: torch.Tensor, new_tokens: int) -> str:
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_scores=True,
                              return_dict_in_generate=True)
     ours = engine.generate(prompts.tolist(), harness.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, return_logits=True))
-    hf_tokens = hf_out.sequences[:, prompts.shape[1]:]
+    hf_tokens = hf_out.sequences[:, prompts.shape[1]:].tolist()
     diverged = []
     for row, out in enumerate(ours):
-        mismatch = [i for i, (a, b) in enumerate(zip(hf_tokens[row].tolist(), out.token_ids)) if a != b]
-        if not mismatch:
+        step = first_difference(hf_tokens[row], out.token_ids)
+        if step is None:
             continue
-        step = mismatch[0]
-        ours_top5 = out.logits[step].topk(5).indices.tolist()
-        hf_top5 = hf_out.scores[step][row].topk(5).indices.tolist()
-        if int(hf_tokens[row, step]) not in ours_top5 or out.token_ids[step] not in hf_top5:
+        if not within_top_k(out.token_ids[step], out.logits[step].to(hf_out.scores[step].device),
+                            hf_tokens[row][step], hf_out.scores[step][row]):
             return f"FAIL: row {row} step {step} outside top-5"
         diverged.append(step)
     if not diverged:
