@@ -241,11 +241,14 @@ class PagedKV(KVTensors):
         flat_v = None if v is None else v.transpose(1, 2).reshape(b * t, kvh, -1)
         if self.quantized:  # each kept token's rows quantized into its block and offset
             slots = batch.slot_mappings[self.group]
-            kept = (slots >= 0).nonzero()[:, 0]
-            index = (slots[kept] // self.block_size, slots[kept] % self.block_size)
-            self.k[index] = flat_k[kept]
+            if not batch.every_token_kept:
+                kept = (slots >= 0).nonzero()[:, 0]
+                slots, flat_k = slots[kept], flat_k[kept]
+                flat_v = None if flat_v is None else flat_v[kept]
+            index = (slots // self.block_size, slots % self.block_size)
+            self.k[index] = flat_k
             if self.v is not None:
-                self.v[index] = flat_v[kept]
+                self.v[index] = flat_v
             return
         write_paged_kv(flat_k, flat_v, self.k, self.v, batch.slot_mappings[self.group])
 

@@ -138,6 +138,9 @@ class CacheBatch:
     # several sequences' prefill work in one forward (batched prefill): a row whose tokens end before T is padded on
     # the right; positions at or past its length are padding, which no layer writes to its cache or state
     padded: bool = False
+    # no slot mapping is -1 (a graph-captured decode step, whose padding rows write spare blocks): a write needs no
+    # selection of the kept tokens, which would read the mapping on the host
+    every_token_kept: bool = False
 
     def __post_init__(self):
         if self.step not in STEP_KINDS:

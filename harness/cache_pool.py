@@ -35,24 +35,27 @@ def cache_groups(specs: list[CacheSpec]) -> list[CacheGroup]:
 class CachePool:
     def __init__(self, specs: list[CacheSpec], layout: str, max_batch: int, max_seq_len: int,
                  block_size: int, num_blocks: list[int], dtype: torch.dtype, device, kv_format: str = "auto",
-                 spare_slot: bool = False):
+                 spares: bool = False):
         """num_blocks: pool size of each cache group (paged layout). kv_format: how per-token caches store rows
-        (cache.KV_FORMATS). spare_slot: one more slot row (index max_batch) that no sequence owns, where the padding
-        rows of a graph-captured decode step write (harness/decode_graphs.py); not counted in nbytes."""
+        (cache.KV_FORMATS). spares: one more slot row (index max_batch) and one more block per paged group (index
+        num_blocks[g]) that no sequence owns, where the padding rows of a graph-captured decode step write
+        (harness/decode_graphs.py); not counted in nbytes."""
         self.specs, self.layout, self.block_size = specs, layout, block_size
         self.dtype, self.kv_format = dtype, kv_format
-        self.max_batch, self.spare_slot = max_batch, max_batch if spare_slot else None
-        slot_rows = max_batch + int(spare_slot)
+        self.max_batch, self.num_blocks = max_batch, list(num_blocks)
+        self.spare_slot = max_batch if spares else None
+        self.spare_blocks = list(num_blocks) if spares else None  # per group: the index of its spare block
+        extra = int(spares)
         self.groups = cache_groups(specs)
         self.layers = [None] * len(specs)
         for g, group in enumerate(self.groups):
             for i in group.layers:
-                self.layers[i] = (ContiguousKV(specs[i], slot_rows, max_seq_len, dtype, device, kv_format)
+                self.layers[i] = (ContiguousKV(specs[i], max_batch + extra, max_seq_len, dtype, device, kv_format)
                                   if layout == "contiguous"
-                                  else PagedKV(specs[i], num_blocks[g], block_size, g, dtype, device, kv_format))
+                                  else PagedKV(specs[i], num_blocks[g] + extra, block_size, g, dtype, device, kv_format))
         for i, spec in enumerate(specs):
             if spec.kind == "state":  # one row per batch slot, in either layout
-                self.layers[i] = StateSlots(spec, slot_rows, dtype, device)
+                self.layers[i] = StateSlots(spec, max_batch + extra, dtype, device)
             elif not spec.owns_memory:
                 self.layers[i] = self.layers[spec.source]  # cross-layer sharing: the producer's cache object
         self.state_slot_bytes = sum(spec.state_bytes(dtype) for spec in specs)
@@ -69,11 +72,12 @@ class CachePool:
 
     @property
     def spare_bytes(self) -> int:
-        """Bytes of the spare slot row in the slot-indexed caches (contiguous rows, recurrent state); 0 without one."""
+        """Bytes of the spare slot row (contiguous rows, recurrent state) and spare blocks; 0 without them."""
         if self.spare_slot is None:
             return 0
-        slotted = {id(layer): layer for layer in self.layers if isinstance(layer, (ContiguousKV, StateSlots))}
-        return sum(layer.nbytes // (self.max_batch + 1) for layer in slotted.values())
+        layers = {id(layer): layer for layer in self.layers}.values()
+        return sum(layer.nbytes // (self.num_blocks[layer.group] + 1) if isinstance(layer, PagedKV)
+                   else layer.nbytes // (self.max_batch + 1) for layer in layers)
 
     def read_bytes(self, tokens: int) -> int:
         """Analytic cache bytes a decode step reads for one sequence of `tokens` tokens; a shared cache is read by

@@ -188,10 +188,6 @@ class CompareSettings:
                              f"{self.cuda_graphs!r}")
         if self.cuda_graphs is True and not is_cuda(self.device):
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device {self.device!r}")
-        quantized_kv = [k for k in self.kv_dtypes if k != "auto"] if isinstance(self.kv_dtypes, (list, tuple)) else []
-        if self.cuda_graphs is True and quantized_kv:
-            raise ValueError(f"cuda_graphs=True with kv_dtypes {','.join(quantized_kv)}: the engine decodes a "
-                             f"one-byte cache eagerly; leave cuda_graphs unset (on where it can) or compare them apart")
 
     def validate_quant(self, trained: dict[str, TrainedModel]) -> None:
         """Each scheme is known and fits every model's layer widths (checked on shapes alone, before any work)."""

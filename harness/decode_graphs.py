@@ -10,9 +10,10 @@ the step in a CUDA graph per batch-size bucket and replay it; so does this. What
 - the step never synchronises with the host (no .item(), no data-dependent shapes, no tensors built from Python
   data), so capture records it and replay needs no CPU work beyond the buffer copies.
 
-A padding row feeds token 0 at position 0 with length 1: its keys are written nowhere (slot mapping -1) and its
-contiguous-cache row and recurrent state live in the pool's spare slot, which no sequence owns, so a padding row
-never touches a real sequence's cache. Its logits are dropped.
+A padding row feeds token 0 at position 0 with length 1, and every cache it reads or writes is one no sequence owns:
+the pool's spare slot (a contiguous row, a recurrent state) and each paged group's spare block (its one key). So a
+padding row never touches a real sequence's cache, and no slot mapping of the step is -1: a one-byte cache writes
+its rows without first selecting the kept ones (a host synchronisation). Its logits are dropped.
 
 "static" mode (any device) runs the same padded step on the same buffers eagerly, without capture: what the tests
 check on CPU (stable buffers, no host synchronisation, tokens equal to the plain step's).
@@ -52,8 +53,10 @@ class StaticInputs:
     a step writes the host copies, then one non-blocking copy per buffer moves them, so replay reads new values
     from the same addresses."""
 
-    def __init__(self, rows: int, table_widths: list[int], pad_slot: int, device: torch.device):
-        self.pad_slot = pad_slot
+    def __init__(self, rows: int, table_widths: list[int], pad_slot: int, pad_blocks: list[int], block_size: int,
+                 device: torch.device):
+        """pad_slot, pad_blocks: the spare slot and each paged group's spare block, which padding rows use."""
+        self.pad_slot, self.pad_blocks, self.block_size = pad_slot, pad_blocks, block_size
         pinned = device.type == "cuda"
 
         def pair(shape, dtype):
@@ -83,7 +86,8 @@ class StaticInputs:
         return CacheBatch(positions=self.device("positions", rows), lengths=self.device("lengths", rows),
                           max_length=max_length, step="decode", slots=self.device("slots", rows),
                           block_tables=tuple(self.device(f"table{g}", rows) for g in range(self.groups)),
-                          slot_mappings=tuple(self.device(f"mapping{g}", rows) for g in range(self.groups)))
+                          slot_mappings=tuple(self.device(f"mapping{g}", rows) for g in range(self.groups)),
+                          every_token_kept=True)
 
     def write(self, step: StepRows | None, rows: int) -> None:
         """Fill the first `rows` rows: the step's sequences, then padding rows (all padding without a step)."""
@@ -105,11 +109,11 @@ class StaticInputs:
                     table[i, :len(row)] = row
                     written[i] = list(row)
             table[n:rows] = -1
-            table[n:rows, 0] = 0  # a padding row's one key: row 0 of block 0, read and ignored
+            table[n:rows, 0] = self.pad_blocks[g]  # a padding row's one key: the first of the spare block
             written[n:rows] = [None] * (rows - n)
             mapping = host[f"mapping{g}"].numpy()
             mapping[:n] = [] if step is None else step.mappings[g]
-            mapping[n:rows] = -1  # a padding row's key is not written
+            mapping[n:rows] = self.pad_blocks[g] * self.block_size
         for host_buffer, device_buffer in self.buffers.values():
             device_buffer[:rows].copy_(host_buffer[:rows], non_blocking=True)
         if self.copied is not None:
@@ -121,10 +125,10 @@ class DecodeGraphs:
     ("static"). Buckets are captured on first use; all share one memory pool."""
 
     def __init__(self, forward, layers: list, max_batch: int, max_length: int, table_widths: list[int],
-                 pad_slot: int, device: torch.device, mode: str):
+                 pad_slot: int, pad_blocks: list[int], block_size: int, device: torch.device, mode: str):
         self.forward, self.layers, self.max_length, self.mode = forward, layers, max_length, mode
         self.buckets = batch_buckets(max_batch)
-        self.inputs = StaticInputs(self.buckets[-1], table_widths, pad_slot, device)
+        self.inputs = StaticInputs(self.buckets[-1], table_widths, pad_slot, pad_blocks, block_size, device)
         self.steps: dict[int, tuple] = {}  # bucket -> (graph or None, its CacheBatch, its logits or None)
         self.memory_pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
         self.pool_bytes = 0  # device memory the captured graphs reserved

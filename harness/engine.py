@@ -74,13 +74,13 @@ class Engine:
         costs its kernels, not their launches. None: on for a CUDA model where the engine allows it (else off, and
         `cuda_graphs_off` says why); True: on, or a ValueError saying why not; False: off. "static": the same padded
         step on the same buffers, run eagerly on any device (what the CPU tests check of capture's needs).
-        Prefill, chunked prefill and speculative verification run eagerly.
+        Prefill, chunked prefill and speculative verification run eagerly; compile=True keeps graphs off.
         """
         max_batch, max_seq_len, block_size, num_blocks, cache_budget_bytes, max_num_batched_tokens = check_options(
             model, max_batch, max_seq_len, kv_cache, block_size, num_blocks, cache_budget_bytes, compile, admission,
             max_num_batched_tokens, prefix_caching, kv_dtype, quantize)
         lookahead = check_speculative(speculative, model, compile, kv_cache, max_seq_len)
-        graph_mode, self.graphs_off_reason = resolve_graph_mode(cuda_graphs, model, compile, kv_dtype, speculative)
+        graph_mode, self.graphs_off_reason = resolve_graph_mode(cuda_graphs, model, compile, speculative)
         if quantize is not None:
             model = zoo.quantize(model, quantize)
         param = next(model.parameters())
@@ -101,7 +101,7 @@ class Engine:
                                            num_blocks, cache_budget_bytes, step_tokens, kv_dtype)
         self.max_batch, self.kv_dtype = max_batch, kv_dtype
         self.pool = CachePool(specs, kv_cache, max_batch, cache_len, block_size, num_blocks, self.dtype, self.device,
-                              kv_dtype, spare_slot=graph_mode is not None)
+                              kv_dtype, spares=graph_mode is not None)
         # one block manager per cache group (paged layout only)
         self.block_managers = [BlockManager(n, block_size, group.retention, admission, step_tokens=step_tokens,
                                             prefix_caching=prefix_caching)
@@ -186,7 +186,7 @@ class Engine:
     @property
     def graph_bytes(self) -> int:
         """Device bytes the decode graphs hold: their memory pool, static input buffers and the caches' spare slot
-        row for padding; 0 without graphs."""
+        row and blocks for padding; 0 without graphs."""
         graphs = self.runner.graphs
         return 0 if graphs is None else graphs.nbytes + self.pool.spare_bytes
 

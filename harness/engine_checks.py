@@ -86,7 +86,7 @@ def check_speculative(speculative, model, compile: bool, kv_cache: str, max_seq_
     return k
 
 
-def resolve_graph_mode(cuda_graphs, model, compile: bool, kv_dtype: str, speculative) -> tuple[str | None, str]:
+def resolve_graph_mode(cuda_graphs, model, compile: bool, speculative) -> tuple[str | None, str]:
     """(the decode runner's graph mode: "capture", "static" or None; why graphs are off, "" when captured).
     cuda_graphs=True where they cannot run is an error naming the reason."""
     if not (cuda_graphs is None or isinstance(cuda_graphs, bool) or cuda_graphs == "static"):
@@ -97,8 +97,6 @@ def resolve_graph_mode(cuda_graphs, model, compile: bool, kv_dtype: str, specula
     blockers = [
         f"the model is on {device.type}: CUDA graphs need a CUDA device" if device.type != "cuda" else "",
         "compile=True: the torch.compile'd step runs as compiled" if compile else "",
-        f"kv_dtype={kv_dtype!r}: the one-byte paged write selects its kept rows with nonzero(), a host "
-        f"synchronisation" if kv_dtype != "auto" else "",
         "speculative decoding verifies k + 1 tokens a step, eagerly" if speculative is not None else "",
     ]
     static_blockers = [reason for reason in blockers[1:] if reason]

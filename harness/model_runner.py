@@ -26,7 +26,8 @@ class ModelRunner:
         self.decode_forward = torch.compile(model, dynamic=False) if compile_decode else model
         self.graphs = None if graph_mode is None else DecodeGraphs(
             self.decode_forward, pool.layers, pool.max_batch, max_seq_len,
-            [manager.blocks_for(max_seq_len) for manager in block_managers], pool.spare_slot, device, graph_mode)
+            [manager.blocks_for(max_seq_len) for manager in block_managers], pool.spare_slot, pool.spare_blocks,
+            pool.block_size, device, graph_mode)
 
     @torch.inference_mode()
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:

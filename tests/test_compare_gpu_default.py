@@ -180,8 +180,3 @@ def test_bad_gpu_settings_fail_before_any_work(tmp_path, monkeypatch, change, me
     with pytest.raises(ValueError, match=message):
         run_compare(CompareSettings(preset="tiny", out=tmp_path, **change), show_progress=False)
 
-
-def test_required_graphs_with_a_one_byte_cache_are_refused():
-    settings = CompareSettings(device="cuda", cuda_graphs=True, kv_dtypes=["auto", "int8"])
-    with pytest.raises(ValueError, match="cuda_graphs=True with kv_dtypes int8"):
-        settings.validate_graphs()
