@@ -50,7 +50,7 @@ import kernels_gpu  # noqa: E402  (benchmarks/, beside this script)
 import roofline as roofline_benchmark  # noqa: E402  (benchmarks/roofline.py: its decode-vs-floor chart)
 import zoo  # noqa: E402
 from decode_vs_hf import DTYPES, HfRun, build_pair, measure_batch  # noqa: E402
-from harness import compare, roofline  # noqa: E402
+from harness import compare_device, roofline  # noqa: E402
 from harness.charts import plt, write_charts  # noqa: E402
 from harness.decode_probe import HEADROOM, decode_probe  # noqa: E402
 from harness.results import write_atomic  # noqa: E402
@@ -409,7 +409,8 @@ def fit_shortfall(model, batch: int, context: int, device: str) -> str:
     """Why the cell's engine would not fit in free device memory ("" when it fits), before it allocates anything."""
     cell = {"context": context, "new_tokens": HEADROOM, "kv_cache": "paged", "block_size": BLOCK_SIZE,
             "batch": batch, "kv_dtype": "auto"}
-    return compare.memory_shortfall(compare.cell_cache_bytes(model, cell), compare.free_device_bytes(device))
+    return compare_device.memory_shortfall(compare_device.cell_cache_bytes(model, cell),
+                                           compare_device.free_device_bytes(device))
 
 
 def decode_row(model, cell: dict, rates: roofline.MachineRates, steps: int) -> dict:
@@ -522,7 +523,7 @@ def run_preset_cells(ctx: Context, preset: str, archs, batches, contexts) -> tup
 
 def run_decode(ctx: Context) -> SectionResult:
     grid = ctx.plan.decode
-    preset = grid.preset or compare.device_defaults(ctx.plan.device).preset
+    preset = grid.preset or compare_device.device_defaults(ctx.plan.device).preset
     small_rows, small_how = run_preset_cells(ctx, grid.graph_preset, grid.archs, (1,), (grid.graph_context,))
     rows, how = run_preset_cells(ctx, preset, grid.archs, grid.batches, grid.contexts)
     if any("step_ms" in r for r in rows):

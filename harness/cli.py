@@ -11,8 +11,8 @@ from zoo import checkpoint
 from harness.block_manager import ADMISSIONS
 from harness.charts import write_charts
 from harness.diffusion import DiffusionSampler
-from harness.compare import (CPU_DEFAULTS, CUDA_DEFAULTS, DTYPES, MEASURES, CompareSettings, is_cuda,
-                             run_compare)
+from harness.compare import DTYPES, MEASURES, CompareSettings, run_compare
+from harness.compare_device import CPU_DEFAULTS, CUDA_DEFAULTS, is_cuda
 from harness.engine import Engine
 from harness.recall import cli as recall_cli
 from harness.results import settings_dict, write_atomic

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import zoo
-from harness import cli, compare, roofline
+from harness import cli, compare, compare_device, roofline
 from harness.compare import CompareSettings, run_compare
 
 H100_COPY_BYTES_PER_S = 3.0e12  # device-to-device copy, read + write counted (BENCHMARKS.md: 2993 GB/s measured)
@@ -102,15 +102,15 @@ def test_gpu_default_cells_that_would_not_fit_an_h100_are_named(large_models):
     """Which GPU-default cells an H100 skips, from the declarations alone: ~79 GB free once the weights are in."""
     free = 79e9
     skipped = [(c["arch"], c["context"], c["batch"]) for c in CompareSettings(device="cuda").cells()
-               if compare.memory_shortfall(compare.cell_cache_bytes(large_models[c["arch"]], c), free)]
+               if compare_device.memory_shortfall(compare_device.cell_cache_bytes(large_models[c["arch"]], c), free)]
     assert skipped == [("mha", 8192, 64), ("mha", 32768, 16), ("mha", 32768, 64), ("gqa", 32768, 64),
                        ("mla", 32768, 64), ("cla", 32768, 64)]
 
 
 def test_memory_shortfall_names_the_bytes():
-    assert compare.memory_shortfall(10**9, None) == ""  # the CPU: no cell is sized against memory
-    assert compare.memory_shortfall(10**9, 10**9 + compare.WORKING_BYTES) == ""
-    reason = compare.memory_shortfall(70 * 10**9, 40 * 10**9)
+    assert compare_device.memory_shortfall(10**9, None) == ""  # the CPU: no cell is sized against memory
+    assert compare_device.memory_shortfall(10**9, 10**9 + compare_device.WORKING_BYTES) == ""
+    reason = compare_device.memory_shortfall(70 * 10**9, 40 * 10**9)
     assert reason.startswith("does not fit in device memory: 70.0 GB of cache") and "40.0 GB free" in reason
 
 
@@ -146,7 +146,7 @@ def test_cells_that_do_not_fit_are_skipped_with_the_reason_before_any_engine(tmp
     def no_engine(*args, **kwargs):
         raise AssertionError("an engine was built for a cell that does not fit")
 
-    monkeypatch.setattr(compare, "free_device_bytes", lambda device: 2**30)  # less than the working room alone
+    monkeypatch.setattr(compare_device, "free_device_bytes", lambda device: 2**30)  # less than the working room alone
     monkeypatch.setattr(compare, "Engine", no_engine)
     argv = ["compare", "--archs", "gqa", "--preset", "tiny", "--contexts", "16", "--batches", "1,2",
             "--new-tokens", "3", "--out", str(tmp_path), "--quiet"]

@@ -1,0 +1,77 @@
+"""What `zoo compare` decides by its device: the defaults a setting left unset takes there, and whether a cell's
+cache fits the device's free memory before its engine allocates anything."""
+import gc
+from dataclasses import dataclass
+
+import torch
+
+import zoo
+
+# device memory a cell keeps free beyond its cache: a step's activations, the graph pool, allocator slack
+WORKING_BYTES = 4 * 2**30
+
+
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """What an unset compare setting becomes on a device; see device_defaults."""
+
+    preset: str
+    contexts: tuple[int, ...]
+    batches: tuple[int, ...]
+    dtype: str
+    kv_cache: str
+    measure: str
+
+
+CPU_DEFAULTS = DeviceDefaults(preset="small", contexts=(256, 1024, 2048),
+                              batches=(1, 2, 4),  # 8 made the CPU default prefill-bound (BENCHMARKS.md)
+                              dtype="float32", kv_cache="contiguous", measure="generate")
+# One H100 in under 3 minutes (an estimate, docs/gpu.md): the large preset streams its weights in over 1 ms, so
+# the floor is HBM's; prefilling 64 x 32k tokens would take minutes, so the decode step is probed without it.
+CUDA_DEFAULTS = DeviceDefaults(preset="large", contexts=(1024, 8192, 32768), batches=(1, 16, 64),
+                               dtype="bfloat16", kv_cache="paged", measure="decode-probe")
+
+
+def is_cuda(device) -> bool:
+    """Whether `device` names a CUDA device (parsed only: no GPU needed); a bad name is validate's to report."""
+    try:
+        return isinstance(device, str) and torch.device(device).type == "cuda"
+    except RuntimeError:  # torch's word for a string that names no device
+        return False
+
+
+def device_defaults(device) -> DeviceDefaults:
+    return CUDA_DEFAULTS if is_cuda(device) else CPU_DEFAULTS
+
+
+def cell_cache_bytes(model, cell: dict) -> int:
+    """What the cell's engine will allocate for caches, from the declarations alone (an upper estimate): every
+    sequence at context + new_tokens, paged pools rounded up to whole blocks plus the one a step may open, and one
+    spare row (CUDA graphs pad a batch into it)."""
+    tokens = cell["context"] + cell["new_tokens"]
+    if cell["kv_cache"] == "paged":
+        tokens = -(-tokens // cell["block_size"]) * cell["block_size"] + cell["block_size"]
+    return zoo.cache_bytes(model, seq_len=tokens, batch=cell["batch"] + 1, kv_format=cell["kv_dtype"])
+
+
+def free_device_bytes(device: str) -> int | None:
+    """Bytes a new engine can allocate on a CUDA device; None elsewhere (compare sizes no CPU cell against memory)."""
+    if not is_cuda(device):
+        return None
+    gc.collect()  # the previous cell's engine may still be held by a reference cycle
+    torch.cuda.empty_cache()  # and its blocks cached by the allocator, which mem_get_info counts as used
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def memory_shortfall(cache_bytes: int, free_bytes: int | None) -> str:
+    """Why a cell cannot run on the device ("" when it fits): its caches and WORKING_BYTES beyond the free memory."""
+    if free_bytes is None or cache_bytes + WORKING_BYTES <= free_bytes:
+        return ""
+    return (f"does not fit in device memory: {cache_bytes / 1e9:.1f} GB of cache + {WORKING_BYTES / 1e9:.1f} GB "
+            f"working room > {free_bytes / 1e9:.1f} GB free")
+
+
+def skip_reason(model, cell: dict, device: str) -> str:
+    """Why the cell is skipped ("" when it runs), decided before its engine allocates anything."""
+    free = free_device_bytes(device)
+    return "" if free is None else memory_shortfall(cell_cache_bytes(model, cell), free)
