@@ -1,7 +1,8 @@
 """CPU kernels: decode attention that reads every cache layout in place (kernels/cpu/decode_attention.c),
 Mamba's one-token state update (kernels/cpu/selective_state_update.c) and its prompt scan
 (kernels/cpu/selective_scan.c), and the weight-only int8 / int4 GEMV for fp32 and fp16 activations
-(kernels/cpu/quantized_gemv.c), compiled at first use with the machine's C compiler (like inductor and Triton, so -march=native fits the CPU it
+(kernels/cpu/quantized_gemv.c), and the streaming read that measures the machine's memory read rate
+(kernels/cpu/read_bandwidth.c), compiled at first use with the machine's C compiler (like inductor and Triton, so -march=native fits the CPU it
 runs on) and registered as a torch custom op, so `torch.compile` calls it without a graph break.
 
 Layouts (k and v 4-D, last dim contiguous):
@@ -87,6 +88,8 @@ def _library() -> ctypes.CDLL | None:
     lib.selective_scan.argtypes = [ptr] * 7 + [i32] * 5
     lib.selective_scan_backward.restype = ctypes.c_int
     lib.selective_scan_backward.argtypes = [ptr] * 14 + [i32] * 5
+    lib.read_bandwidth.restype = ctypes.c_uint64
+    lib.read_bandwidth.argtypes = [ptr, i64, i32]
     return lib
 
 
@@ -315,3 +318,13 @@ def quantized_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, 
 def _(x, weight, scales, zeros, group_size):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
+
+
+def read_bandwidth(buffer: torch.Tensor, threads: int) -> int:
+    """Stream every 64-byte line of a contiguous CPU buffer once with `threads` threads (a multiple of 64 * threads
+    bytes is read); returns the XOR of what was read, so no load can be skipped."""
+    lib = _library()
+    if lib is None or not buffer.is_contiguous() or buffer.device.type != "cpu":
+        raise RuntimeError("read_bandwidth needs the compiled CPU kernels and a contiguous CPU buffer")
+    usable = buffer.nbytes // (64 * threads) * (64 * threads)
+    return lib.read_bandwidth(ctypes.c_void_p(buffer.data_ptr()), usable, threads)
