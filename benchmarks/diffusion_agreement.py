@@ -148,4 +148,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from machine_watch import watched_run  # benchmarks/, beside this script when run as one
+
+    with watched_run():
+        main()

@@ -44,4 +44,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from machine_watch import watched_run  # benchmarks/, beside this script when run as one
+
+    with watched_run():
+        main()

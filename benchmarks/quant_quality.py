@@ -298,4 +298,7 @@ def main() -> None:
                   f"{row[group + 'mcnemar_p']:.2f} |")
 
 if __name__ == "__main__":
-    main()
+    from machine_watch import watched_run  # benchmarks/, beside this script when run as one
+
+    with watched_run():
+        main()

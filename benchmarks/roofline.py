@@ -109,7 +109,8 @@ def measure(model, cell: dict, rates: roofline.MachineRates, steps: int) -> dict
             "fraction_of_floor": seconds / floor, "mbu": roofline.mbu(cost, seconds, rates),
             "mfu": roofline.mfu(cost, seconds, rates), "weight_mb": cost.weight_bytes / 1e6,
             "cache_read_mb": cost.cache_read_bytes / 1e6, "cache_write_mb": cost.cache_write_bytes / 1e6,
-            "step_flops": cost.flops, "steps": steps, "threads": torch.get_num_threads(), **rates.row_fields()}
+            "step_flops": cost.flops, "steps": steps, "threads": torch.get_num_threads(), **rates.row_fields(),
+            "stream_gb_s": rates.stream_rate(cost.bytes) / 1e9}  # the read rate for this step's bytes: its floor's
 
 
 def run(args) -> list[dict]:
@@ -120,8 +121,9 @@ def run(args) -> list[dict]:
         if cell["dtype"] not in rates:  # once per dtype per run, on the gqa weights at this size
             rates[cell["dtype"]] = roofline.measure_machine(build("gqa", args, cell["dtype"]), args.device)
             r = rates[cell["dtype"]]
-            print(f"{cell['dtype']}: {r.stream_bytes_per_s / 1e9:.1f} GB/s stream, {r.matmul_flops_per_s / 1e9:.1f} GFLOP/s "
-                  f"matmul ({r.how})", flush=True)
+            print(f"{cell['dtype']}: memory read {r.stream_bytes_per_s / 1e9:.1f} GB/s past any cache, "
+                  f"{r.matmul_flops_per_s / 1e9:.1f} GFLOP/s matmul, torch's GEMV {r.gemv_bytes_per_s / 1e9:.1f} GB/s "
+                  f"({r.how})", flush=True)
         if built != (cell["arch"], cell["dtype"]):
             model, built = None, None
             gc.collect()
@@ -157,7 +159,7 @@ def chart(rows: list[dict], path: Path) -> Path:
                 ax.set_visible(False)
                 continue
             floor_bars(ax, panel, "kv_cache", str)
-            ax.set_title(f"{dtype}, batch {batch}, context {context} ({panel[0]['stream_gb_s']:.1f} GB/s, "
+            ax.set_title(f"{dtype}, batch {batch}, context {context} (read {panel[0]['stream_gb_s']:.1f} GB/s, "
                          f"{panel[0]['matmul_gflop_s']:.0f} GFLOP/s)", fontsize=8.5)
             ax.set_ylabel("decode step (ms)")
     handles, labels = next(ax for ax in axes.flat if ax.get_visible()).get_legend_handles_labels()
@@ -187,4 +189,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from machine_watch import watched_run  # benchmarks/, beside this script when run as one
+
+    with watched_run():
+        status = main()
+    sys.exit(status)

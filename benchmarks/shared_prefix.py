@@ -94,4 +94,7 @@ def report(arch: str, warm: bool, off: dict, on: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from machine_watch import watched_run  # benchmarks/, beside this script when run as one
+
+    with watched_run():
+        main()

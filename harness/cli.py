@@ -23,6 +23,7 @@ from harness.serve_bench import markdown_table as serve_table
 from harness.serve_charts import write_serve_charts
 from harness.table import markdown_table
 from harness.train import cli as train_cli
+from zoo.registry import make_config
 from zoo.weights import check_weights_file, load_weights
 
 
@@ -76,8 +77,7 @@ def cmd_compare(args) -> None:
     print(table)
     rated = [r for r in measured if r.get("stream_gb_s")]
     if rated:
-        print(f"roofline ceilings: {rated[-1]['stream_gb_s']:.1f} GB/s stream, {rated[-1]['matmul_gflop_s']:.0f} GFLOP/s "
-              f"matmul ({rated[-1]['rates_how']}); floor = max(step bytes / stream, step FLOPs / matmul)")
+        print(rates_text(rated[-1]))
     probed = [r for r in measured if r.get("measure") == "decode-probe"]
     if probed:
         print(f"decode-probe: {len(probed)} cells timed {probed[0]['new_tokens']} decode steps at their context over "
@@ -91,6 +91,16 @@ def cmd_compare(args) -> None:
               f"unigram baseline {trained[0]['unigram_bpb']:.3f} bpb")
     print(f"settings: {settings_dict(settings)}")
     print(f"wrote {settings.out / 'results.jsonl'}, {settings.out / 'table.md'}, " + ", ".join(str(c) for c in charts))
+
+
+def rates_text(row: dict) -> str:
+    """The roofline's ceilings as a results row records them: the read rate that prices the floor, and torch's GEMV
+    rate beside it (a library's rate, never the floor)."""
+    gemv = f"; torch's GEMV reaches {row['gemv_gb_s']:.1f} GB/s" if row.get("gemv_gb_s") else ""
+    read = row.get("read_gb_s") or row["stream_gb_s"]
+    return (f"roofline ceilings: memory read {read:.1f} GB/s (past any cache), {row['matmul_gflop_s']:.0f} GFLOP/s "
+            f"matmul{gemv} ({row['rates_how']}); floor = max(step bytes / the read rate for a working set of that "
+            f"size, step FLOPs / matmul)")
 
 
 def skipped_text(rows: list[dict]) -> str:
@@ -305,9 +315,52 @@ def parser() -> argparse.ArgumentParser:
                                                    "confident (Fast-dLLM parallel decoding) instead of a fixed count")
     g.set_defaults(func=cmd_generate)
 
+    add_export_parser(sub)
     train_cli.add_parser(sub)
     recall_cli.add_parser(sub, int_list, name_list)
     return p
+
+
+def add_export_parser(sub) -> None:
+    e = sub.add_parser("export", help="write a model as a llama.cpp GGUF file (mha, gqa, mqa: Llama-shaped models)",
+                       description="Write an mha / gqa / mqa model (random weights unless --weights) as a GGUF file "
+                                   "that llama.cpp loads as its llama architecture, Q and K rows in llama.cpp's RoPE "
+                                   "order, with a placeholder vocabulary (one entry per id: feed token ids). Needs the "
+                                   "gguf package: pip install -e '.[peers]'.")
+    e.add_argument("--gguf", required=True, metavar="PATH", help="the GGUF file to write")
+    e.add_argument("--arch", default="gqa", help="architecture: mha, gqa or mqa (default: gqa)")
+    e.add_argument("--preset", default="base", choices=list(zoo.PRESETS), help="model size (default: base)")
+    e.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
+                   help="2-D weights as stored in the file; norm gains stay f32 (default: f32)")
+    e.add_argument("--weights", default=None, help="a zoo train output folder (or a zoo.save folder: its own "
+                   "architecture and size), or a .safetensors (or tensors-only .pt) state dict for --arch/--preset")
+    e.add_argument("--seed", type=int, default=0, help="seed for random weights (default: 0)")
+    e.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> None:
+    try:
+        from zoo import gguf_export  # the gguf package is optional: the peers (or test) extra
+    except ModuleNotFoundError as error:
+        raise ValueError(f"{error}: install the peers extra (pip install -e '.[peers]')") from None
+    # everything is checked before any model is built
+    if not Path(args.gguf).parent.is_dir():
+        raise ValueError(f"--gguf {args.gguf!r}: folder {str(Path(args.gguf).parent)!r} does not exist")
+    folder = args.weights is not None and Path(args.weights).is_dir()
+    if folder:
+        config = checkpoint.load_config(args.weights)
+    else:
+        config = make_config(args.arch, args.preset)
+        if args.weights:
+            check_weights_file(args.weights)
+    gguf_export.check_exportable(config)
+    torch.manual_seed(args.seed)
+    model = zoo.load(args.weights) if folder else zoo.build(args.arch, preset=args.preset)
+    if args.weights and not folder:
+        load_weights(model, args.weights, f"{args.arch} (preset {args.preset})")
+    path = gguf_export.export_gguf(model, args.gguf, args.dtype)
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {config.name}, {args.dtype}"
+          + ("" if args.weights else ", random weights: pass --weights for a trained model") + ")")
 
 
 def add_serve_bench_parser(sub) -> None:

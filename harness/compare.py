@@ -14,6 +14,7 @@ from harness import roofline
 from harness.cache_pool import LAYOUTS
 from harness.compare_device import DeviceDefaults, device_defaults, is_cuda, skip_reason
 from harness.decode_probe import DecodeProbe, fill_random
+from harness.decode_stats import DecodeStats
 from harness.engine import Engine
 from harness.metrics import summarize
 from harness.quant_calibration import Calibration, awq_quantize
@@ -279,6 +280,7 @@ def measure_cell(model, cell: dict, rates: roofline.MachineRates, seed: int) -> 
 def timed_generate(engine: Engine, cell: dict, vocab: int, seed: int) -> tuple[dict, float]:
     """The cell's prompts through engine.generate: its latency fields, and the median decode step in seconds."""
     prompts = prompts_for(cell, vocab, seed)
+    warm_up(engine, prompts, cell["new_tokens"])
     # No stop tokens: every request runs exactly new_tokens, so cells are comparable.
     params = SamplingParams(max_new_tokens=cell["new_tokens"], temperature=0.0)
     start = time.perf_counter()
@@ -296,6 +298,18 @@ def timed_generate(engine: Engine, cell: dict, vocab: int, seed: int) -> tuple[d
         "output_tok_s": summary["Output token throughput (tok/s)"],
         "wall_s": duration,
     }, step_s
+
+
+WARMUP_TOKENS = 3  # a warm-up request's new tokens: its decode steps run at the cell's batch size
+
+
+def warm_up(engine: Engine, prompts: list[list[int]], new_tokens: int) -> None:
+    """Every first call of the cell's shapes before the clock starts (a compiled step's compile, a kernel library's
+    build and load, the allocator's first growth): the cell's batch of short prompts prefilled and decoded a few
+    steps, then the engine's decode statistics emptied, so no cell's TPOT or ITL holds a first call."""
+    params = SamplingParams(max_new_tokens=min(WARMUP_TOKENS, new_tokens), temperature=0.0)
+    engine.generate([p[:8] for p in prompts], params)
+    engine.decode_stats = DecodeStats()
 
 
 def timed_probe(engine: Engine, cell: dict, vocab: int, seed: int) -> tuple[dict, float]:
@@ -351,6 +365,7 @@ def floor_fields(model, cell: dict, step_s: float, rates: roofline.MachineRates)
         "step_flops": step.flops,
         "prefill_floor_ms": 1000 * roofline.floor_seconds(prefill, rates),
         **rates.row_fields(),
+        "stream_gb_s": rates.stream_rate(step.bytes) / 1e9,  # the read rate for this step's bytes: its floor's
     }
 
 
@@ -388,5 +403,7 @@ def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[d
                 store.append({**cell, "skipped": skipped})  # recorded, so a re-run on this device skips it too
             else:
                 store.append({**measure_cell(model, cell, rates, settings.seed), **quality})
+        if rates is not None and not is_cuda(settings.device):  # a run shared with other work is noise: say so
+            print(roofline.disturbance(rates.stream_bytes_per_s, roofline.measure_read_rate()), flush=True)
     wanted = {store.key(c) for c in settings.cells(trained)}
     return [r for r in store.rows if store.key(r) in wanted]

@@ -11,6 +11,7 @@ from torch import nn
 import zoo
 from cache import specs_read
 from harness.metrics import sync
+from kernels import cpu_decode
 
 # FLOPs per state element per token for a recurrent ("state") layer: the update reads each element, decays it and
 # adds the new outer product (~2), and the readout contracts it with the query or C (~2).
@@ -32,18 +33,47 @@ class StepCost:
 
 
 @dataclass(frozen=True)
-class MachineRates:
-    """The two ceilings of the roofline, measured on this machine in one dtype."""
+class ReadRates:
+    """The machine's memory read rate by working-set size: a buffer of each size read again and again with the
+    engine's threads, best pass. A buffer that fits a cache reads faster than one that does not; the largest size
+    (READ_BYTES, past any cache) is the memory's own rate."""
 
-    stream_bytes_per_s: float
+    sizes: tuple[int, ...]  # bytes, ascending
+    rates: tuple[float, ...]  # bytes/s at each size
+    how: str = ""
+
+    def at(self, nbytes: int) -> float:
+        """The rate a step that streams `nbytes` can reach at most: the higher of those measured at the two sizes just
+        up to nbytes (a larger working set reads no faster; two, so one noisy pass cannot raise the floor); below the
+        smallest size, the smallest size's."""
+        near = [rate for size, rate in zip(self.sizes, self.rates) if nbytes / 4 < size <= nbytes]
+        return max(near) if near else self.rates[0] if nbytes < self.sizes[0] else self.rates[-1]
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    """The two ceilings of the roofline, measured on this machine in one dtype: the memory read rate (bytes, the
+    floor's), by working-set size where measured, and the matmul rate (FLOPs). The rate torch's GEMV reaches and the
+    copy rate are measured beside them, to be shown, never to price a floor."""
+
+    stream_bytes_per_s: float  # the read rate past any cache (CPU), or the device copy rate (GPU)
     matmul_flops_per_s: float
     dtype: str
     device: str
     how: str  # how each rate was measured, for the reader of a results row
+    read_rates: ReadRates | None = None  # by working-set size (CPU); None: stream_bytes_per_s at every size
+    gemv_bytes_per_s: float | None = None  # what torch's F.linear reaches over the model's weights at batch 1
+    copy_bytes_per_s: float | None = None  # a large copy, bytes read + written
+
+    def stream_rate(self, nbytes: int) -> float:
+        """The read rate that prices a step streaming `nbytes`."""
+        return self.stream_bytes_per_s if self.read_rates is None else self.read_rates.at(nbytes)
 
     def row_fields(self) -> dict:
-        return {"stream_gb_s": self.stream_bytes_per_s / 1e9, "matmul_gflop_s": self.matmul_flops_per_s / 1e9,
-                "rates_how": self.how}
+        optional = {"gemv_gb_s": self.gemv_bytes_per_s, "copy_gb_s": self.copy_bytes_per_s}
+        return {"stream_gb_s": self.stream_bytes_per_s / 1e9, "read_gb_s": self.stream_bytes_per_s / 1e9,
+                "matmul_gflop_s": self.matmul_flops_per_s / 1e9, "rates_how": self.how,
+                **{name: None if rate is None else rate / 1e9 for name, rate in optional.items()}}
 
 
 def model_dtype(model, dtype: torch.dtype | None) -> torch.dtype:
@@ -113,19 +143,21 @@ def prefill_cost(model, batch: int, prompt_len: int, dtype: torch.dtype | None =
 
 
 def floor_seconds(cost: StepCost, rates: MachineRates) -> float:
-    """The roofline: no step is faster than streaming its bytes or computing its FLOPs at the measured rates."""
-    return max(cost.bytes / rates.stream_bytes_per_s, cost.flops / rates.matmul_flops_per_s)
+    """The roofline: no step is faster than reading its bytes at the machine's read rate (for a working set of its
+    size) or computing its FLOPs at the measured matmul rate."""
+    return max(cost.bytes / rates.stream_rate(cost.bytes), cost.flops / rates.matmul_flops_per_s)
 
 
 def bound(cost: StepCost, rates: MachineRates) -> str:
     """Which ceiling sets the floor."""
-    memory = cost.bytes / rates.stream_bytes_per_s
+    memory = cost.bytes / rates.stream_rate(cost.bytes)
     return "memory" if memory >= cost.flops / rates.matmul_flops_per_s else "compute"
 
 
 def mbu(cost: StepCost, seconds: float, rates: MachineRates) -> float:
-    """Bandwidth utilisation: the step's bytes over its measured time, against the streaming rate."""
-    return cost.bytes / seconds / rates.stream_bytes_per_s
+    """Bandwidth utilisation (Databricks): the step's bytes over its measured time, against the read rate that prices
+    its floor, so a step at its floor is 100% and none is above."""
+    return cost.bytes / seconds / rates.stream_rate(cost.bytes)
 
 
 def mfu(cost: StepCost, seconds: float, rates: MachineRates) -> float:
@@ -152,12 +184,34 @@ def best_time(fn, device: str, repeats: int, budget_s: float) -> float:
 @torch.inference_mode()
 def measure_machine(model, device: str = "cpu", dtype: torch.dtype | None = None, repeats: int = 3,
                     matmul_size: int = 2048, target_s: float = 0.2, budget_s: float = 2.0) -> MachineRates:
-    """Streaming rate: a bare F.linear at batch 1 over every nn.Linear weight of `model` (a decode step's GEMVs with
-    nothing else), all weight bytes / best time. Matmul rate: one n^3 product in the model's dtype, 2 n^3 / best time,
+    """Read rate (the floor's): on a CPU a streaming read kernel over buffers of 1 MiB to READ_BYTES with the engine's
+    threads (measure_read_rates); on a GPU a device copy of READ_BYTES, bytes read + written. Beside it, not pricing
+    anything: the rate torch's GEMV reaches (a bare F.linear at batch 1 over every nn.Linear weight of `model`, all
+    weight bytes / best time) and a copy's. Matmul rate: one n^3 product in the model's dtype, 2 n^3 / best time,
     n = matmul_size or smaller where one product would take longer than target_s; or the FLOP rate those GEMVs
     reached where that is higher (bf16 on a CPU without bf16 units: GEMM ~1.4, GEMV ~18 GFLOP/s), since a ceiling
     below a rate the machine reached would put MFU over 100%."""
     dtype = model_dtype(model, dtype)
+    gemv_s, streamed, count, elements = measure_gemv(model, device, dtype, repeats, budget_s)
+    n = matmul_size_for(dtype, device, matmul_size, target_s)
+    square = 2 * n**3 / measure_square(n, device, dtype, repeats, budget_s)
+    gemv_flops = 2 * elements / gemv_s
+    copy = measure_copy_rate(device, READ_BYTES if torch.device(device).type == "cuda" else 2**28)
+    read_rates = measure_read_rates() if torch.device(device).type == "cpu" else None
+    read, read_how = ((read_rates.rates[-1], f"read: {read_rates.how}") if read_rates is not None else
+                      (copy, f"read: a device copy of {READ_BYTES >> 20} MiB, bytes read + written"))
+    name = str(dtype).removeprefix("torch.")
+    how = (f"{read_how}; torch's GEMV: F.linear at batch 1 over the {count} linear weights of "
+           f"{model.config.name} ({streamed / 1e6:.1f} MB), {streamed / gemv_s / 1e9:.1f} GB/s, best of {repeats}; "
+           f"matmul: the higher of a {n}^3 product ({square / 1e9:.1f} GFLOP/s, best of up to {repeats}) and those "
+           f"GEMVs ({gemv_flops / 1e9:.1f} GFLOP/s); {torch.get_num_threads()} threads")
+    return MachineRates(read, max(square, gemv_flops), name, str(device), how, read_rates=read_rates,
+                        gemv_bytes_per_s=streamed / gemv_s, copy_bytes_per_s=copy)
+
+
+def measure_gemv(model, device: str, dtype: torch.dtype, repeats: int, budget_s: float) -> tuple[float, int, int, int]:
+    """A bare F.linear at batch 1 over every nn.Linear weight of `model` (a decode step's GEMVs with nothing else):
+    (best seconds, weight bytes, weights, weight elements)."""
     weights = list({id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}.values())
     if not weights:
         raise ValueError("the model has no nn.Linear weights to stream")
@@ -168,19 +222,73 @@ def measure_machine(model, device: str = "cpu", dtype: torch.dtype | None = None
         for w, x in zip(weights, inputs):
             F.linear(x, w)
 
-    stream_s = best_time(stream, device, repeats, budget_s)
-    n = matmul_size_for(dtype, device, matmul_size, target_s)
+    seconds = best_time(stream, device, repeats, budget_s)
+    return seconds, sum(w.nbytes for w in weights), len(weights), sum(w.numel() for w in weights)
+
+
+def measure_square(n: int, device: str, dtype: torch.dtype, repeats: int, budget_s: float) -> float:
+    """Best seconds of one n^3 product in `dtype`."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    square = 2 * n**3 / best_time(lambda: a @ b, device, repeats, budget_s)
-    gemv = 2 * sum(w.numel() for w in weights) / stream_s
-    streamed = sum(w.nbytes for w in weights)
-    name = str(dtype).removeprefix("torch.")
-    how = (f"stream: F.linear at batch 1 over the {len(weights)} linear weights of {model.config.name} "
-           f"({streamed / 1e6:.1f} MB), best of {repeats}; matmul: the higher of a {n}^3 product "
-           f"({square / 1e9:.1f} GFLOP/s, best of up to {repeats}) and those GEMVs ({gemv / 1e9:.1f} GFLOP/s); "
-           f"{torch.get_num_threads()} threads")
-    return MachineRates(streamed / stream_s, max(square, gemv), name, str(device), how)
+    return best_time(lambda: a @ b, device, repeats, budget_s)
+
+
+READ_BYTES = 2**30  # the largest working set: past any cache this project's machines have
+READ_SMALLEST = 2**20  # the smallest: L2-sized, where a tiny model's step lives
+
+
+def read_buffer(device: str = "cpu") -> torch.Tensor:
+    """READ_BYTES of ones: written once so every page is mapped before a pass is timed."""
+    return torch.ones(READ_BYTES, dtype=torch.uint8, device=device)
+
+
+def read_pass(buffer: torch.Tensor) -> None:
+    """Read every byte of `buffer` once: the C streaming kernel with the engine's threads, or torch's sum where the
+    kernels did not build (slower: a floor priced by it is too high, and says so in `how`)."""
+    if cpu_decode.cpu_kernels_available():
+        cpu_decode.read_bandwidth(buffer, torch.get_num_threads())
+    else:
+        buffer.view(torch.int64).sum()
+
+
+def measure_read_rates(repeats: int = 5, budget_s: float = 1.0) -> ReadRates:
+    """The CPU's read rate at working sets of READ_SMALLEST to READ_BYTES (powers of two), each the best of up to
+    `repeats` passes after a warm-up pass."""
+    buffer = read_buffer()
+    sizes = []
+    size = READ_SMALLEST
+    while size <= READ_BYTES:
+        sizes.append(size)
+        size *= 2
+    rates = tuple(size / best_time(lambda: read_pass(buffer[:size]), "cpu", repeats, budget_s) for size in sizes)
+    kernel = "archzoo's streaming read kernel" if cpu_decode.cpu_kernels_available() else "torch's sum (no C kernel)"
+    how = (f"{kernel}, {torch.get_num_threads()} threads, best of {repeats} passes: "
+           f"{rates[-1] / 1e9:.1f} GB/s over {READ_BYTES >> 20} MiB, {max(rates) / 1e9:.1f} GB/s at most "
+           f"({sizes[rates.index(max(rates))] >> 20} MiB); a step is priced at the rate for its bytes")
+    return ReadRates(tuple(sizes), rates, how)
+
+
+def measure_read_rate(repeats: int = 3) -> float:
+    """The read rate past any cache alone (bytes/s): what a benchmark checks at its start and end."""
+    buffer = read_buffer()
+    return READ_BYTES / best_time(lambda: read_pass(buffer), "cpu", repeats, budget_s=1.0)
+
+
+def measure_copy_rate(device: str, nbytes: int = 2**28, repeats: int = 3) -> float:
+    """A copy of nbytes into another buffer: bytes read + written per second."""
+    source = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    return 2 * nbytes / best_time(lambda: target.copy_(source), device, repeats, budget_s=1.0)
+
+
+def disturbance(start_bytes_per_s: float, end_bytes_per_s: float, tolerance: float = 0.15) -> str:
+    """The read rate at a run's start and end, and whether they differ by more than `tolerance`: a machine busy with
+    other work part of the time makes a run's figures noise (OpenMP GEMMs slow 10-100x when a core is taken)."""
+    change = abs(end_bytes_per_s - start_bytes_per_s) / max(start_bytes_per_s, end_bytes_per_s)
+    line = f"read rate at start {start_bytes_per_s / 1e9:.1f} GB/s, at end {end_bytes_per_s / 1e9:.1f} GB/s"
+    if change > tolerance:
+        return f"{line}: DISTURBED (they differ by {change:.0%} > {tolerance:.0%}); treat this run's figures as noise"
+    return f"{line}: steady (within {tolerance:.0%})"
 
 
 def matmul_size_for(dtype: torch.dtype, device: str, largest: int, target_s: float) -> int:

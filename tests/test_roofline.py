@@ -5,6 +5,7 @@ tiny preset: vocab 512, d_model 64, 2 layers, 4 query heads of 16, gqa 2 KV head
 tied embeddings. fp32 unless said. Per layer: q 64x64 + k, v 64x(heads*16) + o 64x64, mlp 3x64x192 = 36864,
 two norms 128; plus the 512x64 embedding/head (32768) and the final norm (64).
 """
+import dataclasses
 import math
 
 import pytest
@@ -155,10 +156,35 @@ def test_bad_arguments_are_named():
 
 def test_measure_machine_gives_finite_positive_rates_quickly():
     rates = roofline.measure_machine(tiny("gqa"), matmul_size=256, repeats=2)
-    for rate in (rates.stream_bytes_per_s, rates.matmul_flops_per_s):
+    for rate in (rates.stream_bytes_per_s, rates.matmul_flops_per_s, rates.gemv_bytes_per_s, rates.copy_bytes_per_s):
         assert math.isfinite(rate) and rate > 0
-    assert rates.dtype == "float32" and rates.device == "cpu" and "F.linear" in rates.how
+    assert rates.dtype == "float32" and rates.device == "cpu" and "F.linear" in rates.how and "read" in rates.how
     # the compute ceiling is never below what the streaming GEMVs reached: 2 FLOPs per 4-byte weight
-    assert rates.matmul_flops_per_s >= rates.stream_bytes_per_s * 2 / 4 * (1 - 1e-9)
+    assert rates.matmul_flops_per_s >= rates.gemv_bytes_per_s * 2 / 4 * (1 - 1e-9)
+    # the read rate past any cache is the one measured over the largest buffer, of at least 1 GiB
+    assert rates.read_rates.sizes[-1] >= 2**30 and rates.stream_bytes_per_s == rates.read_rates.rates[-1]
     fields = rates.row_fields()
-    assert fields["stream_gb_s"] == pytest.approx(rates.stream_bytes_per_s / 1e9)
+    assert fields["stream_gb_s"] == fields["read_gb_s"] == pytest.approx(rates.stream_bytes_per_s / 1e9)
+    assert fields["gemv_gb_s"] == pytest.approx(rates.gemv_bytes_per_s / 1e9)
+
+
+def test_the_floor_is_priced_at_the_read_rate_never_the_gemv_rate():
+    """bytes / the read rate measured for a working set of the step's size; torch's GEMV rate changes nothing."""
+    read = roofline.ReadRates(sizes=(2**20, 2**21, 2**22, 2**23), rates=(80e9, 60e9, 40e9, 20e9))
+    cost = roofline.StepCost(weight_bytes=3 * 2**20, cache_read_bytes=0, cache_write_bytes=0, flops=1)
+    slow_gemv = MachineRates(20e9, 1e15, "float32", "cpu", "", read_rates=read, gemv_bytes_per_s=5e9)
+    fast_gemv = dataclasses.replace(slow_gemv, gemv_bytes_per_s=500e9)
+    # 3 MiB: the sizes in (0.75 MiB, 3 MiB] are 1 and 2 MiB, the faster of which prices it
+    assert roofline.floor_seconds(cost, slow_gemv) == roofline.floor_seconds(cost, fast_gemv) == 3 * 2**20 / 80e9
+    assert roofline.mbu(cost, 3 * 2**20 / 80e9, slow_gemv) == pytest.approx(1.0)  # at the floor: 100%, never above
+    assert read.at(2**23) == 40e9  # 8 MiB: 4 and 8 MiB measured within it
+    assert read.at(2**30) == 20e9  # past the largest size: the memory's own rate
+    assert read.at(1000) == 80e9  # below the smallest: the smallest size's
+    no_curve = MachineRates(20e9, 1e15, "float32", "cuda", "")
+    assert roofline.floor_seconds(cost, no_curve) == 3 * 2**20 / 20e9
+
+
+def test_disturbance_says_when_the_read_rate_moved():
+    assert "steady" in roofline.disturbance(30e9, 28e9)
+    assert "DISTURBED" in roofline.disturbance(30e9, 20e9)
+    assert "DISTURBED" in roofline.disturbance(20e9, 30e9)

@@ -26,7 +26,7 @@ def test_smoke_rows_table_chart_and_resume(tmp_path, capsys, monkeypatch):
         assert r["step_ms_p50"] > 0 and r["floor_ms"] > 0 and r["bound"] in ("memory", "compute")
         assert r["fraction_of_floor"] == pytest.approx(r["step_ms_p50"] / r["floor_ms"])
         assert r["stream_gb_s"] > 0 and r["matmul_gflop_s"] > 0 and r["weight_mb"] > 0 and r["compile"] is False
-    assert len({r["stream_gb_s"] for r in rows}) == 1  # one machine measurement per dtype per run
+    assert len({(r["read_gb_s"], r["gemv_gb_s"]) for r in rows}) == 1  # one machine measurement per dtype per run
     assert "| gqa | float32 | 1 | 16 | paged |" in out
     assert (tmp_path / "roofline.png").stat().st_size > 0
     monkeypatch.setattr(bench, "measure", lambda *a: pytest.fail("a finished cell was measured again"))
