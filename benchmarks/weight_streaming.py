@@ -1,0 +1,74 @@
+"""How near the machine's memory read rate a decode step's weight reads run: the bare linear layers of one step of
+the `base` gqa model (every nn.Linear, as the model's layers call them: kernels/linear.py's CPU dispatch, the C GEMV
+at decode sizes) beside torch's own F.linear on the same weights, at batch 1 and 4, fp32 and bf16, in one run with the
+read rate measured (harness/roofline.py: past any cache, and for a working set of the weights' size).
+
+    python benchmarks/weight_streaming.py
+    python benchmarks/weight_streaming.py --batches 1,2,4,8,16 --dtypes fp32 --repeats 30
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import zoo
+from harness import roofline
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def step_seconds(layers, inputs, call, repeats: int) -> float:
+    """Median seconds of one pass over every layer (after one untimed pass)."""
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        for layer, x in zip(layers, inputs):
+            call(layer, x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+@torch.inference_mode()
+def measure(model, batch: int, repeats: int, rates: roofline.MachineRates) -> dict:
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    dtype = next(model.parameters()).dtype
+    inputs = [torch.randn(batch, m.in_features).to(dtype) for m in layers]
+    weight_bytes = sum(m.weight.nbytes for m in layers)
+    archzoo = step_seconds(layers, inputs, lambda layer, x: layer(x), repeats)
+    torch_s = step_seconds(layers, inputs, lambda layer, x: F.linear(x, layer.weight), repeats)
+    read, working_set = rates.stream_bytes_per_s, rates.stream_rate(weight_bytes)
+    return {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "weight_mb": weight_bytes / 1e6,
+            "archzoo_gb_s": weight_bytes / archzoo / 1e9, "torch_gb_s": weight_bytes / torch_s / 1e9,
+            "pct_read": weight_bytes / archzoo / read, "pct_working_set": weight_bytes / archzoo / working_set,
+            "read_gb_s": read / 1e9, "working_set_gb_s": working_set / 1e9}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="base")
+    p.add_argument("--batches", default="1,4")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    rows = []
+    for name in args.dtypes.split(","):
+        torch.manual_seed(0)
+        model = zoo.build("gqa", preset=args.preset).to(DTYPES[name]).eval()
+        rates = roofline.measure_machine(model)
+        print(f"{name}: {rates.how}", flush=True)
+        rows += [measure(model, int(b), args.repeats, rates) for b in args.batches.split(",")]
+    print("| dtype | batch | weights (MB) | archzoo GB/s | torch F.linear GB/s | % of read rate (1 GiB) | "
+          "% of read rate for its working set |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['dtype']} | {r['batch']} | {r['weight_mb']:.0f} | {r['archzoo_gb_s']:.1f} | {r['torch_gb_s']:.1f} | "
+              f"{r['pct_read']:.0%} ({r['read_gb_s']:.1f}) | {r['pct_working_set']:.0%} ({r['working_set_gb_s']:.1f}) |")
+
+
+if __name__ == "__main__":
+    from machine_watch import watched_run  # benchmarks/, beside this script when run as one
+
+    with watched_run():
+        main()
