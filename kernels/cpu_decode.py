@@ -90,6 +90,8 @@ def _library() -> ctypes.CDLL | None:
     lib.selective_scan_backward.argtypes = [ptr] * 14 + [i32] * 5
     lib.read_bandwidth.restype = ctypes.c_uint64
     lib.read_bandwidth.argtypes = [ptr, i64, i32]
+    lib.dense_gemv.restype = ctypes.c_int
+    lib.dense_gemv.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, ptr, ptr, i64, i32]
     return lib
 
 
@@ -328,3 +330,37 @@ def read_bandwidth(buffer: torch.Tensor, threads: int) -> int:
         raise RuntimeError("read_bandwidth needs the compiled CPU kernels and a contiguous CPU buffer")
     usable = buffer.nbytes // (64 * threads) * (64 * threads)
     return lib.read_bandwidth(ctypes.c_void_p(buffer.data_ptr()), usable, threads)
+
+
+DENSE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def dense_gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether dense_gemv takes these: x, weight and bias all fp32 or all bf16, the weight contiguous [N, K]."""
+    return (x.dtype in DENSE_DTYPES and weight.dtype == x.dtype and weight.stride() == (weight.shape[1], 1)
+            and (bias is None or bias.dtype == x.dtype))
+
+
+@torch.library.custom_op("archzoo::dense_gemv", mutates_args=())
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for decode-sized x [..., K] (each weight byte is read once for up to 16 rows) on
+    kernels/cpu/dense_gemv.c: fp32, or bf16 with fp32 sums rounded once."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    n = weight.shape[0]
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype)
+    status = _library().dense_gemv(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), DTYPE_CODES[x.dtype],
+                                   weight.data_ptr(), n, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                   out.stride(0), torch.get_num_threads())
+    if status:
+        raise (MemoryError("dense_gemv: out of memory for the fp32 copy of x") if status == -2 else
+               ValueError(f"dense_gemv: dtype {x.dtype} is beyond the CPU kernel (fp32, bf16)"))
+    return out.reshape(*x.shape[:-1], n)
+
+
+@dense_gemv.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,186 @@
+/* Dense GEMV / small GEMM for decode: out[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]), with x, W, bias and out all fp32
+ * or all bf16 (kernels/linear.py's Linear at decode-sized batches). Arithmetic is fp32 throughout.
+ * Layout: W [n, k] contiguous, x rows ldx elements apart (unit column stride), out rows ldo apart, bias [n] or NULL.
+ * Threads split the output channels into contiguous ranges of ROWS-channel tiles (OpenMP's static schedule), so each
+ * streams its own stretch of W from memory once, for every row of x (up to MAX_M of them; more take further passes).
+ * A tile walks K in blocks of BLOCK_BYTES a row (of x or W, the wider): ROWS weight rows and MAX_M x rows stay in L1
+ * while XROWS x rows at a time run over them, so one load of W feeds XROWS sums and one load of x feeds ROWS; between
+ * blocks the sums wait in a [MAX_M][ROWS] array of vectors. A step takes one 64-byte line of each weight row and
+ * prefetches PREFETCH_BYTES ahead in each. Loads are unaligned-type loads, as fast as aligned ones on an aligned
+ * address: torch allocates 64-byte aligned, so every row of W and of a contiguous x starts on a line when a row is
+ * whole lines (every model width). The last k % (one line) columns are summed in scalar. GCC vector types hold LANES
+ * floats, one register on any target; the compiler's macros (-march=native) pick LANES, XROWS and dpbf16.
+ * bf16: with AVX512-BF16, _mm512_dpbf16_ps multiplies 32 bf16 pairs into 16 fp32 sums as stored; elsewhere x is
+ * widened to an fp32 copy once and each weight vector by a 16-bit shift as it is loaded. */
+/* ISO C mode (-std=c11) turns off fused multiply-add contraction: a * b + c here is one FMA */
+#pragma GCC optimize("fp-contract=fast")
+#include <stdlib.h>
+#include <string.h>
+#include "floats.h"
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
+#ifdef __AVX512F__
+#define LANES 16
+#define XROWS 4 /* 16 sums, 4 weight vectors and 4 of x in the 32 vector registers */
+#else
+#define LANES 8
+#define XROWS 2 /* 8 sums, 4 weight vectors and 2 of x in the 16 */
+#endif
+#define ROWS 4
+#define MAX_M 16
+#define LINE 64
+#define BLOCK_BYTES 1024     /* a block of 16 x rows and 4 weight rows is at most 20 KiB: in L1 on any x86 since 2012 */
+#define PREFETCH_BYTES 512   /* 8 lines ahead in each of a tile's 4 streams */
+#define INLINE static inline __attribute__((always_inline))
+
+typedef float floats_v __attribute__((vector_size(4 * LANES)));
+typedef uint16_t halves_v __attribute__((vector_size(2 * LANES)));
+typedef uint32_t words_v __attribute__((vector_size(4 * LANES)));
+
+/* how a step multiplies: fp32 W and x; bf16 W widened against an fp32 copy of x; bf16 pairs by dpbf16 */
+enum { PLAIN, WIDEN, DOT };
+#ifdef __AVX512BF16__
+#define BF16_FORMAT DOT
+#else
+#define BF16_FORMAT WIDEN
+#endif
+
+struct gemv {
+    const char *x, *w;
+    const void *bias;
+    void *out;
+    int64_t k, n, ldx, ldo;
+    int format, dtype;
+};
+
+INLINE int w_bytes(int format) { return format == PLAIN ? 4 : 2; }
+INLINE int x_bytes(int format) { return format == DOT ? 2 : 4; }
+INLINE int64_t vector_elements(int format) { return format == DOT ? 2 * LANES : LANES; }
+
+INLINE floats_v load_floats(const char *p) {
+    floats_v v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* LANES bf16 as fp32: a bf16 is the high half of its fp32 */
+INLINE floats_v widen(const char *p) {
+    halves_v h;
+    memcpy(&h, p, sizeof h);
+    return (floats_v)(__builtin_convertvector(h, words_v) << 16);
+}
+
+/* weight columns i.. as the step multiplies them (DOT: 2 * LANES bf16 in the vector's bits) */
+INLINE floats_v load_w(const char *w, int64_t i, int format) {
+    return format == WIDEN ? widen(w + 2 * i) : load_floats(w + w_bytes(format) * i);
+}
+
+INLINE floats_v madd(floats_v acc, floats_v w, const char *x, int64_t i, int format) {
+#ifdef __AVX512BF16__
+    if (format == DOT) return (floats_v)_mm512_dpbf16_ps((__m512)acc, (__m512bh)load_floats(x + 2 * i), (__m512bh)w);
+#endif
+    return acc + w * load_floats(x + 4 * i);
+}
+
+INLINE float sum_lanes(floats_v v) { /* GCC makes this an extract-and-add tree */
+    float s = 0.f;
+    for (int l = 0; l < LANES; l++) s += v[l];
+    return s;
+}
+
+/* sums[m][r] += W row w[r] . x row x[m] over columns [k0, k1), a line of each weight row a step; xr is a constant
+ * at every call, so the sums live in registers */
+INLINE void run_block(const char *const *w, const char *const *x, floats_v (*sums)[ROWS], int64_t k0, int64_t k1,
+                      int xr, int format) {
+    floats_v acc[XROWS][ROWS];
+    for (int m = 0; m < xr; m++)
+        for (int r = 0; r < ROWS; r++) acc[m][r] = sums[m][r];
+    int64_t step = LINE / w_bytes(format);
+    for (int64_t i = k0; i < k1; i += step) {
+        for (int r = 0; r < ROWS; r++) __builtin_prefetch(w[r] + w_bytes(format) * i + PREFETCH_BYTES);
+        for (int64_t j = i; j < i + step; j += vector_elements(format))
+            for (int r = 0; r < ROWS; r++) {
+                floats_v wv = load_w(w[r], j, format);
+                for (int m = 0; m < xr; m++) acc[m][r] = madd(acc[m][r], wv, x[m], j, format);
+            }
+    }
+    for (int m = 0; m < xr; m++)
+        for (int r = 0; r < ROWS; r++) sums[m][r] = acc[m][r];
+}
+
+/* x rows [0, xr) against the block, xr <= XROWS made a constant for run_block */
+INLINE void run_rows(const char *const *w, const char *const *x, floats_v (*sums)[ROWS], int64_t k0, int64_t k1,
+                     int xr, int format) {
+    switch (xr) {
+    case 1: run_block(w, x, sums, k0, k1, 1, format); break;
+#if XROWS > 2
+    case 2: run_block(w, x, sums, k0, k1, 2, format); break;
+    case 3: run_block(w, x, sums, k0, k1, 3, format); break;
+#endif
+    default: run_block(w, x, sums, k0, k1, XROWS, format); break;
+    }
+}
+
+/* the sums of a tile's whole lines, plus the last columns in scalar and the bias, rounded into out */
+INLINE void finish(const struct gemv *g, const char *const *w, const char *const *x, floats_v (*sums)[ROWS],
+                   int64_t m0, int mp, int64_t n0, int64_t tail, int format) {
+    int w_dtype = format == PLAIN ? F32 : BF16, x_dtype = format == DOT ? BF16 : F32;
+    for (int m = 0; m < mp; m++)
+        for (int r = 0; r < ROWS && n0 + r < g->n; r++) {
+            float y = sum_lanes(sums[m][r]);
+            for (int64_t i = tail; i < g->k; i++) y += load1(w[r], i, w_dtype) * load1(x[m], i, x_dtype);
+            if (g->bias) y += load1(g->bias, n0 + r, g->dtype);
+            store1(g->out, (m0 + m) * g->ldo + n0 + r, y, g->dtype);
+        }
+}
+
+/* out rows [m0, m0 + mp) at channels [n0, n0 + ROWS); a partial last tile repeats channel n - 1 (in bounds, dropped) */
+INLINE void tile(const struct gemv *g, int64_t n0, int64_t m0, int mp, int format) {
+    const char *w[ROWS], *x[MAX_M];
+    for (int r = 0; r < ROWS; r++) w[r] = g->w + (n0 + r < g->n ? n0 + r : g->n - 1) * g->k * w_bytes(format);
+    for (int m = 0; m < mp; m++) x[m] = g->x + (m0 + m) * g->ldx * x_bytes(format);
+    floats_v sums[MAX_M][ROWS];
+    memset(sums, 0, sizeof sums);
+    int64_t step = LINE / w_bytes(format), whole = g->k - g->k % step;
+    int64_t block = BLOCK_BYTES / (x_bytes(format) > w_bytes(format) ? x_bytes(format) : w_bytes(format));
+    for (int64_t k0 = 0; k0 < whole; k0 += block) {
+        int64_t k1 = k0 + block < whole ? k0 + block : whole;
+        for (int m = 0; m < mp; m += XROWS)
+            run_rows(w, x + m, sums + m, k0, k1, mp - m < XROWS ? mp - m : XROWS, format);
+    }
+    finish(g, w, x, sums, m0, mp, n0, whole, format);
+}
+
+static void tile_fp32(const struct gemv *g, int64_t n0, int64_t m0, int mp) { tile(g, n0, m0, mp, PLAIN); }
+static void tile_bf16(const struct gemv *g, int64_t n0, int64_t m0, int mp) { tile(g, n0, m0, mp, BF16_FORMAT); }
+
+/* x [m, k] (row stride ldx), W [n, k], bias [n] or NULL, out [m, n] (row stride ldo), all dtype (fp32 or bf16).
+ * Returns 0, -1 for a dtype the kernel does not take, -2 out of memory. */
+int dense_gemv(const void *x, int64_t m, int64_t k, int64_t ldx, int dtype, const void *weight, int64_t n,
+               const void *bias, void *out, int64_t ldo, int threads) {
+    if (dtype != F32 && dtype != BF16) return -1;
+    if (m <= 0 || n <= 0) return 0;
+    int format = dtype == F32 ? PLAIN : BF16_FORMAT;
+    float *wide = NULL;
+    if (format == WIDEN && k > 0) { /* x is small next to W: widen it once rather than once per tile */
+        wide = malloc(sizeof(float) * (size_t)(m * k));
+        if (!wide) return -2;
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < k; i++) wide[r * k + i] = load1(x, r * ldx + i, BF16);
+        x = wide;
+        ldx = k;
+    }
+    struct gemv g = {x, weight, bias, out, k, n, ldx, ldo, format, dtype};
+    int64_t tiles = (n + ROWS - 1) / ROWS;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t m0 = 0; m0 < m; m0 += MAX_M) {
+            int mp = m - m0 < MAX_M ? (int)(m - m0) : MAX_M;
+            if (dtype == F32) tile_fp32(&g, t * ROWS, m0, mp);
+            else tile_bf16(&g, t * ROWS, m0, mp);
+        }
+    free(wide);
+    return 0;
+}

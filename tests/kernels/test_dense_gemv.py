@@ -1,0 +1,142 @@
+"""kernels/cpu/dense_gemv.c (cpu_decode.dense_gemv) equals F.linear, and Linear takes it for decode-sized fp32 and bf16
+batches only: fp32 to rounding, bf16 to one bf16 rounding of the fp32 product of the same bf16 inputs."""
+import platform
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import Linear, cpu_decode, cpu_kernels_available
+from kernels.linear import DENSE_GEMV_MAX_ROWS
+from helpers import assert_not_constant, assert_same_output, greedy, make_prompts, random_model  # tests/ on sys.path
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the CPU kernels did not build")
+
+
+def operands(rows, k, n, dtype, bias, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x, weight, b = (torch.randn(*shape, generator=generator) for shape in ((*rows, k), (n, k), (n,)))
+    return x.to(dtype), weight.to(dtype), b.to(dtype) if bias else None
+
+
+def assert_linear(got, x, weight, bias):
+    """got against fp32 F.linear of the same inputs: fp32 sums differ in order only (1e-5 of the output's scale); a
+    bf16 output is also rounded once (half a bf16 unit, 2^-9 of the value)."""
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert got.dtype == x.dtype and got.shape == want.shape
+    rtol = 0 if x.dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(got.float(), want, rtol=rtol, atol=1e-5 * want.abs().max().item())
+
+
+@contextmanager
+def kernels_off(monkeypatch):
+    """ARCHZOO_CPU_KERNELS=0 as a fresh process sees it: no library, so every dispatch takes the references."""
+    with monkeypatch.context() as patch:
+        patch.setenv(cpu_decode.DISABLE_ENV, "0")
+        cpu_decode._library.cache_clear()
+        try:
+            yield
+        finally:
+            patch.undo()
+            cpu_decode._library.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("k,n", [(100, 37), (256, 64), (1030, 9)])  # ragged K and N; whole lines; several K blocks
+@pytest.mark.parametrize("bias", [False, True])
+def test_equals_f_linear(dtype, rows, k, n, bias):
+    x, weight, b = operands((rows,), k, n, dtype, bias, seed=rows + k)
+    assert_linear(cpu_decode.dense_gemv(x, weight, b), x, weight, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_and_batched_x(dtype):
+    """x as a view of a wider tensor (rows apart by more than K), with a column stride (copied), and [B, T, K]."""
+    _, weight, b = operands((), 100, 37, dtype, True)
+    shapes = ((5, 131), (5, 200), (100, 5), (3, 5, 100))
+    wide, strided, tall, batched = (torch.randn(*shape).to(dtype) for shape in shapes)
+    for x in (wide[:, 7:107], strided[:, ::2], tall.t(), batched):
+        assert_linear(cpu_decode.dense_gemv(x, weight, b), x, weight, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_more_rows_than_a_pass_holds(dtype):
+    """Past 16 rows the kernel passes over the weights again: still exact (Linear does not send such batches)."""
+    x, weight, b = operands((40,), 100, 37, dtype, True)
+    assert_linear(cpu_decode.dense_gemv(x, weight, b), x, weight, b)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 targets")
+@pytest.mark.parametrize("target", [["-mno-avx512bf16"], ["-march=haswell"]], ids=["no dpbf16", "avx2"])
+def test_the_paths_other_cpus_take(monkeypatch, target):
+    """The machines vary: bf16 by widening (no AVX512-BF16) and the AVX2 tiles (8 lanes, 2 x rows) built here too."""
+    flags = [flag for flag in cpu_decode.FLAGS if not (target[0].startswith("-march") and flag.startswith("-march"))]
+    monkeypatch.setattr(cpu_decode, "FLAGS", flags + target)
+    cpu_decode._library.cache_clear()
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            for rows in (1, 3, 16):
+                x, weight, b = operands((rows,), 1030, 37, dtype, True, seed=rows)
+                assert_linear(cpu_decode.dense_gemv(x, weight, b), x, weight, b)
+    finally:
+        monkeypatch.undo()
+        cpu_decode._library.cache_clear()
+
+
+def linear_calls(monkeypatch) -> list:
+    """The shapes of x that Linear hands to the C GEMV from now on."""
+    calls, real = [], cpu_decode.dense_gemv
+    monkeypatch.setattr(cpu_decode, "dense_gemv", lambda x, *args: calls.append(tuple(x.shape)) or real(x, *args))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_dispatch(monkeypatch, dtype):
+    """fp32 and bf16 batches of 1..DENSE_GEMV_MAX_ROWS rows take the C GEMV when no gradient is recorded; larger ones,
+    fp16, a gradient to record, and ARCHZOO_CPU_KERNELS=0 take torch's paths. All equal F.linear."""
+    calls = linear_calls(monkeypatch)
+    layer = Linear(100, 37).to(dtype)
+    taken = dtype in (torch.float32, torch.bfloat16)
+    for shape in ((1, 100), (2, 1, 100), (DENSE_GEMV_MAX_ROWS, 100), (DENSE_GEMV_MAX_ROWS + 1, 100), (0, 100)):
+        calls.clear()
+        x = torch.randn(shape).to(dtype)
+        with torch.no_grad():
+            got = layer(x)
+        rows = x.numel() // 100
+        assert calls == ([shape] if taken and 1 <= rows <= DENSE_GEMV_MAX_ROWS else []), shape
+        if rows and dtype != torch.float16:
+            assert_linear(got, x, layer.weight, layer.bias)
+    x = torch.randn(3, 100).to(dtype)
+    calls.clear()
+    layer(x).sum().backward()  # weights that require grad, grad mode on: autograd's path
+    assert calls == [] and layer.weight.grad is not None
+    with kernels_off(monkeypatch), torch.no_grad():
+        layer(x)
+    assert calls == []
+
+
+def test_compiled_op_equals_eager():
+    """A custom op: torch.compile(fullgraph=True) keeps Linear's C GEMV in the graph, and the result is eager's."""
+    layer = Linear(100, 37).to(torch.bfloat16)
+    x = torch.randn(2, 3, 100).to(torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), cpu_decode.dense_gemv(x, layer.weight, layer.bias), rtol=0, atol=0)
+
+
+def test_engine_decodes_as_without_the_kernels(monkeypatch):
+    """A tiny fp32 model's greedy decode through the C GEMV gives the tokens (and logits) of the references."""
+    from harness import Engine
+
+    model = random_model("gqa")
+    prompts = make_prompts([5, 19], model.config.vocab_size)
+    calls = linear_calls(monkeypatch)
+    fast = Engine(model, max_batch=2, max_seq_len=40).generate(prompts, greedy(8))
+    assert calls, "the engine's linear layers never took the C GEMV"
+    with kernels_off(monkeypatch):
+        plain = Engine(model, max_batch=2, max_seq_len=40).generate(prompts, greedy(8))
+    for got, want in zip(fast, plain):
+        assert_not_constant(want.token_ids)
+        assert_same_output(got, want, context="dense_gemv vs references")
