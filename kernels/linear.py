@@ -1,12 +1,23 @@
-"""nn.Linear with faster CPU forms for decode-sized batches.
+"""nn.Linear with faster CPU forms for decode-sized batches, chosen by measurement.
 
-Up to DENSE_GEMV_MAX_ROWS rows of fp32 or bf16 on the CPU, with no gradient to record, run archzoo's C GEMV
-(kernels/cpu/dense_gemv.c through cpu_decode.dense_gemv, a custom op that torch.compile keeps in the graph): it streams
-each weight byte once from memory for every row, where torch's GEMMs are built for larger products.
-Other fp32 batches of 2..64 rows take y^T = W x^T: torch's BLAS runs W @ x^T 1.3-2x faster than x @ W^T there
-(measured on the project's 2-core AVX2 machine: 85 base-size GEMMs at 16 rows, 58 ms vs 84 ms; equal at 1 row), as it
-reads the weight as row-major A in one pass. A prefill's many rows are faster as they are.
-Same parameters and state_dict as nn.Linear, so weights load unchanged.
+Which path a CPU batch of `rows` rows takes (no gradient to record; benchmarks/weight_streaming.py, the `base` gqa
+model's 85 linear layers, 2 threads, GB/s of weights streamed on a 2-core Xeon with AVX-512 and AVX512-BF16):
+
+| dtype | rows | path | measured (C GEMV / torch F.linear / W @ x^T) |
+|---|---|---|---|
+| fp32 | 1 | torch's F.linear | 21.0 / 26.0 / 26.1 |
+| fp32 | 2..16 | archzoo's C GEMV | 20.2 / 23.2 / 11.8 at 2 rows; 19.1 / 13.9 / 11.9 at 4; 13.3 / 10.3 / 11.0 at 16 |
+| fp32 | 17..64 | W @ x^T | (1.3-2x faster than x @ W^T on an AVX2 machine: 85 base-size GEMMs at 16 rows, 58 vs 84 ms) |
+| bf16 | 1..4 | archzoo's C GEMV | 17.1 / 13.2 / 13.3 at 1 row; 15.4 / 12.7 at 2; 13.4 / 12.3 at 4 |
+| bf16 | 5.. | torch's F.linear | 11.2 / 12.2 at 8 rows; 7.5 / 11.9 at 16 |
+
+(bf16 W @ x^T streamed 17.6-18.8 GB/s at 2-16 rows, but rounds its sums too early: it missed F.linear on the same
+inputs by up to 1.7% where the others stay within one bf16 rounding.)
+
+The C GEMV (kernels/cpu/dense_gemv.c through cpu_decode.dense_gemv, a custom op that torch.compile keeps in the graph)
+streams each weight byte once for every row; W @ x^T lets the BLAS read the weight as row-major A in one pass. A
+prefill's many rows, fp16, and a batch whose gradient is recorded take nn.Linear's own path. Same parameters and
+state_dict as nn.Linear, so weights load unchanged.
 """
 import torch
 from torch import nn
@@ -14,26 +25,34 @@ from torch import nn
 from . import cpu_decode
 from .dispatch import use_cpu_kernel
 
-MAX_ROWS = 64
-DENSE_GEMV_MAX_ROWS = 16  # decode batches; to be tuned against the W x^T path by benchmark
+MAX_ROWS = 64  # W @ x^T up to here
+GEMV_ROWS = {torch.float32: range(2, 17), torch.bfloat16: range(1, 5)}  # where the C GEMV measured fastest
+
+
+def rows_of(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
 def dense_gemv_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """The C GEMV: fp32 or bf16 on the CPU, decode-sized, a contiguous weight, and no gradient to record (the op has
-    no backward)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    """The C GEMV: fp32 or bf16 on the CPU at the row counts it measured fastest for, a contiguous weight, and no
+    gradient to record (the op has no backward)."""
     params = (weight,) if bias is None else (weight, bias)
     recording = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))
-    return (1 <= rows <= DENSE_GEMV_MAX_ROWS and not recording and cpu_decode.dense_gemv_fits(x, weight, bias)
-            and use_cpu_kernel(x, *params))
+    return (rows_of(x) in GEMV_ROWS.get(x.dtype, ()) and not recording
+            and cpu_decode.dense_gemv_fits(x, weight, bias) and use_cpu_kernel(x, *params))
+
+
+def transposed_path(x: torch.Tensor, rows: int) -> bool:
+    """W @ x^T: fp32 batches of 2..MAX_ROWS rows on the CPU (those the C GEMV did not take)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and 1 < rows <= MAX_ROWS
 
 
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if dense_gemv_path(x, self.weight, self.bias):
             return cpu_decode.dense_gemv(x, self.weight, self.bias)
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if x.device.type != "cpu" or x.dtype != torch.float32 or not 1 < rows <= MAX_ROWS:
+        rows = rows_of(x)
+        if not transposed_path(x, rows):
             return super().forward(x)
         y = torch.mm(self.weight, x.reshape(rows, -1).t()).t()
         if self.bias is not None:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import Linear, cpu_decode, cpu_kernels_available
-from kernels.linear import DENSE_GEMV_MAX_ROWS
+from kernels.linear import GEMV_ROWS
 from helpers import assert_not_constant, assert_same_output, greedy, make_prompts, random_model  # tests/ on sys.path
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the CPU kernels did not build")
@@ -94,20 +94,22 @@ def linear_calls(monkeypatch) -> list:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_linear_dispatch(monkeypatch, dtype):
-    """fp32 and bf16 batches of 1..DENSE_GEMV_MAX_ROWS rows take the C GEMV when no gradient is recorded; larger ones,
-    fp16, a gradient to record, and ARCHZOO_CPU_KERNELS=0 take torch's paths. All equal F.linear."""
+    """fp32 batches of 2..16 rows and bf16 ones of 1..4 take the C GEMV when no gradient is recorded (where it measured
+    fastest, kernels/linear.py); other sizes, fp16, a gradient to record, and ARCHZOO_CPU_KERNELS=0 take torch's
+    paths. All equal F.linear."""
     calls = linear_calls(monkeypatch)
     layer = Linear(100, 37).to(dtype)
-    taken = dtype in (torch.float32, torch.bfloat16)
-    for shape in ((1, 100), (2, 1, 100), (DENSE_GEMV_MAX_ROWS, 100), (DENSE_GEMV_MAX_ROWS + 1, 100), (0, 100)):
+    taken = GEMV_ROWS.get(dtype, ())
+    for shape in ((1, 100), (2, 1, 100), (4, 100), (5, 100), (16, 100), (17, 100), (0, 100)):
         calls.clear()
         x = torch.randn(shape).to(dtype)
         with torch.no_grad():
             got = layer(x)
         rows = x.numel() // 100
-        assert calls == ([shape] if taken and 1 <= rows <= DENSE_GEMV_MAX_ROWS else []), shape
+        assert calls == ([shape] if rows in taken else []), shape
         if rows and dtype != torch.float16:
             assert_linear(got, x, layer.weight, layer.bias)
+    assert list(GEMV_ROWS[torch.float32]) == list(range(2, 17)) and list(GEMV_ROWS[torch.bfloat16]) == [1, 2, 3, 4]
     x = torch.randn(3, 100).to(dtype)
     calls.clear()
     layer(x).sum().backward()  # weights that require grad, grad mode on: autograd's path
@@ -120,7 +122,7 @@ def test_linear_dispatch(monkeypatch, dtype):
 def test_compiled_op_equals_eager():
     """A custom op: torch.compile(fullgraph=True) keeps Linear's C GEMV in the graph, and the result is eager's."""
     layer = Linear(100, 37).to(torch.bfloat16)
-    x = torch.randn(2, 3, 100).to(torch.bfloat16)
+    x = torch.randn(2, 2, 100).to(torch.bfloat16)  # 4 rows: the C GEMV's
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), cpu_decode.dense_gemv(x, layer.weight, layer.bias), rtol=0, atol=0)
