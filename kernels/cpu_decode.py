@@ -1,9 +1,11 @@
-"""CPU kernels: decode attention that reads every cache layout in place (kernels/cpu/decode_attention.c),
-Mamba's one-token state update (kernels/cpu/selective_state_update.c) and its prompt scan
-(kernels/cpu/selective_scan.c), and the weight-only int8 / int4 GEMV for fp32 and fp16 activations
-(kernels/cpu/quantized_gemv.c), and the streaming read that measures the machine's memory read rate
-(kernels/cpu/read_bandwidth.c), compiled at first use with the machine's C compiler (like inductor and Triton, so -march=native fits the CPU it
-runs on) and registered as a torch custom op, so `torch.compile` calls it without a graph break.
+"""CPU kernels, compiled at first use with the machine's C compiler (like inductor and Triton, so -march=native fits
+the CPU it runs on) and registered as torch custom ops, so `torch.compile` calls them without a graph break:
+- decode attention that reads every cache layout in place (kernels/cpu/decode_attention.c);
+- Mamba's one-token state update (kernels/cpu/selective_state_update.c) and its prompt scan
+  (kernels/cpu/selective_scan.c);
+- the weight-only int8 / int4 GEMV for fp32 and fp16 activations (kernels/cpu/quantized_gemv.c);
+- the dense fp32 / bf16 GEMV for decode-sized batches (kernels/cpu/dense_gemv.c, kernels/linear.py's dispatch);
+- the streaming read that measures the machine's memory read rate (kernels/cpu/read_bandwidth.c; a plain call).
 
 Layouts (k and v 4-D, last dim contiguous):
   "blocks": [num_blocks, block_size, kv_heads, dim], any strides (the engine's pools are head-major views), a
