@@ -3,6 +3,7 @@
 Paged layers are grouped by retention policy: a group's layers share block ids (one block table per sequence per
 group), so a sliding-window group can return blocks while a global group in the same model keeps them.
 """
+import os
 from dataclasses import dataclass
 
 import torch
@@ -158,3 +159,32 @@ def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, bl
         raise ValueError(f"cache budget {budget} B is too small for one request: one of max_seq_len={max_seq_len} "
                          f"needs {per_request} B of {block_size}-token blocks")
     return max_batch, blocks
+
+
+def pool_bytes(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, block_size: int, num_blocks: list[int],
+               kv_format: str = "auto") -> int:
+    """Bytes a CachePool of these sizes allocates (slot rows and state, or blocks and state), from the declarations
+    alone: what must fit in memory before torch is asked for it."""
+    state = max_batch * sum(spec.state_bytes(dtype) for spec in specs)
+    if kv_cache == "contiguous":
+        rows = sum(spec.bytes(max_seq_len, dtype, kv_format) for spec in specs if spec.elements_per_token)
+        return max_batch * rows + state
+    groups = cache_groups(specs)
+    return sum(n * block_size * g.token_bytes(specs, dtype, kv_format) for n, g in zip(num_blocks, groups)) + state
+
+
+def device_memory_bytes(device) -> int:
+    """The memory a device has: a GPU's total, or the machine's physical memory."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(nbytes: int, device) -> None:
+    """A cache larger than the device's memory is refused before torch is asked for it."""
+    memory = device_memory_bytes(device)
+    if nbytes > memory:
+        raise ValueError(f"the KV cache and state pool would take {nbytes} B, more than this {torch.device(device).type} "
+                         f"device's {memory} B of memory: lower max_batch, max_seq_len, num_blocks or "
+                         f"cache_budget_bytes")

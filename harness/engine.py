@@ -8,7 +8,7 @@ import torch
 import zoo
 from harness.beam_search import BeamOutput, BeamSearch, BeamSearchParams
 from harness.block_manager import BlockManager
-from harness.cache_pool import CachePool, size_cache
+from harness.cache_pool import CachePool, check_fits, pool_bytes, size_cache
 from harness.decode_stats import DecodeStats
 from harness.engine_checks import check_options, check_speculative, resolve_graph_mode
 from harness.model_runner import ModelRunner, prefill_batches
@@ -100,6 +100,8 @@ class Engine:
         max_batch, num_blocks = size_cache(specs, self.dtype, kv_cache, max_batch, cache_len, block_size,
                                            num_blocks, cache_budget_bytes, step_tokens, kv_dtype)
         self.max_batch, self.kv_dtype = max_batch, kv_dtype
+        check_fits(pool_bytes(specs, self.dtype, kv_cache, max_batch, cache_len, block_size, num_blocks, kv_dtype),
+                   self.device)
         self.pool = CachePool(specs, kv_cache, max_batch, cache_len, block_size, num_blocks, self.dtype, self.device,
                               kv_dtype, spares=graph_mode is not None)
         # one block manager per cache group (paged layout only)

@@ -192,3 +192,24 @@ def test_percentile_matches_numpy():
     values = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
     for q in (0, 25, 50, 90, 99, 100):
         assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
+@pytest.mark.parametrize("arch", ["gqa", "swa", "mla", "cla", "hybrid-1in6", "mamba"])
+def test_the_pool_size_checked_before_allocating_is_the_size_allocated(arch, kv_cache):
+    """The bytes an Engine checks against the device's memory are exactly the bytes its pool then allocates."""
+    from harness.cache_pool import pool_bytes, size_cache
+
+    model = zoo.build(arch, preset="tiny")
+    engine = Engine(model, max_batch=3, max_seq_len=40, kv_cache=kv_cache, block_size=8)
+    specs = model.cache_specs()
+    batch, blocks = size_cache(specs, engine.dtype, kv_cache, 3, 40, 8, None, None)
+    assert pool_bytes(specs, engine.dtype, kv_cache, batch, 40, 8, blocks) == engine.pool.allocated_bytes
+
+
+def test_a_cache_larger_than_memory_is_refused_before_allocating():
+    model = zoo.build("gqa", preset="tiny")
+    with pytest.raises(ValueError, match="more than this cpu device's"):
+        Engine(model, max_batch=2**40)
+    with pytest.raises(ValueError, match="more than this cpu device's"):
+        Engine(model, kv_cache="paged", num_blocks=2**63)
