@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MambaConfig, MambaForCau
 
 import harness
 import zoo
+from harness import roofline
 from hf_agreement import agreement, time_hf, time_zoo
 from zoo.hf import copy_weights_to_hf
 
@@ -80,8 +81,15 @@ def decode_rate(timer, prompts, new_tokens, rates: list) -> None:
     rates.append(prompts.shape[0] * (new_tokens - 1) / (t_full - t_prefill))
 
 
+def read_rate(device: str) -> float:
+    """MBU's denominator: the CPU's memory read rate past any cache, or a GPU's device copy (bytes read + written)."""
+    if torch.device(device).type == "cuda":
+        return harness.measure_copy_bandwidth(device)
+    return roofline.measure_read_rate()
+
+
 def measure_batch(model, hf, batch: int, run: HfRun, peak: float) -> dict:
-    """Both sides' decode tokens/s at `batch`, their ratio, archzoo's MBU against `peak` (bytes/s, read + write) and
+    """Both sides' decode tokens/s at `batch`, their ratio, archzoo's MBU against `peak` (bytes/s: the read rate, read_rate) and
     the greedy-token check, as a row."""
     vocab = model.config.vocab_size
     prompts = torch.randint(0, vocab, (batch, run.prompt_len), generator=torch.Generator().manual_seed(batch))
@@ -118,8 +126,9 @@ def main() -> None:
     run = HfRun(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats, kv_cache=args.kv_cache,
                 compile=not args.no_compile, device=args.device)
 
-    peak = harness.measure_copy_bandwidth(args.device)
-    print(f"machine: {torch.get_num_threads()} threads; peak copy bandwidth {peak / 1e9:.1f} GB/s (read+write)")
+    # MBU against the hardware's read rate (a GPU's device copy, read + written): harness/roofline.py
+    peak = read_rate(args.device)
+    print(f"machine: {torch.get_num_threads()} threads; memory read rate {peak / 1e9:.1f} GB/s (MBU's denominator)")
     print(f"prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, kv_cache={args.kv_cache}, "
           f"compile={run.compile}, device={args.device}\n")
     print("| arch | dtype | batch | transformers tok/s | archzoo tok/s | ratio | archzoo MBU "

@@ -7,7 +7,7 @@ bf16 weights, so which one is meant changes the speed-up a lot.
 Decode rate = batch * (N - 1) / (time(N new tokens) - time(1 new token)) for every side (prefill excluded alike);
 each figure is the median of --repeats runs, the sides alternating. MBU counts the bytes each side's step must read:
 its weights as stored (int8: 1 byte a weight + a scale per row; int4: half a byte + a scale and zero per group) and
-the KV cache, over the machine's measured copy bandwidth. The bare weight matmuls of one step are timed too (the
+the KV cache, over the machine's measured memory read rate (harness/roofline.py). The bare weight matmuls of one step are timed too (the
 floor the quantized kernels can reach on this machine).
 
     python benchmarks/quant_decode.py
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import harness
 import zoo
-from decode_vs_hf import decode_rate, hf_twin
+from decode_vs_hf import decode_rate, hf_twin, read_rate
 from hf_agreement import time_hf, time_zoo
 from zoo.quantize import QuantizedLinear
 
@@ -58,7 +58,7 @@ def main() -> None:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     model = zoo.build("gqa", preset="base").to(dtype).eval()
     hf = hf_twin(model).to(dtype)
-    peak = harness.measure_copy_bandwidth("cpu")
+    peak = read_rate("cpu")  # MBU against the machine's memory read rate (harness/roofline.py)
     prompts = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     models = {args.dtype: model}
     for scheme in args.schemes.split(","):
@@ -77,7 +77,7 @@ def main() -> None:
         decode_rate(lambda q, n: time_hf(hf, q, n), prompts, args.new_tokens, rates[hf_name])
         for name, engine in engines.items():
             decode_rate(lambda q, n, e=engine: time_zoo(e, q, n), prompts, args.new_tokens, rates[name])
-    print(f"machine: {torch.get_num_threads()} threads, copy bandwidth {peak / 1e9:.1f} GB/s; gqa/base, prompt "
+    print(f"machine: {torch.get_num_threads()} threads, read rate {peak / 1e9:.1f} GB/s; gqa/base, prompt "
           f"{args.prompt_len}, {args.new_tokens} new tokens, batch 1, greedy, compile={not args.no_compile}, int4 group "
           f"{args.group_size}\n")
     print(f"| weights | tok/s | vs engine {args.dtype} | vs transformers {args.dtype} | weight MB read / step | MBU | "

@@ -10,7 +10,7 @@ from torch import nn
 
 import zoo
 from cache import specs_read
-from harness.metrics import sync
+from harness.metrics import measure_copy_bandwidth, sync
 from kernels import cpu_decode
 
 # FLOPs per state element per token for a recurrent ("state") layer: the update reads each element, decays it and
@@ -196,7 +196,7 @@ def measure_machine(model, device: str = "cpu", dtype: torch.dtype | None = None
     n = matmul_size_for(dtype, device, matmul_size, target_s)
     square = 2 * n**3 / measure_square(n, device, dtype, repeats, budget_s)
     gemv_flops = 2 * elements / gemv_s
-    copy = measure_copy_rate(device, READ_BYTES if torch.device(device).type == "cuda" else 2**28)
+    copy = measure_copy_bandwidth(device, READ_BYTES if torch.device(device).type == "cuda" else 2**28)
     read_rates = measure_read_rates() if torch.device(device).type == "cpu" else None
     read, read_how = ((read_rates.rates[-1], f"read: {read_rates.how}") if read_rates is not None else
                       (copy, f"read: a device copy of {READ_BYTES >> 20} MiB, bytes read + written"))
@@ -272,13 +272,6 @@ def measure_read_rate(repeats: int = 3) -> float:
     """The read rate past any cache alone (bytes/s): what a benchmark checks at its start and end."""
     buffer = read_buffer()
     return READ_BYTES / best_time(lambda: read_pass(buffer), "cpu", repeats, budget_s=1.0)
-
-
-def measure_copy_rate(device: str, nbytes: int = 2**28, repeats: int = 3) -> float:
-    """A copy of nbytes into another buffer: bytes read + written per second."""
-    source = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    return 2 * nbytes / best_time(lambda: target.copy_(source), device, repeats, budget_s=1.0)
 
 
 def disturbance(start_bytes_per_s: float, end_bytes_per_s: float, tolerance: float = 0.15) -> str:
