@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-import zoo
+from harness.cache_pool import pool_bytes, size_cache
 
 # device memory a cell keeps free beyond its cache: a step's activations, the graph pool, allocator slack
 WORKING_BYTES = 4 * 2**30
@@ -45,13 +45,14 @@ def device_defaults(device) -> DeviceDefaults:
 
 
 def cell_cache_bytes(model, cell: dict) -> int:
-    """What the cell's engine will allocate for caches, from the declarations alone (an upper estimate): every
-    sequence at context + new_tokens, paged pools rounded up to whole blocks plus the one a step may open, and one
-    spare row (CUDA graphs pad a batch into it)."""
-    tokens = cell["context"] + cell["new_tokens"]
-    if cell["kv_cache"] == "paged":
-        tokens = -(-tokens // cell["block_size"]) * cell["block_size"] + cell["block_size"]
-    return zoo.cache_bytes(model, seq_len=tokens, batch=cell["batch"] + 1, kv_format=cell["kv_dtype"])
+    """What the cell's engine will allocate for caches, sized as the engine sizes them (harness/cache_pool.py:
+    size_cache, pool_bytes), with the spare slot and blocks CUDA graphs pad a batch into."""
+    specs, dtype = model.cache_specs(), next(model.parameters()).dtype
+    max_seq_len = cell["context"] + cell["new_tokens"]
+    batch, blocks = size_cache(specs, dtype, cell["kv_cache"], cell["batch"], max_seq_len, cell["block_size"], None,
+                               None, kv_format=cell["kv_dtype"])
+    return pool_bytes(specs, dtype, cell["kv_cache"], batch + 1, max_seq_len, cell["block_size"],
+                      [n + 1 for n in blocks], cell["kv_dtype"])
 
 
 def free_device_bytes(device: str) -> int | None:
