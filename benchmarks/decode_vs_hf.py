@@ -78,6 +78,9 @@ def build_pair(arch: str, preset: str, dtype: torch.dtype, device: str):
 def decode_rate(timer, prompts, new_tokens, rates: list) -> None:
     t_full = timer(prompts, new_tokens)
     t_prefill = timer(prompts, 1)
+    if t_full <= t_prefill:  # an H100 run drew a negative rate: a one-off cost (a compile) landed in the shorter run
+        raise RuntimeError(f"{new_tokens} tokens took {t_full:.4f} s, no longer than 1 token's {t_prefill:.4f} s: "
+                           f"something outside decoding was timed")
     rates.append(prompts.shape[0] * (new_tokens - 1) / (t_full - t_prefill))
 
 
@@ -96,8 +99,9 @@ def measure_batch(model, hf, batch: int, run: HfRun, peak: float) -> dict:
     prompts = prompts.to(run.device)
     engine = harness.Engine(model, max_batch=batch, max_seq_len=run.prompt_len + run.new_tokens,
                             kv_cache=run.kv_cache, compile=run.compile)
-    time_zoo(engine, prompts, 4)  # warm-up (and compile, or graph capture) outside the timed runs
-    time_hf(hf, prompts, 4)
+    for new_tokens in (1, 4):  # warm-up (compiles, graph captures, the Triton specializations) of both timed runs
+        time_zoo(engine, prompts, new_tokens)
+        time_hf(hf, prompts, new_tokens)
     hf_rates, zoo_rates = [], []
     for _ in range(run.repeats):
         decode_rate(lambda p, n: time_hf(hf, p, n), prompts, run.new_tokens, hf_rates)

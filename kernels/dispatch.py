@@ -17,20 +17,24 @@ def triton_available() -> bool:
     return True
 
 
-def use_triton(*tensors: torch.Tensor) -> bool:
-    """True when triton imports and the tensors are all on CUDA (or ARCHZOO_FORCE_TRITON=1).
+def use_triton(*tensors: torch.Tensor | None) -> bool:
+    """True when triton imports and the tensors are all on CUDA (or ARCHZOO_FORCE_TRITON=1). None stands for an
+    optional tensor a call leaves out (an MLA latent write has no values) and is not looked at.
 
     The env var exists so tests can run the Triton path on CPU under TRITON_INTERPRET=1.
     """
     forced = os.environ.get(FORCE_TRITON_ENV) == "1"
+    tensors = [t for t in tensors if t is not None]
     on_cuda = bool(tensors) and all(t.is_cuda for t in tensors)
     # triton is checked last so CPU-only calls never import it
     return (forced or on_cuda) and triton_available()
 
 
-def use_cpu_kernel(*tensors: torch.Tensor) -> bool:
+def use_cpu_kernel(*tensors: torch.Tensor | None) -> bool:
     """True when the tensors are all on the CPU, Triton is not forced, and the compiled CPU kernels built
-    (kernels/cpu_decode.py; ARCHZOO_CPU_KERNELS=0 turns them off, so the references run)."""
+    (kernels/cpu_decode.py; ARCHZOO_CPU_KERNELS=0 turns them off, so the references run). None is skipped, as in
+    use_triton."""
+    tensors = [t for t in tensors if t is not None]
     if os.environ.get(FORCE_TRITON_ENV) == "1" or not tensors or any(t.device.type != "cpu" for t in tensors):
         return False
     from .cpu_decode import cpu_kernels_available  # imported here: it compiles the kernel on first use

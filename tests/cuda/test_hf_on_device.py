@@ -25,6 +25,7 @@ def family(case: str):
 
 
 def mamba2(case: str):
+    mamba2_suite.skip_unless_hf_oracle(case)
     return mamba2_suite.hf_mamba2(seed=len(case), **mamba2_suite.HF_CASES[case]), mamba2_suite.prompt_ids()
 
 

@@ -69,7 +69,7 @@ def test_keys_only_write(force_triton, device, dtype):
     for token, slot in enumerate(SLOTS):
         if slot >= 0:  # negative slots (padding tokens) leave the pool as it was
             expected.view(-1, NUM_KV_HEADS, 48)[slot] = latent[token]
-    for write in (write_paged_kv_ref, write_paged_kv_triton):
+    for write in (write_paged_kv_ref, write_paged_kv_triton, write_paged_kv):  # the dispatcher given v = None too
         pool, _ = make_pools(48, 4, dtype, device)
         write(latent, None, pool, None, slot_mapping)
         assert torch.equal(pool, expected), write.__name__
