@@ -122,9 +122,9 @@ def compare_archs_gqa_first() -> tuple[str, ...]:
 
 GPU_PLAN = Plan(
     device="cuda",
-    # estimates for one H100 (no run has measured them yet): 390 s, leaving 30 s of 7 minutes for imports, the copy
-    # measurement and the cell each section has in flight when its time runs out
-    budgets=Budgets(tests=130, kernels=40, decode=100, hf=35, compare=85),
+    # measured on one H100 (2026-11-26): tests 87-102 s, kernels 15 s, decode 74-79 s, hf 47-56 s, compare 65 s; 390 s
+    # leaves 30 s of 7 minutes for imports, the copy measurement and the cell in flight when a time box runs out
+    budgets=Budgets(tests=115, kernels=25, decode=95, hf=60, compare=95),
     pytest_args=(),
     kernel_argv=("--context", "8192", "--batches", "1", "16", "64", "--dtypes", "bf16"),
     decode=DecodeGrid(preset=None, archs=compare_archs_gqa_first(), batches=(1, 16, 64), contexts=(1024, 8192),

@@ -183,17 +183,19 @@ def best_time(fn, device: str, repeats: int, budget_s: float) -> float:
 
 @torch.inference_mode()
 def measure_machine(model, device: str = "cpu", dtype: torch.dtype | None = None, repeats: int = 3,
-                    matmul_size: int = 2048, target_s: float = 0.2, budget_s: float = 2.0) -> MachineRates:
+                    matmul_size: int | None = None, target_s: float = 0.2, budget_s: float = 2.0) -> MachineRates:
     """Read rate (the floor's): on a CPU a streaming read kernel over buffers of 1 MiB to READ_BYTES with the engine's
     threads (measure_read_rates); on a GPU a device copy of READ_BYTES, bytes read + written. Beside it, not pricing
     anything: the rate torch's GEMV reaches (a bare F.linear at batch 1 over every nn.Linear weight of `model`, all
     weight bytes / best time) and a copy's. Matmul rate: one n^3 product in the model's dtype, 2 n^3 / best time,
-    n = matmul_size or smaller where one product would take longer than target_s; or the FLOP rate those GEMVs
+    n = matmul_size (default: 2048 on a CPU, 8192 on a GPU, where a 2048^3 bf16 product reached 250 of an H100's
+    ~700 TFLOP/s) or smaller where one product would take longer than target_s; or the FLOP rate those GEMVs
     reached where that is higher (bf16 on a CPU without bf16 units: GEMM ~1.4, GEMV ~18 GFLOP/s), since a ceiling
     below a rate the machine reached would put MFU over 100%."""
     dtype = model_dtype(model, dtype)
     gemv_s, streamed, count, elements = measure_gemv(model, device, dtype, repeats, budget_s)
-    n = matmul_size_for(dtype, device, matmul_size, target_s)
+    largest = matmul_size or (8192 if torch.device(device).type == "cuda" else 2048)
+    n = matmul_size_for(dtype, device, largest, target_s)
     square = 2 * n**3 / measure_square(n, device, dtype, repeats, budget_s)
     gemv_flops = 2 * elements / gemv_s
     copy = measure_copy_bandwidth(device, READ_BYTES if torch.device(device).type == "cuda" else 2**28)
