@@ -26,8 +26,8 @@ class DeviceDefaults:
 CPU_DEFAULTS = DeviceDefaults(preset="small", contexts=(256, 1024, 2048),
                               batches=(1, 2, 4),  # 8 made the CPU default prefill-bound (BENCHMARKS.md)
                               dtype="float32", kv_cache="contiguous", measure="generate")
-# One H100 in 65 s (measured 2026-11-26, BENCHMARKS.md "Issue 30"): the large preset streams its weights in over 1 ms, so
-# the floor is HBM's; prefilling 64 x 32k tokens would take minutes, so the decode step is probed without it.
+# One H100 in 65 s (measured 2026-11-26, BENCHMARKS.md "Issue 30"): the large preset streams its weights in over
+# 1 ms, so the floor is HBM's; prefilling 64 x 32k tokens would take minutes, so the decode step is probed without it.
 CUDA_DEFAULTS = DeviceDefaults(preset="large", contexts=(1024, 8192, 32768), batches=(1, 16, 64),
                                dtype="bfloat16", kv_cache="paged", measure="decode-probe")
 
