@@ -6,14 +6,15 @@ The `base` GQA model (12 layers, d_model 768, 12 query / 4 KV heads, vocab 32000
 prompt of token ids for every side. Weights are spread (tests/helpers.py) so greedy continuations change every step
 and the token check means something; speed does not depend on their values. Sides: archzoo's engine (compiled decode
 step, as benchmarks/decode_vs_hf.py measures it) and transformers in fp32 and bf16; llama.cpp on the f32, bf16 and
-Q8_0 exports, its KV cache in f32, bf16 and f16 (its default) respectively, n_threads = torch's thread count.
+Q8_0 exports, its KV cache in f32, bf16 and f16 (its default) respectively, n_threads = torch's thread count; beside
+Q8_0, archzoo with int8 weights (per-channel scales, the head too) and bf16 activations and KV.
 Decode rate for every side = batch * (N - 1) / (time(N new tokens) - time(1 new token)), wall clock around the same
 kind of greedy loop (llama.cpp's: eval the prompt, then one token at a time, argmax of the last logits), so prefill
 is excluded the same way everywhere; llama.cpp's own perf counters are not used. Sides alternate within each
 repeat; each figure is the median of --repeats runs. MBU = (weight bytes a step reads, as stored + KV read at the
 mean context) / step time / the machine's rate from harness.roofline.measure_machine (its `how` is printed).
 Greedy tokens: transformers against archzoo by vLLM's rule (benchmarks/hf_agreement.py); llama.cpp against archzoo
-in the same dtype (Q8_0 against fp32): the number of leading tokens equal.
+in the same dtype (Q8_0 and archzoo int8 against archzoo fp32): the number of leading tokens equal.
 
     pip install -e ".[peers]"                                   # llama-cpp-python (builds llama.cpp) and gguf
     python benchmarks/decode_vs_peers.py                         # base; f32, bf16, q8_0; prompt 256, 64 new tokens
@@ -142,6 +143,17 @@ def torch_sides(model, dtype_name: str, prompts: torch.Tensor, run: PeerRun, ref
                  agreement(hf, engine, prompts, run.new_tokens))]
 
 
+def int8_side(model, prompts: torch.Tensor, run: PeerRun, reference: dict) -> Side:
+    """archzoo's answer to Q8_0: int8 weights (one scale per output channel, the head too, as Q8_0 quantizes it) with
+    bf16 activations and KV cache; its greedy tokens against archzoo fp32, as Q8_0's are."""
+    ours = zoo.quantize(build_copy(model, torch.bfloat16), zoo.QuantizeConfig("int8", head=True))
+    engine = harness.Engine(ours, max_batch=1, max_seq_len=run.prompt_len + run.new_tokens, compile=run.compile)
+    tokens = zoo_greedy(engine, prompts, run.new_tokens)
+    step_bytes = zoo.decode_weight_bytes(ours) + kv_bytes(ours, run, torch.bfloat16)
+    return Side("archzoo int8", "q8_0", lambda p, n: time_zoo(engine, p, n), step_bytes, "bfloat16",
+                f"vs archzoo f32: {leading_equal(reference['f32'], tokens)}")
+
+
 def build_copy(model, dtype: torch.dtype):
     """The model in `dtype`, leaving the fp32 original for the exports."""
     copy = zoo.build(model.config).to(dtype)
@@ -232,13 +244,15 @@ def run_peers(run: PeerRun) -> str:
     for dtype_name in run.dtypes:
         if TORCH_DTYPES[dtype_name] is not None:
             sides += torch_sides(model, dtype_name, prompts, run, reference)
+    if "q8_0" in run.dtypes:
+        if "f32" not in reference:  # int8's and Q8_0's tokens are checked against fp32
+            reference["f32"] = zoo_greedy(harness.Engine(model, max_batch=1), prompts, run.new_tokens)
+        sides.append(int8_side(model, prompts, run, reference))
     llama_cpp = llama_cpp_module()
     with tempfile.TemporaryDirectory() as folder:
         if isinstance(llama_cpp, str):
             print(f"llama.cpp rows skipped: {llama_cpp}")
         else:
-            if "f32" not in reference and "q8_0" in run.dtypes:  # Q8_0's tokens are checked against fp32
-                reference["f32"] = zoo_greedy(harness.Engine(model, max_batch=1), prompts, run.new_tokens)
             sides += [llama_side(llama_cpp, model, d, Path(folder), prompts, run, reference) for d in run.dtypes]
         measure(sides, prompts, run)
     text = table(sides, rates.stream_bytes_per_s)

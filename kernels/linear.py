@@ -1,15 +1,16 @@
 """nn.Linear with faster CPU forms for decode-sized batches, chosen by measurement.
 
-Which path a CPU batch of `rows` rows takes (no gradient to record; benchmarks/weight_streaming.py, the `base` gqa
-model's 85 linear layers, 2 threads, GB/s of weights streamed on a 2-core Xeon with AVX-512 and AVX512-BF16):
+Which path a CPU batch of `rows` rows takes (no gradient to record). Measured on a 2-core Xeon with AVX-512 and
+AVX512-BF16, 2 threads, over the `base` gqa model's 85 linear layers, in GB/s of weights streamed. The C GEMV and
+torch's F.linear were called bare and side by side in one run:
 
-| dtype | rows | path | measured (C GEMV / torch F.linear / W @ x^T) |
+| dtype | rows | path | measured (C GEMV / torch F.linear) |
 |---|---|---|---|
-| fp32 | 1 | torch's F.linear | 21.0 / 26.0 / 26.1 |
-| fp32 | 2..16 | archzoo's C GEMV | 20.2 / 23.2 / 11.8 at 2 rows; 19.1 / 13.9 / 11.9 at 4; 13.3 / 10.3 / 11.0 at 16 |
+| fp32 | 1..2 | torch's F.linear | 27.1 / 28.6 at 1 row; 26.5 / 27.1 at 2 |
+| fp32 | 3..16 | archzoo's C GEMV | 25.7 / 25.0 at 3; 24.8 / 15.7 at 4; 20.9 / 11.5 at 8 (13.3 / 10.3 at 16, earlier) |
 | fp32 | 17..64 | W @ x^T | (1.3-2x faster than x @ W^T on an AVX2 machine: 85 base-size GEMMs at 16 rows, 58 vs 84 ms) |
-| bf16 | 1..4 | archzoo's C GEMV | 17.1 / 13.2 / 13.3 at 1 row; 15.4 / 12.7 at 2; 13.4 / 12.3 at 4 |
-| bf16 | 5.. | torch's F.linear | 11.2 / 12.2 at 8 rows; 7.5 / 11.9 at 16 |
+| bf16 | 1..8 | archzoo's C GEMV | 26.4 / 14.6 at 1 row; 20.9 / 13.7 at 4; 15.0 / 13.4 at 8 |
+| bf16 | 9.. | torch's F.linear | (7.5 / 11.9 at 16, earlier) |
 
 (bf16 W @ x^T streamed 17.6-18.8 GB/s at 2-16 rows, but rounds its sums too early: it missed F.linear on the same
 inputs by up to 1.7% where the others stay within one bf16 rounding.)
@@ -26,7 +27,7 @@ from . import cpu_decode
 from .dispatch import use_cpu_kernel
 
 MAX_ROWS = 64  # W @ x^T up to here
-GEMV_ROWS = {torch.float32: range(2, 17), torch.bfloat16: range(1, 5)}  # where the C GEMV measured fastest
+GEMV_ROWS = {torch.float32: range(3, 17), torch.bfloat16: range(1, 9)}  # where the C GEMV measured fastest
 
 
 def rows_of(x: torch.Tensor) -> int:
@@ -50,7 +51,9 @@ def transposed_path(x: torch.Tensor, rows: int) -> bool:
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if dense_gemv_path(x, self.weight, self.bias):
-            return cpu_decode.dense_gemv(x, self.weight, self.bias)
+            # the op keeps a compiled graph whole; eagerly the plain function saves its dispatch (85 layers x 8 µs)
+            gemv = cpu_decode.dense_gemv if torch.compiler.is_compiling() else cpu_decode.dense_gemv_eager
+            return gemv(x, self.weight, self.bias)
         rows = rows_of(x)
         if not transposed_path(x, rows):
             return super().forward(x)

@@ -37,6 +37,8 @@ def test_smoke_measures_every_side_it_can(capsys):
     for dtype in ("f32", "bf16"):
         for side in ("archzoo", "transformers"):
             assert float(table[(dtype, side)][3]) > 0, (dtype, side)
+    assert float(table[("q8_0", "archzoo int8")][3]) > 0  # Q8_0's counterpart, measured with or without llama.cpp
+    assert table[("q8_0", "archzoo int8")][7].startswith("vs archzoo f32: ")
     assert "read rate" in out
     if isinstance(bench.llama_cpp_module(), str):
         assert "llama.cpp rows skipped" in out
@@ -52,7 +54,7 @@ def test_without_llama_cpp_the_other_sides_are_still_measured(monkeypatch, capsy
     assert bench.main(SMOKE + ["--dtypes", "f32,q8_0"]) == 0
     out = capsys.readouterr().out
     assert "llama.cpp rows skipped: No module named 'llama_cpp'" in out
-    assert set(rows(out)) == {("f32", "archzoo"), ("f32", "transformers")}
+    assert set(rows(out)) == {("f32", "archzoo"), ("f32", "transformers"), ("q8_0", "archzoo int8")}
 
 
 @pytest.mark.parametrize("extra, message", [

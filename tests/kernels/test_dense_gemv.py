@@ -86,21 +86,23 @@ def test_the_paths_other_cpus_take(monkeypatch, target):
 
 
 def linear_calls(monkeypatch) -> list:
-    """The shapes of x that Linear hands to the C GEMV from now on."""
-    calls, real = [], cpu_decode.dense_gemv
-    monkeypatch.setattr(cpu_decode, "dense_gemv", lambda x, *args: calls.append(tuple(x.shape)) or real(x, *args))
+    """The shapes of x that Linear hands to the C GEMV from now on (the op compiled, the plain function eagerly)."""
+    calls = []
+    for name in ("dense_gemv", "dense_gemv_eager"):
+        real = getattr(cpu_decode, name)
+        monkeypatch.setattr(cpu_decode, name, lambda x, *args, real=real: calls.append(tuple(x.shape)) or real(x, *args))
     return calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_linear_dispatch(monkeypatch, dtype):
-    """fp32 batches of 2..16 rows and bf16 ones of 1..4 take the C GEMV when no gradient is recorded (where it measured
+    """fp32 batches of 3..16 rows and bf16 ones of 1..8 take the C GEMV when no gradient is recorded (where it measured
     fastest, kernels/linear.py); other sizes, fp16, a gradient to record, and ARCHZOO_CPU_KERNELS=0 take torch's
     paths. All equal F.linear."""
     calls = linear_calls(monkeypatch)
     layer = Linear(100, 37).to(dtype)
     taken = GEMV_ROWS.get(dtype, ())
-    for shape in ((1, 100), (2, 1, 100), (4, 100), (5, 100), (16, 100), (17, 100), (0, 100)):
+    for shape in ((1, 100), (2, 1, 100), (3, 100), (4, 100), (8, 100), (9, 100), (16, 100), (17, 100), (0, 100)):
         calls.clear()
         x = torch.randn(shape).to(dtype)
         with torch.no_grad():
@@ -109,7 +111,7 @@ def test_linear_dispatch(monkeypatch, dtype):
         assert calls == ([shape] if rows in taken else []), shape
         if rows and dtype != torch.float16:
             assert_linear(got, x, layer.weight, layer.bias)
-    assert list(GEMV_ROWS[torch.float32]) == list(range(2, 17)) and list(GEMV_ROWS[torch.bfloat16]) == [1, 2, 3, 4]
+    assert list(GEMV_ROWS[torch.float32]) == list(range(3, 17)) and list(GEMV_ROWS[torch.bfloat16]) == list(range(1, 9))
     x = torch.randn(3, 100).to(dtype)
     calls.clear()
     layer(x).sum().backward()  # weights that require grad, grad mode on: autograd's path
@@ -133,12 +135,12 @@ def test_engine_decodes_as_without_the_kernels(monkeypatch):
     from harness import Engine
 
     model = random_model("gqa")
-    prompts = make_prompts([5, 19], model.config.vocab_size)
+    prompts = make_prompts([5, 19, 11], model.config.vocab_size)  # 3 rows a decode step: fp32's C GEMV takes 3..16
     calls = linear_calls(monkeypatch)
-    fast = Engine(model, max_batch=2, max_seq_len=40).generate(prompts, greedy(8))
+    fast = Engine(model, max_batch=3, max_seq_len=40).generate(prompts, greedy(8))
     assert calls, "the engine's linear layers never took the C GEMV"
     with kernels_off(monkeypatch):
-        plain = Engine(model, max_batch=2, max_seq_len=40).generate(prompts, greedy(8))
+        plain = Engine(model, max_batch=3, max_seq_len=40).generate(prompts, greedy(8))
     for got, want in zip(fast, plain):
         assert_not_constant(want.token_ids)
         assert_same_output(got, want, context="dense_gemv vs references")
