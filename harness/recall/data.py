@@ -81,7 +81,7 @@ def _generator(seed: int) -> torch.Generator:
     return g
 
 
-def _sample_distinct(g: torch.Generator, n: int, k: int, low: int, high: int) -> torch.Tensor:
+def sample_distinct(g: torch.Generator, n: int, k: int, low: int, high: int) -> torch.Tensor:
     """[n, k] ids, each row k distinct ids uniform from low..high-1, in random order.
 
     Floyd's subset algorithm vectorised over rows (k steps of O(n*k)), then a
@@ -127,8 +127,8 @@ def make_mqar(setting: MQARSetting, num_examples: int, seed: int) -> Tuple[torch
     n = int(num_examples)
     g = _generator(seed)
 
-    keys = _sample_distinct(g, n, N, 1, V // 2)
-    values = _sample_distinct(g, n, N, V // 2, V)
+    keys = sample_distinct(g, n, N, 1, V // 2)
+    values = sample_distinct(g, n, N, V // 2, V)
     gaps = _sample_gaps(g, n, setting)
 
     inputs = torch.zeros(n, L, dtype=torch.long)
