@@ -142,6 +142,24 @@ def test_convergence_is_solved_plateau_or_not(history, solved, expected):
     assert convergence(history, solved) == expected
 
 
+def flat(accuracy: float, losses: list[float]) -> list[dict]:
+    return [{"step": 100 * (i + 1), "loss": loss, "a": accuracy} for i, loss in enumerate(losses)]
+
+
+@pytest.mark.parametrize("history,chance,expected", [
+    (flat(0.01, [2.0] * 8), 0.0, "plateau"),  # flat, loss flat, no chance given
+    (flat(0.01, [2.0] * 8), 0.005, "not converged"),  # at 2x chance: recall has not started
+    (flat(0.011, [2.0] * 8), 0.005, "plateau"),  # just above 2x chance, loss flat
+    # the flat stretch before the induction jump: accuracy still, loss still falling 5% over the window
+    (flat(0.2, [3.0, 2.9, 2.8, 2.7, 2.6, 2.5]), 0.001, "not converged"),
+    (flat(0.2, [2.6, 2.6, 2.59, 2.59, 2.58, 2.57]), 0.001, "plateau"),  # a fall of 0.8%: noise, not learning
+    (flat(0.2, [2.0] * 3 + [2.0, 1.99, 2.01]), 0.001, "plateau"),
+    ([{"step": 100 * i, "a": 0.2} for i in range(1, 7)], 0.001, "plateau"),  # rows from before the loss was kept
+])
+def test_no_plateau_at_chance_or_while_the_loss_falls(history, chance, expected):
+    assert convergence(history, False, chance) == expected
+
+
 def test_charts_mark_runs_that_did_not_converge(tmp_path):
     """A not-converged run is a hollow marker (a lower bound); a converged one is filled."""
     rows = [{"arch": "gqa", "d_model": d, "lr": 1e-3, "seq_len": 64, "state_bytes": 1024 * d, "accuracy": acc,

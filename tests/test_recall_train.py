@@ -5,7 +5,8 @@ import torch
 
 import zoo
 from harness.recall import MQARSetting, make_mqar
-from harness.recall.train import TrainConfig, build_recall_model, diffusion_sequences, evaluate, model_identity, train_recall
+from harness.recall.train import (NEAR_CHANCE, TrainConfig, build_recall_model, diffusion_sequences, evaluate,
+                                  model_identity, train_recall)
 
 SETTING = MQARSetting(seq_len=64, num_kv_pairs=4)  # vocab 8192
 
@@ -114,15 +115,27 @@ def test_architectures_with_one_identity_train_identically(small_data):
     assert a["history"] == b["history"] and a["state_bytes"] == b["state_bytes"]
 
 
-def test_a_run_stops_at_a_plateau_only_after_min_steps(small_data):
-    """lr ~ 0: the accuracy never moves, so the run is a plateau as soon as it has PLATEAU_PATIENCE + 1 evaluations;
-    it stops there once min_steps are done, and without min_steps trains on to max_steps."""
+def test_a_run_stops_at_a_plateau_only_after_min_steps(small_data, monkeypatch):
+    """lr ~ 0 on the whole training set each step: the loss never moves, and the accuracy (held at 0.5, far above
+    chance) neither, so the run is a plateau as soon as it has PLATEAU_PATIENCE + 1 evaluations; it stops there once
+    min_steps are done, and without min_steps trains on to max_steps."""
+    import harness.recall.train as train_module
     train, test = small_data
-    common = dict(lr=1e-12, max_steps=12, eval_every=1, batch_size=8, vocab_size=8192)
+    monkeypatch.setattr(train_module, "evaluate", lambda *a: {"accuracy": 0.5, "token_accuracy": 0.5})
+    common = dict(lr=1e-12, max_steps=12, eval_every=1, batch_size=len(train[0]), vocab_size=8192)
     stopped = train_recall(TrainConfig("gqa", min_steps=7, **common), train, [test])
-    assert (stopped["steps"], stopped["convergence"]) == (7, "plateau")
+    assert (stopped["steps"], stopped["convergence"], stopped["stopped"]) == (7, "plateau", "plateau")
     full = train_recall(TrainConfig("gqa", **common), train, [test])
-    assert (full["steps"], full["convergence"]) == (12, "plateau")
+    assert (full["steps"], full["convergence"], full["stopped"]) == (12, "plateau", "max_steps")
+
+
+def test_a_run_at_chance_never_stops_at_a_plateau(small_data):
+    """lr ~ 0: the accuracy never leaves chance, which is the flat stretch before recall starts, not a plateau."""
+    train, test = small_data
+    common = dict(lr=1e-12, max_steps=12, eval_every=1, batch_size=len(train[0]), vocab_size=8192)
+    result = train_recall(TrainConfig("gqa", min_steps=7, **common), train, [test])
+    assert result["accuracy"] <= NEAR_CHANCE * result["chance"]
+    assert (result["steps"], result["convergence"], result["stopped"]) == (12, "not converged", "max_steps")
 
 
 def test_early_stop_looks_at_trained_settings_only(small_data, monkeypatch):
@@ -137,7 +150,9 @@ def test_early_stop_looks_at_trained_settings_only(small_data, monkeypatch):
     result = train_recall(config, train, {"trained": test, "held out": held_out})
     assert (result["steps"], result["solved"]) == (1, True)
     # the held-out set is scored once, at the end: in the result, not in the learning curve
-    assert result["per_setting"]["held out"]["accuracy"] == 0.0 and result["history"] == [{"step": 1, "trained": 1.0}]
+    assert result["per_setting"]["held out"]["accuracy"] == 0.0
+    [point] = result["history"]  # and the mean training loss since the previous evaluation
+    assert point.pop("loss") > 0 and point == {"step": 1, "trained": 1.0}
     config.trained_sets = None  # every test set must pass: the held-out one never does
     result = train_recall(config, train, {"trained": test, "held out": held_out})
     assert (result["steps"], result["solved"]) == (5, False)

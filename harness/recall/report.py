@@ -12,7 +12,7 @@ from matplotlib.ticker import NullFormatter  # noqa: E402
 
 import zoo  # noqa: E402
 from harness.charts import DASHES, MARKERS  # noqa: E402
-from harness.recall.train import RECIPE_LAYERS, convergence  # noqa: E402
+from harness.recall.train import RECIPE_LAYERS, convergence, point_accuracy  # noqa: E402
 
 
 def per_n(row: dict) -> dict[int, float]:
@@ -49,7 +49,8 @@ def name(row: dict) -> str:
 
 def status(row: dict) -> str:
     """"solved", "plateau" or "not converged" (rows written before the field existed: from their history)."""
-    return row.get("convergence") or convergence(row.get("history", []), row.get("solved", False))
+    return row.get("convergence") or convergence(row.get("history", []), row.get("solved", False),
+                                                 row.get("chance", 0.0))
 
 
 def converged(row: dict) -> bool:
@@ -61,14 +62,15 @@ def markdown_table(best: list[dict]) -> str:
     unseen = held_out(best)
     header = (["arch", "layers", "d_model", "state (KiB, fp32)", "best lr", "seeds"]
               + [f"acc N={n}" + (" (held out)" if n in unseen else "") for n in ns]
-              + ["acc (trained N)", "steps", "converged", "wall (s)", "same model as"])
+              + ["acc (trained N)", "steps", "converged", "stopped", "wall (s)", "same model as"])
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     for row in best:
         cells = [row["arch"], str(row.get("n_layers", RECIPE_LAYERS)), str(row["d_model"]),
                  f"{row['state_bytes'] / 1024:.1f}", f"{row['lr']:g}", str(seed_count(row))]
         cells += [accuracy_cell(row, n) for n in ns]
         verdict = status(row) if converged(row) else "**not converged**"
-        cells += [f"{row['accuracy']:.3f}", str(row["steps"]), verdict, f"{row['wall_s']:.0f}", row.get("same_model_as", "")]
+        cells += [f"{row['accuracy']:.3f}", str(row["steps"]), verdict, row.get("stopped", ""), f"{row['wall_s']:.0f}",
+                  row.get("same_model_as", "")]
         lines.append("| " + " | ".join(cells) + " |")
     # why an architecture is also shown deeper than the recipe's 2 layers, one sentence each (its registry entry's)
     notes = [f"- {arch}: {zoo.registry.recall_note(arch)}." for arch in dict.fromkeys(r["arch"] for r in best)
@@ -145,7 +147,7 @@ def learning_curves(best: list[dict], path: Path) -> Path:
             color = colors[widths.index(row["d_model"])]
             for i, history in enumerate(row.get("histories") or [row.get("history", [])]):  # one line per seed
                 steps = [point["step"] for point in history]
-                means = [sum(v for k, v in point.items() if k != "step") / max(1, len(point) - 1) for point in history]
+                means = [point_accuracy(point) for point in history]
                 ax.plot(steps, means, color=color, label=None if i else f"d={row['d_model']} ({status(row)})")
                 if steps:
                     ax.plot(steps[-1:], means[-1:], marker="o", color=color,

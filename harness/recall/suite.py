@@ -200,6 +200,8 @@ def train_run(run: dict, settings: RecallSettings, data, report) -> dict:
         "steps": result["steps"],
         "solved": result["solved"],
         "convergence": result["convergence"],
+        "stopped": result["stopped"],
+        "chance": result["chance"],
         "wall_s": result["wall_s"],
         "history": result["history"],
     }
@@ -300,7 +302,8 @@ def over_seeds(rows: list[dict]) -> dict:
     if len(rows) == 1:
         return rows[0]
     ns = rows[0]["accuracy_per_kv_pairs"].keys()
-    statuses = {row.get("convergence") or convergence(row.get("history", []), row.get("solved", False)) for row in rows}
+    statuses = {row.get("convergence") or convergence(row.get("history", []), row.get("solved", False),
+                                                      row.get("chance", 0.0)) for row in rows}
     return {
         **rows[0],
         "seed": [row["seed"] for row in rows],
@@ -313,6 +316,7 @@ def over_seeds(rows: list[dict]) -> dict:
         "convergence": ("not converged" if "not converged" in statuses else
                         "solved" if statuses == {"solved"} else "plateau"),
         "steps": max(row["steps"] for row in rows),
+        "stopped": ", ".join(sorted({row.get("stopped", "") for row in rows} - {""})),  # why each seed ended
         "wall_s": sum(row["wall_s"] for row in rows),
         "histories": [row["history"] for row in rows],
     }

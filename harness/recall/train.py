@@ -6,11 +6,14 @@ evaluation every eval_every steps, early stop once every trained setting's test 
 
 Converge or explain: a run ends "solved" (every trained setting's test set above target_accuracy), "plateau" (its
 test accuracy on the trained settings gained less than PLATEAU_GAIN, or less than PLATEAU_ERROR_SHARE of its
-remaining error, over its last PLATEAU_PATIENCE evaluations: more steps would not change the row), or "not
-converged" (the step budget ended while it was still improving). Only the first two are an architecture's recall at
-this setting; reports mark the third. With min_steps set, a run also stops at a plateau once it has trained that
-many steps, and gives its time to the runs that are still learning. Held-out settings (test sets of an N never
-trained on) are scored once, at the end.
+remaining error, over its last PLATEAU_PATIENCE evaluations, while its accuracy is above NEAR_CHANCE times chance and
+its training loss fell by no more than PLATEAU_LOSS_FALL over those evaluations: more steps would not change the
+row), or "not converged" (anything else: the step budget ended while it was still learning, or before its
+accuracy left chance). MQAR curves sit flat and then jump (the induction transition); a flat accuracy whose loss is
+still falling, or that still sits at chance, is the flat part before the jump, not a plateau. Only the first two
+are an architecture's recall at this setting; reports mark the third. With min_steps set, a run also stops at a
+plateau once it has trained that many steps, and gives its time to the runs that are still learning; `stopped` says
+why each run ended. Held-out settings (test sets of an N never trained on) are scored once, at the end.
 
 For CPU speed the vocabulary head (8192 wide) runs only at labelled positions: the hidden states
 come from `model.hidden_states` (the forward without the head), then `model.head` on the gathered rows.
@@ -41,19 +44,52 @@ PLATEAU_GAIN = 0.01  # mean test accuracy
 # near the top a smaller gain is still learning: attention seeds polishing 0.977 toward 0.99 stopped at 0.98 with the
 # absolute rule alone (BENCHMARKS.md)
 PLATEAU_ERROR_SHARE = 0.1
+NEAR_CHANCE = 2.0  # accuracy within this multiple of chance has not started to recall: never a plateau
+# a training loss that fell by more than this fraction over the patience window is still learning (BENCHMARKS.md:
+# the evidence for the value, from full learning curves across widths, seeds and learning rates)
+PLATEAU_LOSS_FALL = 0.02
+POINT_FIELDS = ("step", "loss")  # a history point's fields that are not a test set's accuracy
 
 
-def convergence(history: list[dict], solved: bool) -> str:
-    """"solved", "plateau" or "not converged" from a run's evaluations (history rows: step, then accuracy per test
-    set): a plateau is a best mean accuracy over the last PLATEAU_PATIENCE evaluations that beats the best before
-    them by less than PLATEAU_GAIN and by less than PLATEAU_ERROR_SHARE of the error left (1 - that best)."""
+def point_accuracy(point: dict) -> float:
+    """A history point's mean accuracy over its test sets."""
+    accuracies = [v for k, v in point.items() if k not in POINT_FIELDS]
+    return sum(accuracies) / max(1, len(accuracies))
+
+
+def loss_fall(history: list[dict]) -> float | None:
+    """The training loss's fall over the last PLATEAU_PATIENCE evaluations, as a fraction of where it stood before
+    them; None where the points carry no loss (rows written before they did)."""
+    losses = [point.get("loss") for point in history[-PLATEAU_PATIENCE - 1:]]
+    if len(losses) <= PLATEAU_PATIENCE or None in losses or losses[0] <= 0:
+        return None
+    return (losses[0] - losses[-1]) / losses[0]
+
+
+def convergence(history: list[dict], solved: bool, chance: float = 0.0) -> str:
+    """"solved", "plateau" or "not converged" from a run's evaluations (history points: step, mean training loss
+    since the previous evaluation, accuracy per test set). A plateau: the best mean accuracy over the last
+    PLATEAU_PATIENCE evaluations beats the best before them by less than PLATEAU_GAIN and by less than
+    PLATEAU_ERROR_SHARE of the error left (1 - that best), that best is above NEAR_CHANCE x chance, and the training
+    loss fell by no more than PLATEAU_LOSS_FALL over those evaluations."""
     if solved:
         return "solved"
-    means = [sum(v for k, v in row.items() if k != "step") / max(1, len(row) - 1) for row in history]
+    means = [point_accuracy(point) for point in history]
     if len(means) <= PLATEAU_PATIENCE:
         return "not converged"
     recent, before = max(means[-PLATEAU_PATIENCE:]), max(means[:-PLATEAU_PATIENCE])
+    if recent <= NEAR_CHANCE * chance:
+        return "not converged"
+    fall = loss_fall(history)
+    if fall is not None and fall > PLATEAU_LOSS_FALL:
+        return "not converged"
     return "plateau" if recent - before < min(PLATEAU_GAIN, PLATEAU_ERROR_SHARE * (1 - before)) else "not converged"
+
+
+def label_chance(labels: torch.Tensor) -> float:
+    """Accuracy of a uniform guess among the values the labels take (MQAR: the V/2 value ids)."""
+    values = labels[labels != IGNORE_INDEX]
+    return 1.0 / max(1, int(values.unique().numel()))
 
 
 @dataclass
@@ -200,16 +236,19 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
     generator = torch.Generator().manual_seed(config.seed)
 
     n = len(train_inputs)
+    chance = label_chance(train_labels)
     order, cursor = torch.randperm(n, generator=generator), 0
-    history, results, step, solved = [], {}, 0, False
+    history, results, step, solved, window_losses = [], {}, 0, False, []
 
     def run_eval(final: bool = False):
         """During training the trained settings' test sets (the learning curve); at the end every set."""
         res = {name: evaluate(model, x, y, config.eval_batch_size, device) for name, (x, y) in tests
                if final or config.trained_sets is None or name in config.trained_sets}
         if not final or not history or history[-1]["step"] != step:
-            history.append({"step": step, **{name: r["accuracy"] for name, r in res.items()
-                                             if config.trained_sets is None or name in config.trained_sets}})
+            loss = {"loss": sum(window_losses) / len(window_losses)} if window_losses else {}
+            history.append({"step": step, **loss, **{name: r["accuracy"] for name, r in res.items()
+                                                     if config.trained_sets is None or name in config.trained_sets}})
+            window_losses.clear()
         return res
 
     while step < config.max_steps:
@@ -225,6 +264,7 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
         scheduler.step()
         step += 1
         event = {"step": step, "max_steps": config.max_steps, "loss": float(loss.detach())}
+        window_losses.append(event["loss"])
         if step % config.eval_every == 0 or step == config.max_steps:
             results = run_eval()
             event["eval"] = {name: r["accuracy"] for name, r in results.items()}
@@ -233,7 +273,7 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
         if progress is not None:
             progress(event)
         if solved or (config.min_steps is not None and step >= config.min_steps and "eval" in event
-                      and convergence(history, solved) == "plateau"):
+                      and convergence(history, solved, chance) == "plateau"):
             break
     if len(results) < len(tests):  # held-out sets (only evaluated at the end) or max_steps == 0
         results = run_eval(final=True)
@@ -246,7 +286,9 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
         "per_setting": results,
         "steps": step,
         "solved": solved,
-        "convergence": convergence(history, solved),
+        "convergence": convergence(history, solved, chance),
+        "stopped": "solved" if solved else "max_steps" if step >= config.max_steps else "plateau",
+        "chance": chance,
         "wall_s": time.perf_counter() - start_time,
         "state_bytes": zoo.cache_bytes(model, seq_len=seq_len, dtype=torch.float32),
         "parameters": sum(p.numel() for p in model.parameters()),
