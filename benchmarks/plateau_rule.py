@@ -15,7 +15,7 @@ from pathlib import Path
 
 import harness.recall.train as train
 
-LOSS_FALLS = (0.005, 0.01, 0.02, 0.05)
+LOSS_FALLS = (0.001, 0.002, 0.005, 0.01, 0.02)
 
 
 def stop_point(history: list[dict], chance: float, min_steps: int, rule: str, fall: float) -> int | None:

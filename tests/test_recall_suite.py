@@ -152,8 +152,12 @@ def flat(accuracy: float, losses: list[float]) -> list[dict]:
     (flat(0.011, [2.0] * 8), 0.005, "plateau"),  # just above 2x chance, loss flat
     # the flat stretch before the induction jump: accuracy still, loss still falling 5% over the window
     (flat(0.2, [3.0, 2.9, 2.8, 2.7, 2.6, 2.5]), 0.001, "not converged"),
-    (flat(0.2, [2.6, 2.6, 2.59, 2.59, 2.58, 2.57]), 0.001, "plateau"),  # a fall of 0.8%: noise, not learning
+    (flat(0.2, [2.6, 2.6, 2.6, 2.595, 2.594, 2.592]), 0.001, "plateau"),  # a fall of 0.3%: noise, not learning
+    (flat(0.2, [2.6, 2.6, 2.59, 2.59, 2.58, 2.57]), 0.001, "not converged"),  # 0.8%: mamba2's pace before its jump
     (flat(0.2, [2.0] * 3 + [2.0, 1.99, 2.01]), 0.001, "plateau"),
+    # a loss still at a uniform guess's among 1,000 values (ln 1000 = 6.91): nothing learned yet, however flat
+    (flat(0.003, [6.95] * 8), 0.001, "not converged"),
+    (flat(0.003, [6.85] * 8), 0.001, "plateau"),
     ([{"step": 100 * i, "a": 0.2} for i in range(1, 7)], 0.001, "plateau"),  # rows from before the loss was kept
 ])
 def test_no_plateau_at_chance_or_while_the_loss_falls(history, chance, expected):

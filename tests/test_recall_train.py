@@ -122,6 +122,8 @@ def test_a_run_stops_at_a_plateau_only_after_min_steps(small_data, monkeypatch):
     import harness.recall.train as train_module
     train, test = small_data
     monkeypatch.setattr(train_module, "evaluate", lambda *a: {"accuracy": 0.5, "token_accuracy": 0.5})
+    # chance so small that the untrained loss (~ln 8192) is under a uniform guess's: the loss rules do not object
+    monkeypatch.setattr(train_module, "label_chance", lambda labels: 1e-6)
     common = dict(lr=1e-12, max_steps=12, eval_every=1, batch_size=len(train[0]), vocab_size=8192)
     stopped = train_recall(TrainConfig("gqa", min_steps=7, **common), train, [test])
     assert (stopped["steps"], stopped["convergence"], stopped["stopped"]) == (7, "plateau", "plateau")

@@ -6,11 +6,12 @@ evaluation every eval_every steps, early stop once every trained setting's test 
 
 Converge or explain: a run ends "solved" (every trained setting's test set above target_accuracy), "plateau" (its
 test accuracy on the trained settings gained less than PLATEAU_GAIN, or less than PLATEAU_ERROR_SHARE of its
-remaining error, over its last PLATEAU_PATIENCE evaluations, while its accuracy is above NEAR_CHANCE times chance and
-its training loss fell by no more than PLATEAU_LOSS_FALL over those evaluations: more steps would not change the
-row), or "not converged" (anything else: the step budget ended while it was still learning, or before its
-accuracy left chance). MQAR curves sit flat and then jump (the induction transition); a flat accuracy whose loss is
-still falling, or that still sits at chance, is the flat part before the jump, not a plateau. Only the first two
+remaining error, over its last PLATEAU_PATIENCE evaluations, while its accuracy is above NEAR_CHANCE times chance,
+its training loss is below a uniform guess's among the label values (-ln chance), and that loss fell by no more
+than PLATEAU_LOSS_FALL over those evaluations: more steps would not change the row), or "not converged" (anything
+else: the step budget ended while it was still learning, or before it started). MQAR curves sit flat and then jump
+(the induction transition); a flat accuracy whose loss is still falling, or still at a uniform guess's, is the flat
+part before the jump, not a plateau. Only the first two
 are an architecture's recall at this setting; reports mark the third. With min_steps set, a run also stops at a
 plateau once it has trained that many steps, and gives its time to the runs that are still learning; `stopped` says
 why each run ended. Held-out settings (test sets of an N never trained on) are scored once, at the end.
@@ -47,8 +48,11 @@ PLATEAU_ERROR_SHARE = 0.1
 NEAR_CHANCE = 2.0  # accuracy within this multiple of chance has not started to recall: never a plateau
 # a training loss that fell by more than this fraction over the patience window is still learning (BENCHMARKS.md:
 # the evidence for the value, from full learning curves across widths, seeds and learning rates)
-PLATEAU_LOSS_FALL = 0.02
-POINT_FIELDS = ("step", "loss")  # a history point's fields that are not a test set's accuracy
+PLATEAU_LOSS_FALL = 0.005
+# a causal model's training loss is the next-token cross-entropy at the labelled positions, comparable with a uniform
+# guess's; a diffusion LM's is LLaDA's 1/t-weighted loss, which is not, so its points keep it under another name
+LOSS_FIELD, DIFFUSION_LOSS_FIELD = "loss", "diffusion_loss"
+POINT_FIELDS = ("step", LOSS_FIELD, DIFFUSION_LOSS_FIELD)  # a history point's fields that are not an accuracy
 
 
 def point_accuracy(point: dict) -> float:
@@ -60,7 +64,7 @@ def point_accuracy(point: dict) -> float:
 def loss_fall(history: list[dict]) -> float | None:
     """The training loss's fall over the last PLATEAU_PATIENCE evaluations, as a fraction of where it stood before
     them; None where the points carry no loss (rows written before they did)."""
-    losses = [point.get("loss") for point in history[-PLATEAU_PATIENCE - 1:]]
+    losses = [point.get(LOSS_FIELD) for point in history[-PLATEAU_PATIENCE - 1:]]
     if len(losses) <= PLATEAU_PATIENCE or None in losses or losses[0] <= 0:
         return None
     return (losses[0] - losses[-1]) / losses[0]
@@ -70,8 +74,9 @@ def convergence(history: list[dict], solved: bool, chance: float = 0.0) -> str:
     """"solved", "plateau" or "not converged" from a run's evaluations (history points: step, mean training loss
     since the previous evaluation, accuracy per test set). A plateau: the best mean accuracy over the last
     PLATEAU_PATIENCE evaluations beats the best before them by less than PLATEAU_GAIN and by less than
-    PLATEAU_ERROR_SHARE of the error left (1 - that best), that best is above NEAR_CHANCE x chance, and the training
-    loss fell by no more than PLATEAU_LOSS_FALL over those evaluations."""
+    PLATEAU_ERROR_SHARE of the error left (1 - that best), that best is above NEAR_CHANCE x chance, the training
+    loss is below -ln(chance) (a uniform guess among the label values) and fell by no more than PLATEAU_LOSS_FALL
+    over those evaluations."""
     if solved:
         return "solved"
     means = [point_accuracy(point) for point in history]
@@ -79,6 +84,9 @@ def convergence(history: list[dict], solved: bool, chance: float = 0.0) -> str:
         return "not converged"
     recent, before = max(means[-PLATEAU_PATIENCE:]), max(means[:-PLATEAU_PATIENCE])
     if recent <= NEAR_CHANCE * chance:
+        return "not converged"
+    loss = history[-1].get(LOSS_FIELD)
+    if chance > 0 and loss is not None and loss >= -math.log(chance):
         return "not converged"
     fall = loss_fall(history)
     if fall is not None and fall > PLATEAU_LOSS_FALL:
@@ -245,7 +253,8 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
         res = {name: evaluate(model, x, y, config.eval_batch_size, device) for name, (x, y) in tests
                if final or config.trained_sets is None or name in config.trained_sets}
         if not final or not history or history[-1]["step"] != step:
-            loss = {"loss": sum(window_losses) / len(window_losses)} if window_losses else {}
+            field = LOSS_FIELD if zoo.is_causal(config.arch) else DIFFUSION_LOSS_FIELD
+            loss = {field: sum(window_losses) / len(window_losses)} if window_losses else {}
             history.append({"step": step, **loss, **{name: r["accuracy"] for name, r in res.items()
                                                      if config.trained_sets is None or name in config.trained_sets}})
             window_losses.clear()
