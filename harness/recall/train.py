@@ -49,6 +49,9 @@ NEAR_CHANCE = 2.0  # accuracy within this multiple of chance has not started to 
 # a training loss that fell by more than this fraction over the patience window is still learning (BENCHMARKS.md:
 # the evidence for the value, from full learning curves across widths, seeds and learning rates)
 PLATEAU_LOSS_FALL = 0.005
+# ... where the fall is real: the window means' least-squares slope at least this many standard errors below zero
+# (near a solved loss of ~0.15 nats the means wander by up to 8% between windows; BENCHMARKS.md)
+LOSS_FALL_T = 2.0
 # a causal model's training loss is the next-token cross-entropy at the labelled positions, comparable with a uniform
 # guess's; a diffusion LM's is LLaDA's 1/t-weighted loss, which is not, so its points keep it under another name
 LOSS_FIELD, DIFFUSION_LOSS_FIELD = "loss", "diffusion_loss"
@@ -63,11 +66,21 @@ def point_accuracy(point: dict) -> float:
 
 def loss_fall(history: list[dict]) -> float | None:
     """The training loss's fall over the last PLATEAU_PATIENCE evaluations, as a fraction of where it stood before
-    them; None where the points carry no loss (rows written before they did)."""
+    them, read off the least-squares line through those window means; 0 where that line's slope is not LOSS_FALL_T
+    standard errors below zero (the means wander, not fall); None where the points carry no loss (older rows)."""
     losses = [point.get(LOSS_FIELD) for point in history[-PLATEAU_PATIENCE - 1:]]
-    if len(losses) <= PLATEAU_PATIENCE or None in losses or losses[0] <= 0:
+    if len(losses) <= PLATEAU_PATIENCE or None in losses:
         return None
-    return (losses[0] - losses[-1]) / losses[0]
+    n = len(losses)
+    x_mean, y_mean = (n - 1) / 2, sum(losses) / n
+    sxx = sum((x - x_mean) ** 2 for x in range(n))
+    slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(range(n), losses)) / sxx
+    start = y_mean - slope * x_mean
+    residual = sum((y - start - slope * x) ** 2 for x, y in zip(range(n), losses))
+    standard_error = math.sqrt(residual / (n - 2) / sxx)
+    if start <= 0 or -slope <= LOSS_FALL_T * standard_error:
+        return 0.0
+    return -slope * (n - 1) / start
 
 
 def convergence(history: list[dict], solved: bool, chance: float = 0.0) -> str:
