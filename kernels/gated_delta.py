@@ -1,7 +1,8 @@
 """The gated delta rule (Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks: Improving Mamba2 with Delta Rule")
 over already-normalised q, k: a decode step (Triton beside its PyTorch reference) and the chunked form for prefill.
 
-Per (batch, head), with the state S [dk, dv], decay alpha_t = exp(g_t) (g_t <= 0) and write strength beta_t:
+Per (batch, head), with the state S [dk, dv], decay alpha_t = exp(g_t) (g_t <= 0) and write strength beta_t (in
+(0, 1), or (0, 2) for negative eigenvalues, ssm/gated_deltanet.py; nothing here assumes beta_t <= 1):
 
     S_t = alpha_t S_{t-1} + beta_t k_t (v_t - alpha_t S_{t-1}^T k_t)^T
         = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T

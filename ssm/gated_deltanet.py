@@ -5,6 +5,11 @@ Per head h, with q_t, k_t in R^dk (L2-normalised, q also scaled by dk^-0.5) and 
     g_t = -exp(A_log) · softplus(a_t + dt_bias) <= 0,   alpha_t = exp(g_t),   beta_t = sigmoid(b_t)
     S_t = alpha_t S_{t-1} + beta_t k_t (v_t - alpha_t S_{t-1}^T k_t)^T          (S: [dk, dv])
     o_t = S_t^T q_t
+The state transition alpha_t (I - beta_t k_t k_t^T) has eigenvalues alpha_t and alpha_t (1 - beta_t) (|k_t| = 1), all
+positive with beta_t in (0, 1). eigenvalues="signed" (Grazzi et al. 2024, "Unlocking State-Tracking in Linear RNNs
+Through Negative Eigenvalues") takes beta_t = 2 sigmoid(b_t) in (0, 2), so alpha_t (1 - beta_t) lies in
+(-alpha_t, alpha_t): near beta_t = 2 a reflection, with which the recurrence can track parity. The kernels assume
+nothing about beta's range.
 q, k and v come through a short causal depthwise conv (width d_conv) and SiLU; the output is
 RMSNorm(o_t) · SiLU(gate_t) per head (norm before gate), then out_proj.
 
@@ -26,6 +31,8 @@ from kernels import Linear
 from kernels.gated_delta import gated_delta_chunked, gated_delta_step
 
 L2_EPS = 1e-6  # inside the square root, as fla's l2norm and Qwen3-Next's
+# the transition's eigenvalues: in (0, 1] with beta = sigmoid(b), in (-1, 1] with beta = 2 sigmoid(b)
+EIGENVALUES = ("positive", "signed")
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -62,9 +69,11 @@ class GatedDeltaNet(nn.Module):
         d_conv: int = 4,
         chunk_size: int = 64,
         norm_eps: float = 1e-6,
+        eigenvalues: str = "positive",
     ):
         """head_dim: each head's key width dk (default d_model // n_heads); its value width is dv = head_dim * expand_v.
-        d_conv: width of the causal conv over q, k, v. chunk_size: tokens per chunk of the chunked (prefill) form."""
+        d_conv: width of the causal conv over q, k, v. chunk_size: tokens per chunk of the chunked (prefill) form.
+        eigenvalues: "positive" (beta = sigmoid(b)) or "signed" (beta = 2 sigmoid(b), Grazzi et al. 2024)."""
         super().__init__()
         if n_heads < 1:
             raise ValueError(f"n_heads must be >= 1, got {n_heads}")
@@ -78,6 +87,9 @@ class GatedDeltaNet(nn.Module):
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not norm_eps > 0:
             raise ValueError(f"norm_eps must be > 0 (it keeps the output RMSNorm finite), got {norm_eps}")
+        if eigenvalues not in EIGENVALUES:
+            raise ValueError(f"unknown eigenvalues {eigenvalues!r}; allowed: {', '.join(EIGENVALUES)}")
+        self.eigenvalues = eigenvalues
         self.layer_idx, self.n_heads, self.head_dim, self.value_dim = layer_idx, n_heads, head_dim, head_dim * expand_v
         self.d_conv, self.chunk_size = d_conv, chunk_size
         key_width, value_width = n_heads * head_dim, n_heads * self.value_dim
@@ -119,7 +131,7 @@ class GatedDeltaNet(nn.Module):
         qkv, history = self.conv(window)
         q, k, v = self.heads(qkv)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # log decay, <= 0
-        beta = torch.sigmoid(beta_logit.float())
+        beta = self.write_strength(beta_logit.float())
         if states is not None and batch.is_decode:
             ssm = states["ssm"]  # updated in place by the step
             o = gated_delta_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, 0], beta[:, 0], ssm).unsqueeze(2)
@@ -144,6 +156,11 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             cache.write({"conv": history, "ssm": ssm}, batch)
         return self.output(o, gate, x.dtype)
+
+    def write_strength(self, beta_logit: torch.Tensor) -> torch.Tensor:
+        """beta_t from b_t: sigmoid, doubled for signed eigenvalues (the positive range stays exactly sigmoid)."""
+        beta = torch.sigmoid(beta_logit)
+        return 2 * beta if self.eigenvalues == "signed" else beta
 
     def output(self, o: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """o [B, H, T, dv] -> gated norm, out_proj -> [B, T, d_model]."""
@@ -188,7 +205,7 @@ class GatedDeltaNet(nn.Module):
                 q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + L2_EPS) / math.sqrt(dk)
                 k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
                 alpha = torch.exp(-A * F.softplus(a[b, t] + self.dt_bias.to(f64)))  # [H]
-                beta = torch.sigmoid(beta_logit[b, t])
+                beta = torch.sigmoid(beta_logit[b, t]) * (2 if self.eigenvalues == "signed" else 1)
                 for h in range(H):
                     recalled = alpha[h] * S[h].T @ k[h]  # what the decayed state returns for k
                     S[h] = alpha[h] * S[h] + beta[h] * torch.outer(k[h], v[h] - recalled)
