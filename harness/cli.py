@@ -14,6 +14,7 @@ from harness.diffusion import DiffusionSampler
 from harness.compare import DTYPES, MEASURES, CompareSettings, run_compare
 from harness.compare_device import CPU_DEFAULTS, CUDA_DEFAULTS, is_cuda
 from harness.engine import Engine
+from harness.probe import cli as probe_cli
 from harness.recall import cli as recall_cli
 from harness.results import settings_dict, write_atomic
 from harness.sampling import SamplingParams
@@ -68,7 +69,7 @@ def cmd_compare(args) -> None:
                                diffusion_caches=args.diffusion_caches,
                                weights=Path(args.weights) if args.weights else None, quant=args.quant,
                                quant_group=args.quant_group, quant_method=args.quant_method, kv_dtypes=args.kv_dtypes,
-                               measure=args.measure, cuda_graphs=args.cuda_graphs)
+                               measure=args.measure, cuda_graphs=args.cuda_graphs, ray=args.ray)
     rows = run_compare(settings, show_progress=not args.quiet)
     measured = [r for r in rows if not r.get("skipped")]
     table = (markdown_table(measured) if measured else "") + skipped_text([r for r in rows if r.get("skipped")])
@@ -280,6 +281,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--kv-dtypes", type=name_list, default=d.kv_dtypes, help="comma-separated per-token cache "
                    "storage: auto (the model's dtype), int8 or fp8 (e4m3; either with a scale per token and KV head) "
                    f"(default: {','.join(d.kv_dtypes)})")
+    c.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                   help="run each model's cells as a Ray task holding a whole machine (all its CPUs; one GPU on "
+                        "CUDA): on the cluster at ADDRESS ('auto': the one this machine is in), or without ADDRESS "
+                        "on a new local instance; this process writes results.jsonl; needs pip install -e '.[ray]'")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_compare)
 
@@ -318,6 +323,7 @@ def parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     train_cli.add_parser(sub)
     recall_cli.add_parser(sub, int_list, name_list)
+    probe_cli.add_parser(sub, int_list, name_list)
     return p
 
 

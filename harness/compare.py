@@ -1,6 +1,8 @@
 """`zoo compare`: every architecture x context x batch cell through the same engine, measured and written as it goes."""
+import importlib.util
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -74,6 +76,9 @@ class CompareSettings:
     quant_group: int = 128
     quant_method: str = "rtn"
     kv_dtypes: list[str] = field(default_factory=lambda: ["auto"])  # per-token cache storage: auto, int8, fp8 (the engine's)
+    # each model's cells as one Ray task holding a whole machine, on the cluster at this address ("auto": the one this
+    # machine is in; "local": a new instance here); weights (and their corpus) must be at the same path on every node
+    ray: str | None = None
 
     def __post_init__(self):
         self.fill_device_defaults()
@@ -119,6 +124,7 @@ class CompareSettings:
         checks.device("device", self.device)
         checks.choice("measure", self.measure, MEASURES)
         self.validate_graphs()
+        self.validate_ray()
         check_output_folder(self.out)
         trained = {} if self.weights is None else read_trained(self.weights, self.archs, self.preset)
         if trained:
@@ -154,6 +160,17 @@ class CompareSettings:
                              f"{self.cuda_graphs!r}")
         if self.cuda_graphs is True and not is_cuda(self.device):
             raise ValueError(f"cuda_graphs=True needs a CUDA device, got device {self.device!r}")
+
+    def validate_ray(self) -> None:
+        if self.ray is None:
+            return
+        if not isinstance(self.ray, str) or not self.ray:
+            raise ValueError(f"ray must be a cluster address, 'auto' or 'local', got {self.ray!r}")
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError(f"ray={self.ray!r} needs Ray installed: pip install -e '.[ray]'")
+        if is_cuda(self.device) and torch.device(self.device).index:  # Ray shows a task only the GPU it holds
+            raise ValueError(f"with ray each task holds one GPU, which it sees as cuda:0; pass device 'cuda', "
+                             f"not {self.device!r}")
 
     def validate_quant(self, trained: dict[str, TrainedModel]) -> None:
         """Each scheme is known and fits every model's layer widths (checked on shapes alone, before any work)."""
@@ -375,35 +392,73 @@ def measure_rates(settings: CompareSettings) -> roofline.MachineRates:
     return roofline.measure_machine(build_model("gqa", settings), settings.device)
 
 
+def rates_for(cells: list[dict], settings: CompareSettings) -> roofline.MachineRates | None:
+    """The rates of the machine that measures `cells`, where one needs a floor (a diffusion cell has none)."""
+    return measure_rates(settings) if any(not c["steps"] for c in cells) else None
+
+
+def disturbance_text(rates: roofline.MachineRates | None, settings: CompareSettings) -> str:
+    """After the cells, on a CPU: whether the read rate moved since `rates` (a run shared with other work is noise)."""
+    if rates is None or is_cuda(settings.device):
+        return ""
+    return roofline.disturbance(rates.stream_bytes_per_s, roofline.measure_read_rate())
+
+
+def model_of(cell: dict) -> tuple[str, str]:
+    """The model a cell runs on: consecutive cells sharing it share one build, quantization and validation score."""
+    return cell["arch"], cell["quant"]
+
+
+def cell_label(cell: dict) -> str:
+    diffusion = f" steps={cell['steps']} cache={cell['diffusion_cache']}" if cell["steps"] else ""
+    return f"{cell['arch']} ctx={cell['context']} batch={cell['batch']}{diffusion}"
+
+
+def measure_cells(cells: list[dict], settings: CompareSettings, trained: dict[str, TrainedModel],
+                  rates: roofline.MachineRates | None, on_cell: Callable[[dict], None] = lambda cell: None
+                  ) -> Iterator[dict]:
+    """Each cell's row as it finishes (the local loop and each Ray task's); on_cell(cell) is told before it runs.
+    A model is built (or loaded), quantized and scored once per run of consecutive cells of it."""
+    validation = validation_set(trained) if trained else None
+    current, model, reference, quality = None, None, {}, {}
+    for cell in cells:
+        on_cell(cell)
+        if model_of(cell) != current:
+            current, reference = model_of(cell), {}
+            arch = cell["arch"]
+            model = load_trained(trained[arch], settings) if trained else build_model(arch, settings)
+            model = quantized(model, cell["quant"], settings,
+                              trained[arch].state["settings"]["corpus"] if trained else None)
+            quality = validation.fields(model, trained[arch]) if validation else {}
+        if cell["steps"]:
+            yield {**measure_diffusion_cell(model, cell, settings.seed, reference), **quality}
+        elif skipped := skip_reason(model, cell, settings.device):
+            yield {**cell, "skipped": skipped}  # recorded, so a re-run on this device skips it too
+        else:
+            yield {**measure_cell(model, cell, rates, settings.seed), **quality}
+
+
 def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[dict]:
     """Measure every cell not already in results.jsonl; returns all rows of this settings' cells. With weights,
     each architecture's rows also carry its validation figure, measured once per model. A cell whose cache would
-    not fit in the device's free memory is not run: its row holds the reason under "skipped"."""
+    not fit in the device's free memory is not run: its row holds the reason under "skipped". With settings.ray,
+    each model's cells run as a Ray task (harness/compare_ray.py); this process alone writes results.jsonl."""
     trained = settings.validate()
     store = ResultStore(settings.out / "results.jsonl", CELL_KEY, defaults=KEY_DEFAULTS)
     todo = [c for c in settings.cells(trained) if not store.done(c)]
     if todo:
-        rates = measure_rates(settings) if any(not c["steps"] for c in todo) else None
-        validation = validation_set(trained) if trained else None
-        model_arch, model, reference, quality = None, None, {}, {}
-        bar = tqdm(todo, desc="zoo compare", unit="cell", disable=not show_progress)
-        for cell in bar:
-            diffusion = f" steps={cell['steps']} cache={cell['diffusion_cache']}" if cell["steps"] else ""
-            bar.set_postfix_str(f"{cell['arch']} ctx={cell['context']} batch={cell['batch']}{diffusion}")
-            if (cell["arch"], cell["quant"]) != model_arch:
-                model_arch, reference = (cell["arch"], cell["quant"]), {}
-                arch = cell["arch"]
-                model = load_trained(trained[arch], settings) if trained else build_model(arch, settings)
-                model = quantized(model, cell["quant"], settings,
-                                  trained[arch].state["settings"]["corpus"] if trained else None)
-                quality = validation.fields(model, trained[arch]) if validation else {}
-            if cell["steps"]:
-                store.append({**measure_diffusion_cell(model, cell, settings.seed, reference), **quality})
-            elif skipped := skip_reason(model, cell, settings.device):
-                store.append({**cell, "skipped": skipped})  # recorded, so a re-run on this device skips it too
-            else:
-                store.append({**measure_cell(model, cell, rates, settings.seed), **quality})
-        if rates is not None and not is_cuda(settings.device):  # a run shared with other work is noise: say so
-            print(roofline.disturbance(rates.stream_bytes_per_s, roofline.measure_read_rate()), flush=True)
+        bar = tqdm(total=len(todo), desc="zoo compare", unit="cell", disable=not show_progress)
+        if settings.ray is not None:
+            from harness.compare_ray import measure_on_ray  # Ray is an optional extra
+
+            measure_on_ray(todo, settings, trained, store, bar)
+        else:
+            rates = rates_for(todo, settings)
+            for row in measure_cells(todo, settings, trained, rates, lambda c: bar.set_postfix_str(cell_label(c))):
+                store.append(row)
+                bar.update()
+            if text := disturbance_text(rates, settings):
+                print(text, flush=True)
+        bar.close()
     wanted = {store.key(c) for c in settings.cells(trained)}
     return [r for r in store.rows if store.key(r) in wanted]

@@ -4,14 +4,14 @@ so a killed driver loses only the runs in flight and a re-run continues where it
 Ray is the optional extra `.[ray]`; it is imported only here, only when asked for."""
 import torch
 
-from harness.recall.suite import RecallSettings, train_run
+from harness.recall.suite import train_run
 from harness.results import ResultStore
 
 
-def train_task(run: dict, settings: RecallSettings, data) -> dict:
+def train_task(train_fn, run: dict, settings, data) -> dict:
     """One run on a Ray worker: one thread, as each local worker process uses on a 2-core machine."""
     torch.set_num_threads(1)
-    return train_run(run, settings, data, lambda text: None)
+    return train_fn(run, settings, data, lambda text: None)
 
 
 def connect(address: str) -> None:
@@ -24,7 +24,8 @@ def connect(address: str) -> None:
         ray.init(address=None if address == "local" else address, include_dashboard=False, log_to_driver=False)
 
 
-def train_on_ray(todo: list[dict], settings: RecallSettings, data: dict, store: ResultStore, bar) -> None:
+def train_on_ray(todo: list[dict], settings, data: dict, store: ResultStore, bar, train_fn=train_run) -> None:
+    """train_fn(run, settings, data[run["seed"]], report) -> row: train_run, or `zoo probe`'s."""
     import ray
 
     connect(settings.ray)
@@ -32,7 +33,7 @@ def train_on_ray(todo: list[dict], settings: RecallSettings, data: dict, store: 
     task = ray.remote(num_cpus=1, num_gpus=1 if on_gpu else 0)(train_task)
     # each seed's training and test sets go to the object store once, not with every task
     refs = {seed: ray.put(seed_data) for seed, seed_data in data.items()}
-    pending = {task.remote(run, settings, refs[run["seed"]]): run for run in todo}
+    pending = {task.remote(train_fn, run, settings, refs[run["seed"]]): run for run in todo}
     try:
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)

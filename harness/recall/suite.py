@@ -248,18 +248,22 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _worker_run(run, settings, data) -> dict:
-    return train_run(run, settings, data, lambda text: _worker_events.put((run_label(run), text)))
+def _worker_run(train_fn, label, run, settings, data) -> dict:
+    return train_fn(run, settings, data, lambda text: _worker_events.put((label, text)))
 
 
-def train_in_workers(todo: list[dict], settings: RecallSettings, data, store: ResultStore, bar) -> None:
-    """Runs in `settings.workers` processes (one thread each per core); this process alone writes results.jsonl."""
+def train_in_workers(todo: list[dict], settings, data, store: ResultStore, bar, train_fn=None, label=None) -> None:
+    """Runs in `settings.workers` processes (one thread each per core); this process alone writes results.jsonl.
+    train_fn(run, settings, data[run["seed"]], report) -> row, a module-level function (workers import it by name):
+    train_run by default; `zoo probe` passes its own, with label(run) naming a run in the progress bar."""
+    train_fn, label = train_fn or train_run, label or run_label
     context = multiprocessing.get_context("spawn")  # fork after torch has started threads can deadlock
     threads = max(1, (os.cpu_count() or 1) // settings.workers)
     events = context.Queue()
     with ProcessPoolExecutor(settings.workers, mp_context=context, initializer=_worker_init,
                              initargs=(threads, events)) as pool:
-        pending = {pool.submit(_worker_run, run, settings, data[run["seed"]]): run for run in todo}
+        pending = {pool.submit(_worker_run, train_fn, label(run), run, settings, data[run["seed"]]): run
+                   for run in todo}
         status: dict = {}
         try:
             while pending:
@@ -273,7 +277,7 @@ def train_in_workers(todo: list[dict], settings: RecallSettings, data, store: Re
                 for future in done:
                     run = pending.pop(future)
                     store.append(future.result())
-                    status.pop(run_label(run), None)
+                    status.pop(label(run), None)
                     bar.update()
                 bar.set_postfix_str(" | ".join(status.values()))
         except BaseException:

@@ -133,15 +133,16 @@ class TrainConfig:
     eval_batch_size: int = 256
     overrides: dict | None = None  # extra zoo.build settings (replace the per-architecture defaults)
     trained_sets: tuple[str, ...] | None = None  # test sets of trained settings (early stop); None: all of them
+    chance: float | None = None  # a uniform guess's test accuracy; None: from the training labels' values (MQAR)
 
 
 def recall_model_config(config: TrainConfig, vocab_size: int, seq_len: int) -> zoo.ModelConfig:
     # one 64-wide head at d_model 64, as Zoology: two 32-wide heads plateaued lower (BENCHMARKS.md)
     n_heads = config.n_heads or max(1, config.d_model // 64)
-    settings = zoo.registry.recall_settings(config.arch, config.d_model, n_heads, seq_len)
-    settings.update(config.overrides or {})
+    settings = {"mlp": "none", **zoo.registry.recall_settings(config.arch, config.d_model, n_heads, seq_len)}
+    settings.update(config.overrides or {})  # e.g. `zoo probe`'s channel mixer (mlp, mlp_hidden)
     return zoo.make_config(
-        config.arch, preset="tiny", d_model=config.d_model, n_layers=config.n_layers, n_heads=n_heads, mlp="none",
+        config.arch, preset="tiny", d_model=config.d_model, n_layers=config.n_layers, n_heads=n_heads,
         vocab_size=vocab_size, tie_embeddings=True, max_seq_len=seq_len, **settings,
     )
 
@@ -257,7 +258,7 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
     generator = torch.Generator().manual_seed(config.seed)
 
     n = len(train_inputs)
-    chance = label_chance(train_labels)
+    chance = config.chance if config.chance is not None else label_chance(train_labels)
     order, cursor = torch.randperm(n, generator=generator), 0
     history, results, step, solved, window_losses = [], {}, 0, False, []
 
