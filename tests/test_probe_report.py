@@ -153,6 +153,15 @@ def test_markdown_table_names_the_choice_and_statuses():
     assert "4,096" in text and "40,000" in text
 
 
+def test_a_plateau_at_the_step_budget_says_so():
+    """A flat run that trained to its budget (attention's pre-jump shelf looks the same) is not read as stopped
+    early."""
+    flat = run(convergence="plateau", acc=0.3)
+    stopped_early = markdown_table(best_over_grid([{**flat, "stopped": "plateau"}]))
+    at_budget = markdown_table(best_over_grid([{**flat, "stopped": "max_steps"}]))
+    assert "| plateau |" in stopped_early and "| plateau (at budget) |" in at_budget
+
+
 def heat_rows() -> list[dict]:
     return [run(arch="mamba2", d_model=32, acc=0.9), run(arch="mamba2", d_model=64, acc=1.0),
             run(change="vocab_size=32", arch="mamba2", d_model=64, acc=0.4, convergence="not converged"),

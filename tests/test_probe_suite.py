@@ -40,7 +40,8 @@ def test_rows_are_written_per_run_and_a_rerun_skips_them(tmp_path, monkeypatch):
 
     trained = []
     real = suite.train_recall
-    monkeypatch.setattr(suite, "train_recall", lambda config, *a, **k: trained.append(config.arch) or real(config, *a, **k))
+    monkeypatch.setattr(suite, "train_recall",
+                        lambda config, *a, **k: trained.append(config.arch) or real(config, *a, **k))
     assert run_probe(settings, show_progress=False) == rows and trained == []
     run_probe(tiny(tmp_path, lrs=[3e-3, 1e-3]), show_progress=False)
     assert sorted(trained) == ["gqa"] * 4 + ["mamba2"] * 4  # only the new learning rate's runs
@@ -61,7 +62,8 @@ def test_interrupted_sweep_keeps_finished_runs(tmp_path, monkeypatch):
         run_probe(settings, show_progress=False)
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 2
     calls.clear()
-    monkeypatch.setattr(suite, "train_recall", lambda config, *a, **k: calls.append(config.arch) or real(config, *a, **k))
+    monkeypatch.setattr(suite, "train_recall",
+                        lambda config, *a, **k: calls.append(config.arch) or real(config, *a, **k))
     assert len(run_probe(settings, show_progress=False)) == 4 and len(calls) == 2
 
 
@@ -208,3 +210,15 @@ def test_ray_sweep_resumes_after_the_driver_is_stopped(tmp_path, local_ray, monk
     assert len(kept) == 2
     again = run_probe(settings, show_progress=False)
     assert len(again) == 8 and sum(row["wall_s"] in kept for row in again) == 2
+
+
+def test_a_presets_sweeps_share_one_pool_and_folder(tmp_path):
+    """Sweeps with different grids run together, each run once; sweeps that disagree on where or how they run are
+    refused before any work."""
+    recall = tiny(tmp_path, tasks=["in-context-recall:seq_len=16"])
+    parity = tiny(tmp_path, archs=["gqa"], tasks=["parity:max_len=8", "in-context-recall:seq_len=16"])
+    rows = run_probe([recall, parity], show_progress=False)
+    assert len(rows) == 6  # recall x 2 archs x 2 wd, parity x gqa x 2 wd; gqa's recall runs shared
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 6
+    with pytest.raises(ValueError, match="share out, device, workers, ray"):
+        run_probe([recall, tiny(tmp_path / "elsewhere")], show_progress=False)

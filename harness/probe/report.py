@@ -13,7 +13,7 @@ matplotlib.use("Agg")  # files only: no display on CI or servers
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
-from matplotlib.ticker import NullFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from harness.charts import DASHES, MARKERS  # noqa: E402
 from harness.probe.tasks import BASELINES, CHANGES  # noqa: E402
@@ -163,7 +163,12 @@ def accuracy_text(value: float, span, seeds: int) -> str:
 
 
 def status_text(row: dict) -> str:
-    return f"**{NOT_CONVERGED}**" if row["convergence"] == NOT_CONVERGED else row["convergence"]
+    """The verdict, with "at budget" where a plateau's run ended at its step budget (a run still at a pre-jump shelf
+    reads the same as a plateau: the reader is told it was not stopped early)."""
+    if row["convergence"] == NOT_CONVERGED:
+        return f"**{NOT_CONVERGED}**"
+    at_budget = row["convergence"] == "plateau" and "max_steps" in row.get("stopped", "")
+    return row["convergence"] + (" (at budget)" if at_budget else "")
 
 
 def markdown_table(best: list[dict]) -> str:
@@ -310,6 +315,9 @@ def state_chart(best: list[dict], out: Path) -> Path:
                     ax.vlines(row["state_bytes"], *row["accuracy_range"], color=color, linewidth=1.2)
         ax.axhline(panel[0]["chance"], color="grey", linestyle=":", linewidth=1)
         ax.set_xscale("log")
+        # labels at 1, 2 and 5 per decade: a panel whose points span less than a decade still reads
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: compact(value)))
         ax.xaxis.set_minor_formatter(NullFormatter())  # minor-tick labels ran into each other
         ax.set_title(task if change == "baseline" else f"{task} ({change})", fontsize=9)
         ax.set(ylim=(-0.02, 1.02), xlabel="state / KV bytes per sequence (log)")

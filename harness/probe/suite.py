@@ -3,9 +3,11 @@ x weight-decay grid, at set widths or sized to a state or parameter target; writ
 
 A run trains with `zoo recall`'s trainer (harness/recall/train.py: AdamW, cosine, the same convergence verdicts) on
 the task's "train" split (every next token, for the recall tasks) and is scored on the "test" split (the probed
-positions only). The model is the recall recipe's (2 layers, tied embeddings) with a channel mixer after each
-sequence mixer, as MAD-Lab's blocks have one. Parity trains on lengths up to 40 and is also tested, once at the end,
-on 40 to 256 ("parity-long").
+positions only). The model is the recall recipe's (2 layers, tied embeddings, no channel mixer); `mlp` adds one
+after each sequence mixer, as MAD-Lab's blocks have. Parity trains on lengths up to 40 and is also tested on 40 to 256
+("parity-long"): its learning curve and its "solved" (every set above the target accuracy) include that set, so a
+run that fits the trained lengths trains on while its length generalisation is still forming (gdn-neg: 0.99 on the
+trained lengths at step 100, 0.75 on the long ones).
 """
 import dataclasses
 import functools
@@ -20,8 +22,9 @@ from tqdm import tqdm
 import zoo
 from harness.probe.tasks import (BASELINES, CHANGES, DEFAULT_NUM_TRAIN_EXAMPLES, NUM_TEST_EXAMPLES, NUM_TRAIN_EXAMPLES,
                                  Variant, make_examples, variants)
+from harness.recall.suite import has_fixed_state, train_in_workers  # zoo recall's process pool
 from harness.recall.train import TrainConfig, build_recall_model, label_chance, train_recall
-from harness.results import ResultStore, check_output_folder
+from harness.results import ResultStore, check_output_folder, settings_dict
 from zoo import checks
 
 # The fields that identify a run: a re-run skips rows that match on all of them.
@@ -52,9 +55,9 @@ def parse_value(text: str):
 
 
 def task_variant(spec: str, train_examples: int | None = None) -> Variant:
-    """"task" (its baseline) or "task:field=value" (one field of the baseline changed, e.g. MAD-Lab's
-    "in-context-recall:vocab_size=64", or "num_train_examples=800"); train_examples, if given, replaces the
-    baseline's training-set size where the change does not set it."""
+    """"task" (its baseline) or "task:field=value" (a field of the baseline changed, e.g. MAD-Lab's
+    "in-context-recall:vocab_size=64", or "num_train_examples=800"; several joined by '+': "seq_len=64+vocab_size=64");
+    train_examples, if given, replaces the baseline's training-set size where the change does not set it."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"task {spec!r}: expected a task name or 'task:field=value'; tasks: {', '.join(task_names())}")
     task, _, change = spec.partition(":")
@@ -65,16 +68,17 @@ def task_variant(spec: str, train_examples: int | None = None) -> Variant:
     size = train_examples or base.num_train_examples
     if not change or change == "baseline":
         return dataclasses.replace(base, num_train_examples=size)
-    name, eq, text = change.partition("=")
     fields = [f.name for f in dataclasses.fields(base.setting)] + ["num_train_examples"]
-    if not eq or name not in fields:
-        raise ValueError(f"task {spec!r}: a change is field=value with field one of {', '.join(fields)}")
-    value = parse_value(text)
-    if name == "num_train_examples":
-        checks.integer("num_train_examples", value, minimum=1)
-        return Variant(task, f"{name}={value}", base.setting, value)
-    setting = dataclasses.replace(base.setting, **{name: value}).validate()  # a value out of range raises here
-    return Variant(task, f"{name}={value}", setting, size)
+    values = {}
+    for part in change.split("+"):
+        name, eq, text = part.partition("=")
+        if not eq or name not in fields or name in values:
+            raise ValueError(f"task {spec!r}: a change is field=value (several joined by '+'), each field once, "
+                             f"a field one of {', '.join(fields)}")
+        values[name] = parse_value(text)
+    size = checks.integer("num_train_examples", values.pop("num_train_examples", size), minimum=1)
+    setting = dataclasses.replace(base.setting, **values).validate()  # a value out of range raises here
+    return Variant(task, change, setting, size)
 
 
 def full_grid(tasks: list[str]) -> list[str]:
@@ -101,7 +105,9 @@ class ProbeSettings:
     iso_state: list[int] = field(default_factory=list)  # state / KV bytes per sequence each architecture is sized to
     iso_params: list[int] = field(default_factory=list)  # non-embedding parameters each architecture is sized to
     n_layers: int = 2
-    mlp: str = "swiglu"  # the channel mixer after each sequence mixer ("none": Zoology's recall recipe)
+    # the channel mixer after each sequence mixer: none, as Zoology's recall recipe (MAD-Lab's blocks have one; on
+    # CPU budgets a SwiGLU delays attention's induction jump on in-context recall from ~1,300 to ~2,300 steps)
+    mlp: str = "none"
     lrs: list[float] = field(default_factory=lambda: [1e-3, 3e-3])
     weight_decays: list[float] = field(default_factory=lambda: [0.0, 0.1])
     train_examples: int | None = None  # None: each task's MAD-Lab size (12,800; memorization 256)
@@ -277,7 +283,7 @@ def train_probe(run: dict, settings: ProbeSettings, data, report) -> dict:
                           weight_decay=run["weight_decay"], batch_size=run["batch_size"],
                           min_steps=run["min_steps"], max_steps=run["max_steps"], seed=run["seed"],
                           device=settings.device, vocab_size=vocabulary(variant.setting),
-                          trained_sets=(run["task"],), chance=label_chance(tests[run["task"]][1]))
+                          trained_sets=tuple(tests), chance=label_chance(tests[run["task"]][1]))
     result = train_recall(config, train, tests, progress=progress)
     embedding = result["parameters"] - model_sizes(run["arch"], run["d_model"], variant, run["n_layers"],
                                                    run["mlp"])[1]
@@ -306,34 +312,44 @@ def run_label(run: dict) -> str:
     return f"{run['task']}{change} {run['arch']} {size} lr={run['lr']:g} wd={run['weight_decay']:g} seed={run['seed']}"
 
 
+STATE_STEP_COST = 3.0  # a fixed-state mixer's training step against attention's on CPU (2.5-3.2x at length 64)
+
+
 def run_cost(run: dict) -> float:
-    """A run's relative cost (tokens x width x steps), longest first so the last worker does not finish alone."""
+    """A run's relative cost (tokens x width x steps, x STATE_STEP_COST for a fixed-state mixer), longest first so
+    the last worker does not finish alone."""
     variant = task_variant(f"{run['task']}:{run['change']}")
-    return variant.setting.width * run["d_model"] * run["max_steps"]
+    factor = STATE_STEP_COST if has_fixed_state(run["arch"]) else 1.0
+    return factor * variant.setting.width * run["d_model"] * run["max_steps"]
 
 
-def run_probe(settings: ProbeSettings, show_progress: bool = True) -> list[dict]:
+def run_probe(settings: "ProbeSettings | list[ProbeSettings]", show_progress: bool = True) -> list[dict]:
     """Train every run not already in results.jsonl, appending each row as its run finishes (an interrupted
-    sweep loses only the runs in flight); returns all rows of this settings' runs."""
-    from harness.recall.suite import train_in_workers  # the process pool zoo recall uses
-
-    settings.validate()
-    store = ResultStore(settings.out / "results.jsonl", RUN_KEY)
-    runs = settings.runs()
+    sweep loses only the runs in flight); returns all rows of these settings' runs. Several sweeps (a preset's)
+    share one output folder and one pool of workers, so no worker idles at a sweep's end."""
+    sweeps = settings if isinstance(settings, list) else [settings]
+    for sweep in sweeps:
+        sweep.validate()
+    first = sweeps[0]
+    shared = ("out", "device", "workers", "ray")
+    if any(getattr(sweep, name) != getattr(first, name) for sweep in sweeps for name in shared):
+        raise ValueError(f"sweeps run together share {', '.join(shared)}; got {[settings_dict(s) for s in sweeps]}")
+    store = ResultStore(first.out / "results.jsonl", RUN_KEY)
+    runs = list({tuple(run[f] for f in RUN_KEY): run for sweep in sweeps for run in sweep.runs()}.values())
     todo = sorted([r for r in runs if not store.done(r)], key=run_cost, reverse=True)
     if todo:
-        data = {seed: None for seed in settings.seeds}  # each run makes its own data from its seed
+        data = {seed: None for seed in {run["seed"] for run in todo}}  # each run makes its own data from its seed
         bar = tqdm(total=len(todo), desc="zoo probe", unit="run", disable=not show_progress)
-        if settings.ray is not None:
+        if first.ray is not None:
             from harness.recall.ray_runner import train_on_ray  # Ray is an optional extra
 
-            train_on_ray(todo, settings, data, store, bar, train_fn=train_probe)
-        elif settings.workers == 1:
+            train_on_ray(todo, first, data, store, bar, train_fn=train_probe)
+        elif first.workers == 1:
             for run in todo:
-                store.append(train_probe(run, settings, None, lambda text: bar.set_postfix_str(text)))
+                store.append(train_probe(run, first, None, lambda text: bar.set_postfix_str(text)))
                 bar.update()
         else:
-            train_in_workers(todo, settings, data, store, bar, train_fn=train_probe, label=run_label)
+            train_in_workers(todo, first, data, store, bar, train_fn=train_probe, label=run_label)
         bar.close()
     wanted = {store.key(r) for r in runs}
     return [r for r in store.rows if store.key(r) in wanted]
