@@ -4,6 +4,7 @@ import os
 import pathlib
 import sys
 
+import pytest
 import torch
 
 # Without CUDA, Triton kernels run in triton's interpreter; triton reads this when first imported, and
@@ -19,3 +20,12 @@ if str(REPO_ROOT) not in sys.path:
 # The suites run tiny models: one intra-op thread is faster than two, and far faster when the
 # 2-core machine is busy (idle OpenMP workers spin against other processes).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local 2-CPU Ray instance for one test module (the Ray paths of zoo recall, probe and compare)."""
+    ray = pytest.importorskip("ray")  # the test extra installs it; a machine without it runs the rest
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

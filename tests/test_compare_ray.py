@@ -27,14 +27,6 @@ def untimed(rows: list[dict]) -> dict[tuple, dict]:
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray")  # the test extra installs it; a machine without it runs the rest
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def local_rows(tmp_path_factory) -> dict[tuple, dict]:
     return untimed(run_compare(tiny_settings(tmp_path_factory.mktemp("local")), show_progress=False))
 

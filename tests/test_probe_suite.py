@@ -163,14 +163,6 @@ def test_task_all_expands_to_every_mad_setting():
     assert set(BASELINES) >= {spec.partition(":")[0] for spec in specs}
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray")  # the test extra installs it; a machine without it runs the rest
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def deterministic(row: dict) -> dict:
     return {k: v for k, v in row.items() if k != "wall_s"}
 

@@ -214,14 +214,6 @@ def test_rows_written_before_depths_existed_still_count(tmp_path):
     assert len(again) == 1 and again[0]["n_layers"] == 2 and again[0]["wall_s"] == row["wall_s"]
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray")  # the test extra installs it; a machine without it runs the rest
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_ray_tasks_write_the_same_rows_as_one_process(tmp_path, local_ray):
     """Each run a Ray task on a local 2-CPU instance; the driver alone writes results.jsonl; same seeds, same rows."""
     serial = run_recall(tiny(tmp_path / "serial"), show_progress=False)

@@ -3,7 +3,7 @@ from pathlib import Path
 
 from harness.probe.report import MAD_TASKS, best_over_grid, markdown_table, write_report
 from harness.probe.suite import ProbeSettings, full_grid, run_probe, task_names
-from harness.recall.cli import float_list
+from harness.recall.cli import add_ray_option, float_list
 from harness.results import settings_dict, write_atomic
 
 # A preset is a list of sweeps written to one results folder (a row names its task, setting and model).
@@ -75,9 +75,7 @@ def add_parser(sub, int_list, name_list) -> None:
     p.add_argument("--workers", type=int, help="runs trained at once, each in its own process (default: one per CPU "
                                                "core up to 2 on CPU; 1 on CUDA)")
     p.add_argument("--out", help=f"output folder (default: {d.out})")
-    p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
-                   help="run each run as a Ray task: on the cluster at ADDRESS ('auto': the one this machine is in), "
-                        "or without ADDRESS on a local instance; needs pip install -e '.[ray]'")
+    add_ray_option(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_probe)
 

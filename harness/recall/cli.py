@@ -29,6 +29,13 @@ def float_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def add_ray_option(parser) -> None:
+    """--ray [ADDRESS], as zoo recall and zoo probe take it."""
+    parser.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                        help="run each run as a Ray task: on the cluster at ADDRESS ('auto': the one this machine is "
+                             "in), or without ADDRESS on a local instance; needs pip install -e '.[ray]'")
+
+
 def add_parser(sub, int_list, name_list) -> None:
     r = sub.add_parser("recall", help="train every architecture on associative recall (Zoology's MQAR) and chart it",
                        description="Train small models (2 layers, no MLP, tied embeddings) on MQAR for every "
@@ -62,9 +69,7 @@ def add_parser(sub, int_list, name_list) -> None:
     r.add_argument("--seeds", type=int_list, help=f"comma-separated seeds for training data, weights and shuffling; the "
                                                   f"report shows their mean and range (default: {','.join(map(str, d.seeds))})")
     r.add_argument("--out", help=f"output folder (default: {d.out})")
-    r.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
-                   help="run each run as a Ray task: on the cluster at ADDRESS ('auto': the one this machine is in), "
-                        "or without ADDRESS on a local instance; needs pip install -e '.[ray]'")
+    add_ray_option(r)
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(func=cmd_recall)
 
