@@ -3,8 +3,7 @@ from pathlib import Path
 
 from harness.probe.report import MAD_TASKS, best_over_grid, markdown_table, write_report
 from harness.probe.suite import ProbeSettings, full_grid, run_probe, task_names
-from harness.recall.cli import add_ray_option, float_list
-from harness.results import settings_dict, write_atomic
+from harness.recall.cli import add_ray_option, float_list, publish
 
 # A preset is a list of sweeps written to one results folder (a row names its task, setting and model).
 # no plateau stops: a short budget ends before attention's induction jump (in-context recall at length 64 sits at 0.32
@@ -58,7 +57,7 @@ def add_parser(sub, int_list, name_list) -> None:
     p.add_argument("--d-model", type=int_list, dest="d_models", help="comma-separated widths, or '' for none "
                                                                      f"(default: {','.join(map(str, d.d_models))})")
     p.add_argument("--iso-state", type=int_list, help="comma-separated state / KV bytes per sequence: each "
-                                                      "architecture is sized (its d_model chosen) to come closest to each")
+                                                      "architecture is sized (d_model chosen) to come closest to each")
     p.add_argument("--iso-params", type=int_list, help="comma-separated non-embedding parameter counts, each "
                                                        "architecture sized to each")
     p.add_argument("--lrs", type=float_list, help=f"comma-separated learning rates (default: {d.lrs})")
@@ -95,19 +94,11 @@ def sweeps_of(args) -> list[ProbeSettings]:
     if "tasks" in given:
         given["tasks"] = expand_tasks(given["tasks"])
     out = Path(args.out) if args.out else ProbeSettings().out
-    sweeps = [ProbeSettings(**{**preset, **given, "out": out}) for preset in PRESETS[args.preset]]
-    for settings in sweeps:
-        settings.validate()  # every sweep's settings checked before the first one trains
-    return sweeps
+    return [ProbeSettings(**{**preset, **given, "out": out}) for preset in PRESETS[args.preset]]
 
 
 def cmd_probe(args) -> None:
     sweeps = sweeps_of(args)
     out = sweeps[0].out
-    best = best_over_grid(run_probe(sweeps, show_progress=not args.quiet))
-    table = markdown_table(best)
-    write_atomic(out / "table.md", table)
-    charts = write_report(best, out)
-    print(table)
-    print(f"settings: {[settings_dict(s) for s in sweeps]}")
-    print(f"wrote {out / 'results.jsonl'}, {out / 'table.md'}, " + ", ".join(str(c) for c in charts))
+    best = best_over_grid(run_probe(sweeps, show_progress=not args.quiet))  # validates every sweep before training
+    publish(out, markdown_table(best), lambda: write_report(best, out), sweeps)

@@ -285,8 +285,6 @@ def train_probe(run: dict, settings: ProbeSettings, data, report) -> dict:
                           device=settings.device, vocab_size=vocabulary(variant.setting),
                           trained_sets=tuple(tests), chance=label_chance(tests[run["task"]][1]))
     result = train_recall(config, train, tests, progress=progress)
-    embedding = result["parameters"] - model_sizes(run["arch"], run["d_model"], variant, run["n_layers"],
-                                                   run["mlp"])[1]
     trained = result["per_setting"][run["task"]]
     return {
         **run,
@@ -296,7 +294,8 @@ def train_probe(run: dict, settings: ProbeSettings, data, report) -> dict:
         "chance": result["chance"],
         "state_bytes": result["state_bytes"],
         "parameters": result["parameters"],
-        "non_embedding_parameters": result["parameters"] - embedding,
+        "non_embedding_parameters": model_sizes(run["arch"], run["d_model"], variant, run["n_layers"],
+                                                run["mlp"])[1],
         "steps": result["steps"],
         "solved": result["solved"],
         "convergence": result["convergence"],

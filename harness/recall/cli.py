@@ -87,9 +87,13 @@ def cmd_recall(args) -> None:
         settings.validate()  # every sweep's settings checked before the first one trains
     rows = [row for settings in sweeps for row in run_recall(settings, show_progress=not args.quiet)]
     best = best_over_lr(rows)
-    table = markdown_table(best)
+    publish(out, markdown_table(best), lambda: write_report(best, out), sweeps)
+
+
+def publish(out: Path, table: str, draw_charts, sweeps) -> None:
+    """OUT/table.md and the charts written, then the table, the settings and the files named on the console."""
     write_atomic(out / "table.md", table)
-    charts = write_report(best, out)
+    charts = draw_charts()
     print(table)
     print(f"settings: {[settings_dict(s) for s in sweeps]}")
     print(f"wrote {out / 'results.jsonl'}, {out / 'table.md'}, " + ", ".join(str(c) for c in charts))
