@@ -133,11 +133,11 @@ class ModelRunner:
                floors: list[int] | None = None) -> tuple[list[list[list[int]]], list[list[int]]]:
         """Grow each cache group's block tables to the step's lengths (copying shared blocks it writes into first);
         returns per group each sequence's block table and the flat pool slot of each new token (-1: not written)."""
-        # a step on top of the cache reads its keys there: keep what its first query sees (prefill: none), or what
-        # the shortest length a speculative rollback may return to sees
-        firsts = floors or [s.num_cached + 1 if s.num_cached else None for s in seqs]
         tables, mappings = [], []
         for group, manager in enumerate(self.block_managers):
+            # a step on top of the cache reads its keys there: keep what its first query sees (see first_length), or
+            # what the shortest length a speculative rollback may return to sees
+            firsts = floors or [manager.first_length(s.num_cached) for s in seqs]
             for s, n, first in zip(seqs, lengths, firsts):
                 manager.grow(s, n, first)
             if manager.copies:  # copy-on-write: a shared block this step writes into, copied before the write
