@@ -16,11 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.sampling import SamplingParams
+from harness.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
 from harness.sequence import Sequence
 from zoo import checks
 
-EARLY_STOPPING = (True, False, "never")
 NO_HOPE = -1.0e9  # the score transformers gives an impossible candidate
 
 
@@ -34,15 +33,27 @@ class BeamSearchParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        checks.integer("num_beams", self.num_beams, minimum=1)
-        checks.integer("max_new_tokens", self.max_new_tokens, minimum=1)
-        checks.real("length_penalty", self.length_penalty)
-        if not any(self.early_stopping is allowed for allowed in EARLY_STOPPING):
-            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
-        checks.integer(f"num_return_sequences (num_beams={self.num_beams} at most)", self.num_return_sequences,
-                       1, self.num_beams)
-        for token in self.stop_token_ids:
-            checks.integer("stop_token_ids entries", token, minimum=0)
+        """Types and ranges; values are normalised (numpy ints become ints, a stop id list a tuple)."""
+        num_beams = checks.integer("num_beams", self.num_beams, minimum=1)
+        checked = {
+            "num_beams": num_beams,
+            "max_new_tokens": checks.integer("max_new_tokens", self.max_new_tokens, minimum=1),
+            "length_penalty": checks.real("length_penalty", self.length_penalty),
+            "early_stopping": early_stopping(self.early_stopping),
+            "num_return_sequences": checks.integer(f"num_return_sequences (num_beams={num_beams} at most)",
+                                                   self.num_return_sequences, 1, num_beams),
+            "stop_token_ids": checks.id_tuple("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+
+def early_stopping(value) -> "bool | str":
+    """True, False or "never", the string compared by value: one read from JSON is another object than the literal
+    (and 1 or 0, equal to True and False, are refused: the search tests `is True`)."""
+    if isinstance(value, bool) or (isinstance(value, str) and value == "never"):
+        return value
+    raise ValueError(f"early_stopping must be True, False or 'never', got {checks.short(value)}")
 
 
 @dataclass
@@ -82,7 +93,8 @@ class BeamSearch:
 
     def search(self, beams: list[Sequence], logits: torch.Tensor) -> list[BeamOutput]:
         p = self.params
-        keep = max(2, 1 + len(p.stop_token_ids)) * p.num_beams
+        # transformers' candidate count, at most every (beam, token) pair: many stop ids must not outnumber them
+        keep = min(max(2, 1 + len(p.stop_token_ids)) * p.num_beams, p.num_beams * logits.shape[-1])
         first_beams = torch.arange(keep) < p.num_beams  # only these may end as hypotheses
         running = torch.full((p.num_beams,), NO_HOPE)
         running[0] = 0.0

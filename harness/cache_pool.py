@@ -3,7 +3,6 @@
 Paged layers are grouped by retention policy: a group's layers share block ids (one block table per sequence per
 group), so a sliding-window group can return blocks while a global group in the same model keeps them.
 """
-import os
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +10,9 @@ import torch
 from cache import CacheSpec, ContiguousKV, PagedKV, Retention, StateSlots, specs_read
 
 LAYOUTS = ("contiguous", "paged")
+# Most tokens a paged block holds: vLLM's largest block (its choices run from 1 to 256). A larger block only wastes
+# more of every sequence's last block and coarsens prefix sharing (block_size=2**20 is 512 MiB a block of tiny gqa).
+MAX_BLOCK_SIZE = 256
 
 
 @dataclass
@@ -128,7 +130,7 @@ def size_cache(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, bl
     is an error. A paged budget is split between groups in proportion to what one request needs of each.
     step_tokens: most tokens a step feeds one sequence on top of its cache (Retention.peak_blocks)."""
     if kv_cache == "contiguous":
-        per_row = sum(spec.bytes(max_seq_len, dtype, kv_format) for spec in specs)
+        per_row = sum(row_bytes(spec, max_seq_len, dtype, kv_format) for spec in specs)
         if budget is not None:
             if budget < per_row:
                 raise ValueError(f"cache budget {budget} B is too small for one request: one contiguous row of "
@@ -165,26 +167,14 @@ def pool_bytes(specs, dtype, kv_cache: str, max_batch: int, max_seq_len: int, bl
                kv_format: str = "auto") -> int:
     """Bytes a CachePool of these sizes allocates (slot rows and state, or blocks and state), from the declarations
     alone: what must fit in memory before torch is asked for it."""
-    state = max_batch * sum(spec.state_bytes(dtype) for spec in specs)
     if kv_cache == "contiguous":
-        rows = sum(spec.bytes(max_seq_len, dtype, kv_format) for spec in specs if spec.elements_per_token)
-        return max_batch * rows + state
+        return max_batch * sum(row_bytes(spec, max_seq_len, dtype, kv_format) for spec in specs)
+    state = max_batch * sum(spec.state_bytes(dtype) for spec in specs)
     groups = cache_groups(specs)
     return sum(n * block_size * g.token_bytes(specs, dtype, kv_format) for n, g in zip(num_blocks, groups)) + state
 
 
-def device_memory_bytes(device) -> int:
-    """The memory a device has: a GPU's total, or the machine's physical memory."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def check_fits(nbytes: int, device) -> None:
-    """A cache larger than the device's memory is refused before torch is asked for it."""
-    memory = device_memory_bytes(device)
-    if nbytes > memory:
-        raise ValueError(f"the KV cache and state pool would take {nbytes} B, more than this {torch.device(device).type} "
-                         f"device's {memory} B of memory: lower max_batch, max_seq_len, num_blocks or "
-                         f"cache_budget_bytes")
+def row_bytes(spec: CacheSpec, max_seq_len: int, dtype: torch.dtype, kv_format: str = "auto") -> int:
+    """Bytes one contiguous batch slot of the layer allocates: every row of its buffer or ring (a chunked layer's ring
+    is a whole chunk long, though a sequence just past a chunk boundary has one key live) and its state."""
+    return spec.token_bytes(dtype, kv_format) * spec.retention.rows(max_seq_len) + spec.state_bytes(dtype)

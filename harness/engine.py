@@ -1,6 +1,7 @@
 """The generation engine: request queue, continuous batching, prefill + batched decode, per-request metrics."""
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -8,9 +9,9 @@ import torch
 import zoo
 from harness.beam_search import BeamOutput, BeamSearch, BeamSearchParams
 from harness.block_manager import BlockManager
-from harness.cache_pool import CachePool, check_fits, pool_bytes, size_cache
+from harness.cache_pool import CachePool, size_cache
 from harness.decode_stats import DecodeStats
-from harness.engine_checks import check_options, check_speculative, resolve_graph_mode
+from harness.engine_checks import check_options, check_pool, check_speculative, resolve_graph_mode, sized_by
 from harness.model_runner import ModelRunner, prefill_batches
 from harness.sampling import SamplingParams, sample_token
 from harness.scheduler import Scheduler
@@ -36,6 +37,16 @@ class Exclusive:
         self.lock.release()
 
 
+def check_arrival(arrival) -> float:
+    """A request's arrival: a finite time.perf_counter() value, not after now."""
+    arrival = checks.real("arrival (a time.perf_counter() value)", arrival)
+    now = time.perf_counter()
+    if arrival > now:
+        raise ValueError(f"arrival={arrival!r} is {arrival - now:.6g} s in the future (time.perf_counter() is now "
+                         f"{now!r}): a request cannot arrive after it is added; pass a time at or before now")
+    return arrival
+
+
 class Engine:
     def __init__(self, model, max_batch: int = 8, max_seq_len: int | None = None, kv_cache: str = "contiguous",
                  block_size: int = 16, num_blocks: int | None = None, cache_budget_bytes: int | None = None,
@@ -59,7 +70,8 @@ class Engine:
         prefix_caching (paged only; vLLM's automatic prefix caching): a prompt's leading full blocks that another
         request already computed are shared instead of recomputed, and finished requests' blocks stay cached until
         the pool needs them (LRU). Shareable: full-attention, latent and cross-layer caches, and window blocks the
-        next query still sees. A model with a recurrent state cannot resume from a block boundary (its state there
+        next query still sees (a prefill then writes and caches a window's whole prompt, so a prefix longer than the
+        window is found too). A model with a recurrent state cannot resume from a block boundary (its state there
         is not kept), so prefix caching is off for it, and `prefix_caching_off` says why.
         speculative: speculative decoding (harness.SpeculativeConfig: a draft model or prompt lookup, k): each
         decode step the proposer offers k tokens per request and the target verifies them in one forward, keeping
@@ -97,11 +109,13 @@ class Engine:
         step_tokens = max(max_num_batched_tokens or (max_seq_len if prefix_caching else 1), lookahead + 1)
         # a verification caches up to k proposed tokens past the kept ones before it rolls back
         self.lookahead, cache_len = lookahead, max_seq_len + lookahead
+        lower = sized_by(kv_cache, num_blocks, cache_budget_bytes, lookahead)  # the options a refusal names
         max_batch, num_blocks = size_cache(specs, self.dtype, kv_cache, max_batch, cache_len, block_size,
                                            num_blocks, cache_budget_bytes, step_tokens, kv_dtype)
         self.max_batch, self.kv_dtype = max_batch, kv_dtype
-        check_fits(pool_bytes(specs, self.dtype, kv_cache, max_batch, cache_len, block_size, num_blocks, kv_dtype),
-                   self.device)
+        # every allocation these sizes decide, priced and checked against the memory limit before any is made
+        self.footprint = check_pool(specs, self.dtype, self.device, kv_cache, max_batch, cache_len, block_size,
+                                    num_blocks, kv_dtype, graph_mode is not None, speculative, lower)
         self.pool = CachePool(specs, kv_cache, max_batch, cache_len, block_size, num_blocks, self.dtype, self.device,
                               kv_dtype, spares=graph_mode is not None)
         # one block manager per cache group (paged layout only)
@@ -115,6 +129,7 @@ class Engine:
         self.tokenizer = ByteTokenizer()
         self.requests_added = 0  # request ids are 0, 1, 2, ... in order of arrival
         self.unfinished: dict[int, Sequence] = {}  # waiting or running, by request id
+        self.undelivered: deque[TokenEvent] = deque()  # a step's events a closed stream() did not yield yet
         self.decode_stats = DecodeStats()
         self.exclusive = Exclusive()
 
@@ -124,11 +139,12 @@ class Engine:
                     arrival: float | None = None) -> int:
         """Validate and queue one request; a bad one raises here and leaves the queue as it was. Returns its id.
         arrival: its time.perf_counter() arrival, from which TTFT and E2E count (default: now); a load generator
-        passes the scheduled time, so the lag before it got round to adding the request counts as waiting."""
+        passes the scheduled time, so the lag before it got round to adding the request counts as waiting. A time
+        in the future is refused: its TTFT and E2E would come out negative."""
         with self.exclusive:
             seq = self.make_sequence(prompt, params)
             if arrival is not None:
-                seq.arrival = checks.real("arrival (a time.perf_counter() value)", arrival)
+                seq.arrival = check_arrival(arrival)
             return self.queue(seq).request_id
 
     def queue(self, seq: Sequence) -> Sequence:
@@ -143,14 +159,12 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a harness.SamplingParams, got {type(params).__name__}")
         vocab = self.model.config.vocab_size
-        ids = checks.token_ids("prompt", self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt, vocab)
-        bad_stops = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stops:
-            raise ValueError(f"stop_token_ids {bad_stops} out of vocabulary (they could never fire): ids must lie in "
-                             f"[0, {vocab})")
-        if len(ids) + params.max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens={params.max_new_tokens} exceeds "
-                             f"max_seq_len={self.max_seq_len}")
+        raw = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if isinstance(raw, (list, tuple, range, torch.Tensor)) and raw.__len__() > self.max_seq_len:
+            self.check_length(len(raw), params)  # before every id of a huge prompt is read
+        ids = checks.token_ids("prompt", raw, vocab)
+        checks.in_vocabulary("stop_token_ids", params.stop_token_ids, vocab, " (they could never fire)")
+        self.check_length(len(ids), params)
         generator = None
         if not params.greedy:
             generator = torch.Generator(self.device)
@@ -162,6 +176,11 @@ class Engine:
                 raise ValueError(f"request needs {needed} cache blocks of {manager.block_size} tokens; "
                                  f"the pool holds {manager.num_blocks}")
         return seq
+
+    def check_length(self, prompt_tokens: int, params: SamplingParams) -> None:
+        if prompt_tokens + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt of {prompt_tokens:,} tokens + max_new_tokens={params.max_new_tokens} exceeds "
+                             f"max_seq_len={self.max_seq_len}")
 
     def admit_prefilled(self) -> list[Sequence]:
         """Admit what fits as if each prompt were already in the cache (its contents left as they are), the last
@@ -214,7 +233,9 @@ class Engine:
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """End a waiting or running request now; its cache blocks and batch slot are free when this returns.
-        Returns its output so far (finish_reason "abort"), or None if it had already finished."""
+        Returns its output so far (finish_reason "abort"). A request that already ended returns the output a closed
+        stream() left undelivered (its own finish_reason), or None once that output was delivered. Either way no
+        later event of it is delivered."""
         with self.exclusive:
             checks.integer("request_id", request_id, minimum=0)
             if request_id >= self.requests_added:
@@ -223,27 +244,58 @@ class Engine:
                                  f"unknown request_id {request_id}: this engine has no requests yet")
             seq = self.unfinished.pop(request_id, None)
             if seq is None:
-                return None
+                return next(iter(self.take_undelivered({request_id})), None)
             self.scheduler.abort(seq, "abort")
+            self.take_undelivered({request_id})  # its output below holds every token those events carried
             return RequestOutput.of(seq)
+
+    def take_finished(self) -> list[RequestOutput]:
+        """The outputs of requests that ended in a step whose events a closed stream() did not all yield, oldest
+        first, taken off the engine with their requests' other undelivered events ([] when none wait). A consumer
+        that stops streaming collects them here without running another step."""
+        with self.exclusive:
+            ended = {event.request_id for event in self.undelivered if event.finished is not None}
+            return self.take_undelivered(ended)
+
+    def take_undelivered(self, request_ids: set[int]) -> list[RequestOutput]:
+        """Drop these requests' undelivered events (their outputs are handed over another way); returns the
+        outputs among them."""
+        taken = [event for event in self.undelivered if event.request_id in request_ids]
+        self.undelivered = deque(event for event in self.undelivered if event.request_id not in request_ids)
+        return [event.finished for event in taken if event.finished is not None]
 
     # ---- stepping -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Admit what fits, prefill it, then one decode token for every running request. Returns the requests
-        that ended in this step, failed ones included (finish_reason "error")."""
+        that ended in this step, failed ones included (finish_reason "error"), after any a closed stream() left
+        undelivered."""
         return [event.finished for event in self.step_tokens() if event.finished is not None]
 
     def step_tokens(self) -> list[TokenEvent]:
-        """One step, as events: each request's new token, with its output on the event that ends it."""
+        """One step, as events: each request's new token, with its output on the event that ends it. Events a
+        closed stream() left undelivered come first."""
         with self.exclusive:
-            return self.run_step()
+            events = [*self.undelivered, *self.run_step()]  # a failing step leaves the queue as it was
+            self.undelivered.clear()
+            return events
 
     def stream(self) -> Iterator[TokenEvent]:
-        """Step until every queued request has ended, yielding each token as it is produced. Between events a
-        caller may add_request (joins the next step) or abort (ends it before the next step)."""
-        while self.has_unfinished():
-            yield from self.step_tokens()
+        """Step until every queued request has ended and every event is delivered, yielding each token as it is
+        produced. Between events a caller may add_request (joins the next step) or abort (ends it before the next
+        step). A step's events wait on the engine until yielded, so a consumer that stops early (break, close)
+        loses none: the next stream(), step() or step_tokens() delivers them first, and take_finished() (or
+        abort(request_id)) hands over the outputs among them without another step."""
+        while (event := self.next_event()) is not None:
+            yield event
+
+    def next_event(self) -> TokenEvent | None:
+        """The oldest undelivered event, taken off the queue; steps while the queue is empty and requests are
+        unfinished (a step may end none of them). None when both are done."""
+        with self.exclusive:
+            while not self.undelivered and self.has_unfinished():
+                self.undelivered.extend(self.run_step())
+            return self.undelivered.popleft() if self.undelivered else None
 
     def run_step(self) -> list[TokenEvent]:
         """Prefill what the scheduler gives this step (whole prompts, or chunks under a token budget), then one

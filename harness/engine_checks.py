@@ -1,13 +1,17 @@
 """Everything an Engine's options must satisfy, checked before anything is allocated: each bad value is an error
-that names it and what is allowed."""
+that names it and what is allowed; and the memory its sizes ask for, priced and checked against the limit
+(zoo/resources.py: the free memory, or ZOO_MEMORY_LIMIT) before torch is asked for any of it."""
+from dataclasses import dataclass
+
 import torch
 
 from cache import KV_FORMATS
-from harness.block_manager import ADMISSIONS
-from harness.cache_pool import LAYOUTS
+from harness.block_manager import ADMISSIONS, HOST_BYTES_PER_BLOCK, MAX_BLOCKS
+from harness.cache_pool import LAYOUTS, MAX_BLOCK_SIZE, pool_bytes, size_cache
+from harness.scheduler import HOST_BYTES_PER_SLOT, MAX_BATCH
 from harness.speculative import SpeculativeConfig
 import zoo
-from zoo import checks
+from zoo import checks, resources
 
 
 def check_options(model, max_batch, max_seq_len, kv_cache, block_size, num_blocks, cache_budget_bytes, compile,
@@ -28,7 +32,8 @@ def check_options(model, max_batch, max_seq_len, kv_cache, block_size, num_block
     max_seq_len = checks.integer("max_seq_len (the model's max_seq_len at most)",
                                  config.max_seq_len if max_seq_len is None else max_seq_len, 1, config.max_seq_len)
     checks.choice("kv_cache", kv_cache, LAYOUTS)
-    block_size = checks.power_of_two("block_size", block_size)
+    block_size = checks.integer("block_size (tokens per paged block)", checks.power_of_two("block_size", block_size),
+                                maximum=MAX_BLOCK_SIZE)
     num_blocks = checks.optional_integer("num_blocks", num_blocks, minimum=1)
     cache_budget_bytes = checks.optional_integer("cache_budget_bytes", cache_budget_bytes, minimum=1)
     checks.boolean("compile", compile)
@@ -54,6 +59,9 @@ def check_options(model, max_batch, max_seq_len, kv_cache, block_size, num_block
     if num_blocks is not None and cache_budget_bytes is not None:
         raise ValueError(f"give num_blocks ({num_blocks}) or cache_budget_bytes ({cache_budget_bytes}), not both: "
                          f"each sizes the paged pool")
+    if cache_budget_bytes is not None:  # a budget promises the pool memory: more than there is cannot be kept
+        resources.check_bytes("the cache budget", cache_budget_bytes, next(model.parameters()).device,
+                              "cache_budget_bytes")
     return max_batch, max_seq_len, block_size, num_blocks, cache_budget_bytes, max_num_batched_tokens
 
 
@@ -108,3 +116,94 @@ def resolve_graph_mode(cuda_graphs, model, compile: bool, speculative) -> tuple[
     if reasons and cuda_graphs is True:
         raise ValueError(f"cuda_graphs=True cannot run here: {reasons[0]}")
     return (None, reasons[0]) if reasons else ("capture", "")
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """The memory an engine's sizes ask for, priced from the cache declarations before anything is allocated."""
+
+    cache: int  # the KV pool and state slots, as CachePool.nbytes measures them (the graphs' spares not counted)
+    device: int  # on the model's device: the cache, the graphs' spare slot, blocks and input buffers, a draft's pool
+    host: int  # in host memory: the scheduler's and block managers' free lists, the graphs' host copies
+
+
+def sized_by(kv_cache: str, num_blocks: int | None, cache_budget_bytes: int | None, lookahead: int) -> str:
+    """The options that decide the pool's size, for a refusal to tell the user which to lower."""
+    if kv_cache == "paged" and num_blocks is not None:
+        fields = ["num_blocks", "block_size", "max_batch"]
+    elif kv_cache == "paged" and cache_budget_bytes is not None:
+        fields = ["cache_budget_bytes", "max_batch"]
+    else:
+        fields = ["max_batch", "max_seq_len"]
+    fields += ["num_speculative_tokens"] if lookahead else []
+    return f"{', '.join(fields[:-1])} or {fields[-1]}"
+
+
+def check_pool(specs, dtype, device, kv_cache: str, max_batch: int, cache_len: int, block_size: int,
+               num_blocks: list[int], kv_dtype: str, graphs: bool, speculative, lower: str) -> Footprint:
+    """Price every allocation the engine's sizes decide and refuse, naming `lower`, what exceeds the limit (on a GPU
+    the device's part and the host's apart), then counts past the engine's bounds; returns the estimate."""
+    needs = footprint(specs, dtype, kv_cache, max_batch, cache_len, block_size, num_blocks, kv_dtype, graphs,
+                      speculative)
+    what = f"the engine's caches ({describe_pool(kv_cache, max_batch, cache_len, block_size, num_blocks)})"
+    if torch.device(device).type == "cpu":
+        resources.check_bytes(what, needs.device + needs.host, device, lower)
+    else:
+        resources.check_bytes(what, needs.device, device, lower)
+        resources.check_bytes(f"the host bookkeeping of {what}", needs.host, "cpu", lower)
+    check_counts(max_batch, num_blocks, lower)
+    return needs
+
+
+def check_counts(max_batch: int, num_blocks: list[int], lower: str) -> None:
+    """Counts past what the engine's structures are built for, even where the memory would hold them."""
+    if max_batch > MAX_BATCH:
+        raise ValueError(f"max_batch={max_batch:,} is more batch slots than an engine runs ({MAX_BATCH:,} at most)")
+    if max(num_blocks, default=0) > MAX_BLOCKS:
+        raise ValueError(f"{max(num_blocks):,} blocks per cache group are more than int32 block tables can name "
+                         f"({MAX_BLOCKS:,} at most): lower {lower}")
+
+
+def describe_pool(kv_cache: str, max_batch: int, cache_len: int, block_size: int, num_blocks: list[int]) -> str:
+    """The sizes a pool was asked for, as a refusal quotes them."""
+    if kv_cache == "contiguous":
+        return f"kv_cache='contiguous': {max_batch:,} slots of {cache_len:,} tokens"
+    if not num_blocks:
+        return f"kv_cache='paged': {max_batch:,} slots of recurrent state, no blocks"
+    blocks = " and ".join(f"{n:,}" for n in num_blocks)
+    return f"kv_cache='paged': {max_batch:,} slots; {blocks} blocks of {block_size} tokens per cache group"
+
+
+def footprint(specs, dtype, kv_cache: str, max_batch: int, cache_len: int, block_size: int, num_blocks: list[int],
+              kv_dtype: str, graphs: bool, speculative) -> Footprint:
+    """What the pool (CachePool), the scheduler and block managers, the decode graphs and a draft model's cache
+    will allocate for these sizes."""
+    cache = pool_bytes(specs, dtype, kv_cache, max_batch, cache_len, block_size, num_blocks, kv_dtype)
+    spare = int(graphs)  # a slot and a block per group that padding rows write
+    device = pool_bytes(specs, dtype, kv_cache, max_batch + spare, cache_len, block_size,
+                        [n + spare for n in num_blocks], kv_dtype)
+    host = max_batch * HOST_BYTES_PER_SLOT + sum(num_blocks) * HOST_BYTES_PER_BLOCK
+    if graphs:
+        inputs = graph_input_bytes(max_batch, [-(-cache_len // block_size)] * len(num_blocks))
+        device += inputs
+        host += inputs + max_batch * len(num_blocks) * 8  # pinned host copies; a list slot per row per table
+    draft_device, draft_host = draft_bytes(speculative, kv_cache, max_batch, cache_len, block_size)
+    return Footprint(cache, device + draft_device, host + draft_host)
+
+
+def graph_input_bytes(rows: int, table_widths: list[int]) -> int:
+    """Bytes of the decode graphs' static input buffers (harness/decode_graphs.py StaticInputs): per row a token,
+    position and slot (int64), a length (int32), and per cache group a block table row (int32) and a slot (int64)."""
+    return rows * (3 * 8 + 4 + sum(4 * width + 8 for width in table_widths))
+
+
+def draft_bytes(speculative, kv_cache: str, max_batch: int, cache_len: int, block_size: int) -> tuple[int, int]:
+    """(device, host) bytes of a draft model's own cache, sized as harness/speculative/proposers.py DraftModel sizes
+    it: room for every slot's worst case. (0, 0) without a draft model."""
+    if speculative is None or isinstance(speculative.draft, str):
+        return 0, 0
+    draft, step_tokens = speculative.draft, speculative.num_speculative_tokens + 1
+    specs, dtype = draft.cache_specs(), next(draft.parameters()).dtype
+    _, blocks = size_cache(specs, dtype, kv_cache, max_batch, cache_len, block_size, None, None, step_tokens)
+    host = sum(blocks) * HOST_BYTES_PER_BLOCK
+    return pool_bytes(specs, dtype, kv_cache, max_batch, cache_len, block_size, blocks), host

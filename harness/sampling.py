@@ -5,6 +5,10 @@ import torch
 
 from zoo import checks
 
+# Stop ids a request may name: far more than any tokenizer has end tokens (Llama 3 has 3), few enough that the
+# per-token membership test and the vocabulary check stay trivial; range(10**9) is refused by its length at once
+MAX_STOP_TOKEN_IDS = 1024
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -19,10 +23,7 @@ class SamplingParams:
 
     def __post_init__(self):
         """Types and ranges, checked once here; stop ids are checked against the vocabulary by the engine."""
-        stop = self.stop_token_ids
-        if isinstance(stop, (str, bytes)) or not isinstance(stop, (list, tuple, set, frozenset, range)):
-            raise ValueError(f"stop_token_ids must be a list or tuple of integer token ids, got {stop!r} "
-                             f"({type(stop).__name__})")
+        stop_token_ids = checks.id_tuple("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
         checked = {
             "max_new_tokens": checks.integer("max_new_tokens", self.max_new_tokens, minimum=1),
             "temperature": checks.real("temperature (0 = greedy)", self.temperature, minimum=0),
@@ -31,7 +32,7 @@ class SamplingParams:
             "repetition_penalty": checks.real("repetition_penalty (1 = off)", self.repetition_penalty, minimum=0,
                                               open_min=True),
             "seed": checks.optional_integer("seed", self.seed, minimum=0, maximum=2**64 - 1),
-            "stop_token_ids": tuple(checks.integer("stop_token_ids[]", t, minimum=0) for t in stop),
+            "stop_token_ids": stop_token_ids,
             "return_logits": checks.boolean("return_logits", self.return_logits),
         }
         for name, value in checked.items():  # normalised: numpy ints become ints, ints given as reals become floats
