@@ -133,16 +133,43 @@ def shared_prefix(text: str) -> tuple[int, int, int]:
     raise argparse.ArgumentTypeError(f"expected N:PREFIX_LEN:SUFFIX_LEN (three integers), got {text!r}")
 
 
+# serve-bench options (argparse dests) where the first, given, leaves the second's value unused, and why
+SERVE_BENCH_CONFLICTS = (
+    ("concurrency", "request_rates", "a closed loop of N requests in flight replaces the Poisson arrivals"),
+    ("shared_prefix", "input_len", "each prompt is PREFIX_LEN + SUFFIX_LEN tokens"),
+)
+
+
+def option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check_serve_bench_conflicts(args) -> None:
+    """Options that would silently leave another unused are refused, naming both, before any work."""
+    for first, second, why in SERVE_BENCH_CONFLICTS:
+        if getattr(args, first) is not None and getattr(args, second) is not None:
+            raise ValueError(f"{option(first)} and {option(second)} conflict: {why}, so {option(second)} would be "
+                             f"ignored; pass only one of them")
+    if args.shared_prefix is not None and args.shared_prefix[0] < 1:
+        raise ValueError(f"--shared-prefix {':'.join(map(str, args.shared_prefix))}: N must be >= 1, got "
+                         f"{args.shared_prefix[0]} (no system prompts would ignore PREFIX_LEN and SUFFIX_LEN; leave "
+                         f"--shared-prefix out for the random workload)")
+
+
 def cmd_serve_bench(args) -> None:
     d = ServeBenchSettings()
     num_prefixes, prefix_len, suffix_len = args.shared_prefix or (0, d.prefix_len, d.suffix_len)
     settings = ServeBenchSettings(
-        archs=args.archs, preset=args.preset, request_rates=args.request_rates, concurrency=args.concurrency,
-        num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
+        archs=args.archs, preset=args.preset,
+        request_rates=d.request_rates if args.request_rates is None else args.request_rates,
+        concurrency=args.concurrency, num_requests=args.num_requests,
+        input_len=d.input_len if args.input_len is None else args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, num_prefixes=num_prefixes, prefix_len=prefix_len, suffix_len=suffix_len,
         ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms, admission=args.admission,
         max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=args.prefix_caching,
         max_batch=args.max_batch, num_blocks=args.num_blocks, seed=args.seed, out=Path(args.out))
+    settings.validate()  # a bad value is named as such before a combination of good ones is refused
+    check_serve_bench_conflicts(args)
     rows = run_serve_bench(settings, show_progress=not args.quiet)
     table = serve_table(rows, settings.archs)
     write_atomic(settings.out / "table.md", table)
@@ -381,12 +408,14 @@ def add_serve_bench_parser(sub) -> None:
     d = ServeBenchSettings()
     s.add_argument("--archs", type=name_list, default=d.archs, help=f"comma-separated architectures (default: {','.join(d.archs)}; see `zoo list`)")
     s.add_argument("--preset", default=d.preset, choices=list(zoo.PRESETS), help=f"model size (default: {d.preset})")
-    s.add_argument("--request-rates", type=recall_cli.float_list, default=d.request_rates,
-                   help=f"comma-separated Poisson arrival rates in requests/s (default: {','.join(f'{r:g}' for r in d.request_rates)})")
+    s.add_argument("--request-rates", type=recall_cli.float_list,
+                   help="comma-separated Poisson arrival rates in requests/s, not with --concurrency (default: "
+                        f"{','.join(f'{r:g}' for r in d.request_rates)})")
     s.add_argument("--concurrency", type=int_list, help="comma-separated requests in flight: a closed loop (each "
                                                         "request that ends lets the next in) instead of --request-rates")
     s.add_argument("--num-requests", type=int, default=d.num_requests, help=f"requests per cell (default: {d.num_requests})")
-    s.add_argument("--input-len", type=int, default=d.input_len, help=f"mean prompt tokens (default: {d.input_len})")
+    s.add_argument("--input-len", type=int, help=f"mean prompt tokens, not with --shared-prefix (default: "
+                                                 f"{d.input_len})")
     s.add_argument("--output-len", type=int, default=d.output_len, help=f"mean output tokens, decoded in full (default: {d.output_len})")
     s.add_argument("--range-ratio", type=float, default=d.range_ratio, help="lengths uniform in [len * (1 - r), len * "
                    f"(1 + r)], r in [0, 1) (default: {d.range_ratio})")

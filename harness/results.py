@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import os
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -67,7 +68,8 @@ class ResultStore:
 
 def check_output_folder(path: Path) -> None:
     """The output folder is a folder, or can be made, and can be written: checked before any work, so a bad --out
-    fails at once instead of after the first measurement. Nothing is created here."""
+    fails at once instead of after the first measurement. Nothing is left behind: the write that proves it is a
+    probe file, made and removed."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"output folder {str(path)!r} exists and is not a folder")
@@ -76,6 +78,19 @@ def check_output_folder(path: Path) -> None:
         raise ValueError(f"cannot create output folder {str(path)!r}: {str(nearest)!r} is a file, not a folder")
     if not os.access(nearest, os.W_OK | os.X_OK):
         raise ValueError(f"cannot write output folder {str(path)!r}: {str(nearest)!r} is not writable")
+    probe_write(path, nearest)
+
+
+def probe_write(path: Path, nearest: Path) -> None:
+    """Make and remove a uniquely named empty file in nearest: os.access trusts permission bits, which root passes
+    even where no file can be made (/proc, a read-only mount)."""
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".zoo-write-probe-", dir=nearest)  # O_EXCL: never another's file
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        raise ValueError(f"cannot write output folder {str(path)!r}: making a file in {str(nearest)!r} failed "
+                         f"({error.strerror or error})") from None
 
 
 def write_atomic(path: Path, text: str) -> None:

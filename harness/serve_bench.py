@@ -73,6 +73,7 @@ class ServeBenchSettings:
         else:
             checks.integer_list("concurrency (requests in flight)", self.concurrency, minimum=1)
         checks.integer("num_requests", self.num_requests, minimum=1)
+        self.check_concurrency_reachable()
         checks.real("range_ratio", self.range_ratio, minimum=0, maximum=1, open_max=True)
         checks.integer("num_prefixes (0 = the random workload)", self.num_prefixes, minimum=0)
         if self.num_prefixes:
@@ -95,6 +96,15 @@ class ServeBenchSettings:
         checks.optional_integer("num_blocks", self.num_blocks, minimum=1)
         checks.integer("seed", self.seed, minimum=0, maximum=2**64 - 1)  # what torch.manual_seed takes
         check_output_folder(self.out)
+
+    def check_concurrency_reachable(self) -> None:
+        """A closed loop never has more requests in flight than the cell serves: a higher concurrency would run as
+        num_requests and be recorded as what it did not run."""
+        over = [n for n in self.concurrency or () if n > self.num_requests]
+        if over:
+            raise ValueError(f"concurrency {over} exceeds num_requests={self.num_requests}: at most "
+                             f"{self.num_requests} requests are ever in flight; lower concurrency to <= "
+                             f"{self.num_requests} or raise num_requests")
 
     @property
     def max_prompt_len(self) -> int:

@@ -185,7 +185,8 @@ def test_cli_prints_the_table_and_writes_rows_and_charts(tmp_path, capsys):
     assert "| gqa | 400 |" in capsys.readouterr().out
     for name in ("results.jsonl", "table.md", "latency_vs_request_rate.png", "throughput_vs_request_rate.png"):
         assert (tmp_path / name).stat().st_size > 0
-    assert main(CLI_FAST + ["--concurrency", "2", "--shared-prefix", "2:16:4", "--out", str(tmp_path)]) == 0
+    closed_loop = [a for a in CLI_FAST if a not in ("--request-rates", "400", "--input-len", "16")]  # unused there
+    assert main(closed_loop + ["--concurrency", "2", "--shared-prefix", "2:16:4", "--out", str(tmp_path)]) == 0
     assert "| gqa | 2 |" in capsys.readouterr().out
     assert (tmp_path / "latency_vs_concurrency.png").stat().st_size > 0
 
