@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 import zoo
-from zoo import checkpoint
+from zoo import checkpoint, checks
 from harness.block_manager import ADMISSIONS
 from harness.charts import write_charts
 from harness.diffusion import DiffusionSampler
@@ -61,15 +61,37 @@ def cmd_describe(args) -> None:
             print(f"{field}: {value}")
 
 
+def check_compare_conflicts(args, settings: CompareSettings) -> None:
+    """An option given where the rest of the command leaves it unused is refused, naming both, before any work."""
+    if args.block_size is not None:  # a bad value is named as such before a combination of good ones is refused
+        checks.power_of_two("block_size", args.block_size)
+    diffusion = [arch for arch in settings.archs if arch in zoo.architectures() and not zoo.registry.is_causal(arch)]
+    unused = [(args.quant_group is not None and "int4" not in settings.quant, "--quant-group",
+               f"--quant {','.join(settings.quant)} has no int4"),
+              (args.quant_method is not None and set(settings.quant) <= {"none"}, "--quant-method",
+               "--quant none quantizes nothing"),
+              (args.block_size is not None and settings.kv_cache == "contiguous", "--block-size",
+               "--kv-cache contiguous has no blocks")]
+    unused += [(getattr(args, dest) is not None and not diffusion, option(dest),
+                f"--archs {','.join(settings.archs)} has no masked diffusion LM")
+               for dest in ("diffusion_steps", "block_length", "diffusion_caches")]
+    for given, name, why in unused:
+        if given:
+            raise ValueError(f"{name} would be ignored: {why}; leave {name} out or change the other option")
+
+
 def cmd_compare(args) -> None:
+    d = CompareSettings()
+    given = {name: getattr(d, name) if getattr(args, name) is None else getattr(args, name)
+             for name in ("block_size", "diffusion_caches", "quant_group", "quant_method")}  # None: not typed
     settings = CompareSettings(archs=args.archs, preset=args.preset, contexts=args.contexts, batches=args.batches,
                                new_tokens=args.new_tokens, dtype=args.dtype, kv_cache=args.kv_cache,
-                               block_size=args.block_size, device=args.device, seed=args.seed, out=Path(args.out),
+                               device=args.device, seed=args.seed, out=Path(args.out),
                                diffusion_steps=args.diffusion_steps, block_length=args.block_length,
-                               diffusion_caches=args.diffusion_caches,
                                weights=Path(args.weights) if args.weights else None, quant=args.quant,
-                               quant_group=args.quant_group, quant_method=args.quant_method, kv_dtypes=args.kv_dtypes,
-                               measure=args.measure, cuda_graphs=args.cuda_graphs, ray=args.ray)
+                               kv_dtypes=args.kv_dtypes, measure=args.measure, cuda_graphs=args.cuda_graphs,
+                               ray=args.ray, **given)
+    check_compare_conflicts(args, settings)
     rows = run_compare(settings, show_progress=not args.quiet)
     measured = [r for r in rows if not r.get("skipped")]
     table = (markdown_table(measured) if measured else "") + skipped_text([r for r in rows if r.get("skipped")])
@@ -275,7 +297,7 @@ def parser() -> argparse.ArgumentParser:
                                                          f"default: {gpu.dtype})")
     c.add_argument("--kv-cache", choices=["contiguous", "paged"], help=f"KV cache layout (default: {cpu.kv_cache}; "
                                                                        f"CUDA default: {gpu.kv_cache})")
-    c.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per block for the paged layout (default: {d.block_size})")
+    c.add_argument("--block-size", type=int, help=f"tokens per block for the paged layout (default: {d.block_size})")
     c.add_argument("--device", default=d.device, help=f"torch device, e.g. cpu or cuda; cuda changes the defaults "
                                                       f"marked CUDA default (default: {d.device})")
     c.add_argument("--measure", choices=list(MEASURES), help="generate: prefill the prompts, then decode new-tokens "
@@ -291,7 +313,7 @@ def parser() -> argparse.ArgumentParser:
                    "(default: new_tokens, new_tokens/4, new_tokens/16 where they divide into the blocks)")
     c.add_argument("--block-length", type=int, help="masked diffusion LMs: answer tokens per block, left to right "
                    "(default: 32 where new_tokens splits into them, else new_tokens)")
-    c.add_argument("--diffusion-caches", type=name_list, default=d.diffusion_caches,
+    c.add_argument("--diffusion-caches", type=name_list,
                    help=f"masked diffusion LMs: Fast-dLLM caches to measure (default: {','.join(d.diffusion_caches)})")
     c.add_argument("--weights", metavar="DIR", help="trained models instead of random weights: DIR holds one `zoo "
                    "train` output folder per architecture, named by it (DIR/gqa, DIR/mamba, ...); each row adds the "
@@ -300,9 +322,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--quant", type=name_list, default=d.quant, help="comma-separated weight quantizations to run each "
                    "architecture at: none, int8 (per output channel), int4 (per group of input columns) "
                    f"(default: {','.join(d.quant)}); with --weights, memory_vs_quality.png is drawn")
-    c.add_argument("--quant-group", type=int, default=d.quant_group, help=f"int4 group size: 32, 64 or 128 "
+    c.add_argument("--quant-group", type=int, help=f"int4 group size: 32, 64 or 128 "
                    f"(default: {d.quant_group})")
-    c.add_argument("--quant-method", default=d.quant_method, choices=["rtn", "awq"], help="round to nearest, or "
+    c.add_argument("--quant-method", choices=["rtn", "awq"], help="round to nearest, or "
                    "activation-aware scales calibrated on training-corpus windows and judged by greedy agreement on "
                    "training prompts (default: rtn)")
     c.add_argument("--kv-dtypes", type=name_list, default=d.kv_dtypes, help="comma-separated per-token cache "

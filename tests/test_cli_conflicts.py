@@ -100,3 +100,31 @@ def test_the_write_probe_leaves_nothing_behind(tmp_path, exists):
     check_output_folder(out)
     assert list(tmp_path.iterdir()) == ([out] if exists else [])
     assert not exists or list(out.iterdir()) == []
+
+
+# ---- compare: options the rest of the command leaves unused ----------------------------------------------------
+
+
+@pytest.mark.parametrize("options,message", [
+    (["--quant", "none,int8", "--quant-group", "32"], "--quant-group would be ignored: --quant none,int8 has no int4"),
+    (["--quant-method", "awq"], "--quant-method would be ignored: --quant none quantizes nothing"),
+    (["--kv-cache", "contiguous", "--block-size", "32"],
+     "--block-size would be ignored: --kv-cache contiguous has no blocks"),
+    (["--diffusion-steps", "3"], "--diffusion-steps would be ignored: --archs gqa has no masked diffusion LM"),
+    (["--block-length", "3"], "--block-length would be ignored: --archs gqa has no masked diffusion LM"),
+    (["--diffusion-caches", "dual"], "--diffusion-caches would be ignored: --archs gqa has no masked diffusion LM"),
+])
+def test_compare_refuses_an_option_it_would_ignore(tmp_path, capsys, no_work, options, message):
+    assert cli.main(COMPARE + ["--out", str(tmp_path), *options]) == 2
+    assert message in error_line(capsys, "compare")
+
+
+def test_compare_takes_the_same_options_where_they_are_used(tmp_path, monkeypatch):
+    """int4 with a group, a paged cache with a block size: the settings run_compare gets carry the typed values."""
+    seen = []
+    monkeypatch.setattr(cli, "run_compare", lambda settings, show_progress: seen.append(settings) or [])
+    monkeypatch.setattr(cli, "write_charts", lambda rows, out: [])
+    cli.main(COMPARE + ["--out", str(tmp_path), "--quant", "int4", "--quant-group", "32", "--quant-method", "awq",
+                        "--kv-cache", "paged", "--block-size", "32"])
+    (settings,) = seen
+    assert (settings.quant_group, settings.quant_method, settings.block_size) == (32, "awq", 32)
