@@ -160,7 +160,7 @@ class Engine:
             raise ValueError(f"params must be a harness.SamplingParams, got {type(params).__name__}")
         vocab = self.model.config.vocab_size
         raw = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        if isinstance(raw, (list, tuple, range, torch.Tensor)) and raw.__len__() > self.max_seq_len:
+        if isinstance(raw, (list, tuple, range, torch.Tensor)) and len(raw) > self.max_seq_len:
             self.check_length(len(raw), params)  # before every id of a huge prompt is read
         ids = checks.token_ids("prompt", raw, vocab)
         checks.in_vocabulary("stop_token_ids", params.stop_token_ids, vocab, " (they could never fire)")

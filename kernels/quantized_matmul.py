@@ -64,6 +64,13 @@ def int4_cpu_layout(q4: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor)
     return packed, torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
 
 
+def int4_cpu_layout_used(q4: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether int4_matmul reads an int4_cpu_layout of this weight: only for bf16 activations on the CPU
+    (cpu_packed_path), which a layer gets whose scales are bf16 there (they are in the model's dtype), and only where
+    torch's kernel takes its output width (a multiple of 16)."""
+    return q4.device.type == "cpu" and scales.dtype == torch.bfloat16 and q4.shape[0] % 16 == 0
+
+
 def cpu_packed_path(x: torch.Tensor) -> bool:
     """torch's packed kernels: bf16 activations on the CPU."""
     return x.device.type == "cpu" and x.dtype == torch.bfloat16

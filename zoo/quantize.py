@@ -18,6 +18,9 @@ Two ways to round:
 
 Which layers: every nn.Linear of the blocks (mixers and MLPs) at least one group wide, and the vocabulary head if
 asked. A layer narrower than one group (Mamba's dt projection at small sizes) keeps its weights. The embedding stays.
+
+A quantized model saves and loads like a float one (zoo/checkpoint.py writes its QuantizeConfig beside it): loading
+builds its layers empty (QuantizedLinear.empty, load_skeleton) and fills them with the stored tensors.
 """
 import copy
 from collections.abc import Callable
@@ -27,8 +30,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.quantized_matmul import (int4_cpu_layout, int4_dequantize, int4_matmul, int8_matmul, pack_int4)
+from kernels.quantized_matmul import (int4_cpu_layout, int4_cpu_layout_used, int4_dequantize, int4_matmul, int8_matmul,
+                                      pack_int4)
 from zoo import checks
+from zoo.model import DecoderLM
+from zoo.weights import listing
 
 WEIGHT_SCHEMES = ("int8", "int4")
 METHODS = ("rtn", "awq")
@@ -84,29 +90,66 @@ class QuantizedLinear(nn.Module):
                  clip: torch.Tensor | None = None):
         """clip (int4): [out, in / group_size] bounds each group's (scaled) weights are clipped to before rounding."""
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.scheme, self.group_size = scheme, group_size
-        dtype, device = linear.weight.dtype, linear.weight.device
+        dtype = linear.weight.dtype
         weight = linear.weight.detach().float()
         if input_scale is not None:
             weight = weight * input_scale
         if clip is not None:
             weight = clip_groups(weight, clip, group_size)
-        self.register_buffer("input_scale", None if input_scale is None else input_scale.to(dtype))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        q, scales, *zeros = quantize_int8(weight) if scheme == "int8" else quantize_int4(weight, group_size)
+        self.hold(scheme, group_size, q, scales.to(dtype), zeros[0].to(dtype) if zeros else None,
+                  None if input_scale is None else input_scale.to(dtype),
+                  None if linear.bias is None else linear.bias.detach().clone())
+        self.set_cpu_layout()
+
+    @classmethod
+    def empty(cls, linear: nn.Linear, scheme: str, group_size: int, input_scaled: bool) -> "QuantizedLinear":
+        """A layer of `linear`'s shape, bias, dtype and device whose stored tensors are left for load_state_dict to
+        fill (zoo.load): no float weight is quantized. input_scaled: it holds an AWQ input scale."""
+        layer = cls.__new__(cls)  # without __init__, which quantizes a float weight
+        super(cls, layer).__init__()
+        n, k = linear.out_features, linear.in_features
+
+        def empty(*shape: int, dtype: torch.dtype = linear.weight.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device=linear.weight.device)
+
         if scheme == "int8":
-            q, scales = quantize_int8(weight)
-            self.register_buffer("q", q)
-            self.register_buffer("scales", scales.to(dtype))
+            q, scales, zeros = empty(n, k, dtype=torch.int8), empty(n), None
         else:
-            q, scales, zeros = quantize_int4(weight, group_size)
-            self.register_buffer("q", q)
-            self.register_buffer("scales", scales.to(dtype))
-            self.register_buffer("zeros", zeros.to(dtype))
-            # the CPU kernel's own layout, made once (it needs out_features a multiple of 16); not saved
-            layout = int4_cpu_layout(q, scales, zeros) if device.type == "cpu" and self.out_features % 16 == 0 else None
-            self.register_buffer("cpu_packed", None if layout is None else layout[0], persistent=False)
-            self.register_buffer("cpu_scales_zeros", None if layout is None else layout[1].to(dtype), persistent=False)
+            q, scales, zeros = empty(n, k // 2, dtype=torch.uint8), empty(n, k // group_size), empty(n, k // group_size)
+        layer.hold(scheme, group_size, q, scales, zeros, empty(k) if input_scaled else None,
+                   None if linear.bias is None else empty(n))
+        return layer
+
+    def hold(self, scheme: str, group_size: int, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+             input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+        """Keep the stored tensors as (saved) buffers, zeros None for int8; int4 also gets its CPU layout's unsaved
+        buffers, rebuilt whenever load_state_dict refills the stored ones."""
+        self.scheme, self.group_size = scheme, group_size
+        self.out_features, self.in_features = q.shape[0], q.shape[1] * (2 if scheme == "int4" else 1)
+        for name, tensor in (("input_scale", input_scale), ("bias", bias), ("q", q), ("scales", scales),
+                             ("zeros", zeros)):
+            self.register_buffer(name, tensor)
+        if scheme == "int4":
+            self.register_buffer("cpu_packed", None, persistent=False)
+            self.register_buffer("cpu_scales_zeros", None, persistent=False)
+            self.register_load_state_dict_post_hook(rebuild_cpu_layout)
+
+    def set_cpu_layout(self) -> None:
+        """int4: torch's packed CPU layout, made only where int4_matmul reads it (int4_cpu_layout_used: bf16 on the
+        CPU); an fp32 or CUDA layer would hold it as a second, unused copy of its weight."""
+        if self.scheme != "int4":
+            return
+        layout = int4_cpu_layout(self.q, self.scales, self.zeros) if int4_cpu_layout_used(self.q, self.scales) else None
+        self.cpu_packed, self.cpu_scales_zeros = layout or (None, None)
+
+    def _apply(self, fn, recurse=True):
+        """A cast or a move (model.to, .bfloat16(), .cuda()) makes or drops the CPU layout for the new dtype, device."""
+        before = (self.scales.dtype, self.scales.device)
+        super()._apply(fn, recurse)
+        if (self.scales.dtype, self.scales.device) != before:
+            self.set_cpu_layout()
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_scale is not None:
@@ -137,6 +180,11 @@ class QuantizedLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.scheme}{group}{', awq' if self.input_scale is not None else ''}"
 
 
+def rebuild_cpu_layout(layer: QuantizedLinear, _incompatible_keys) -> None:
+    """load_state_dict's post hook: the layout derives from the stored tensors just loaded."""
+    layer.set_cpu_layout()
+
+
 def quantize_layers(model: nn.Module, config: QuantizeConfig) -> dict[str, nn.Linear]:
     """The linear layers `quantize` replaces, by module name: the blocks' at least one group wide, and the head if
     asked and untied."""
@@ -155,12 +203,13 @@ def quantize_layers(model: nn.Module, config: QuantizeConfig) -> dict[str, nn.Li
 @torch.no_grad()
 def quantize(model: nn.Module, config: QuantizeConfig | None = None, calibration: torch.Tensor | None = None,
              score: Callable[[nn.Module], float] | None = None, **settings) -> nn.Module:
-    """A copy of `model` with its linear layers quantized (the original is untouched): by a QuantizeConfig, or by its
-    fields as keywords (`zoo.quantize(model, weights="int4", group_size=64)`). calibration [B, T]: token ids whose
-    activations the "awq" method searches its scales on (e.g. windows of the training corpus). score ("awq"): a
-    further measure of a candidate quantized model, higher is better (e.g. how much of the unquantized model's greedy
-    output it reproduces on calibration prompts, harness/quant_calibration.py); AWQ then keeps only candidates that
-    score no lower than plain rounding."""
+    """A copy of `model`, a float zoo model (a quantized one is refused), with its linear layers quantized (the
+    original is untouched): by a QuantizeConfig, or by its fields as keywords (`zoo.quantize(model, weights="int4",
+    group_size=64)`). calibration [B, T]: token ids whose activations the "awq" method searches its scales on (e.g.
+    windows of the training corpus). score ("awq"): a further measure of a candidate quantized model, higher is
+    better (e.g. how much of the unquantized model's greedy output it reproduces on calibration prompts,
+    harness/quant_calibration.py); AWQ then keeps only candidates that score no lower than plain rounding."""
+    check_float_model(model)
     if config is None:
         config = QuantizeConfig(**settings)
     elif settings:
@@ -171,16 +220,52 @@ def quantize(model: nn.Module, config: QuantizeConfig | None = None, calibration
         raise ValueError("method='awq' searches its scales on calibration text: pass calibration token ids [B, T]")
     if score is not None and config.method != "awq":
         raise ValueError(f"score ranks AWQ's candidates; method={config.method!r} has none (use method='awq')")
+    if calibration is not None:
+        check_calibration(calibration, model.config.vocab_size)
+    quantize_layers(model, config)  # refuses a group size that does not divide a layer's width, before the copy
     quantized = copy.deepcopy(model)
     layers = quantize_layers(quantized, config)
-    if calibration is not None:
-        checks.token_ids("calibration", calibration.flatten().tolist(), model.config.vocab_size)
     scales, clips = awq_scales(quantized, layers, config, calibration, score) if config.method == "awq" else ({}, {})
     replace_layers(quantized, {name: QuantizedLinear(layer, config.weights, config.group_size, scales.get(name),
                                                      clips.get(name))
                                for name, layer in layers.items()})
     quantized.quantization = config
     return quantized.eval()
+
+
+def check_float_model(model) -> None:
+    """A zoo model (DecoderLM) not yet quantized: quantizing int8 layers again would round rounded weights."""
+    if not isinstance(model, DecoderLM):
+        raise ValueError(f"zoo.quantize takes a zoo model (zoo.DecoderLM, from zoo.build or zoo.load), got "
+                         f"{type(model).__name__}")
+    done = next((m for m in model.modules() if isinstance(m, QuantizedLinear)), None)
+    if done is not None:
+        raise ValueError(f"model is already quantized ({done.scheme}): quantize the float model instead (zoo.quantize "
+                         f"returns a quantized copy and leaves its input float)")
+
+
+def check_calibration(calibration, vocab_size: int) -> None:
+    """AWQ's calibration: a non-empty 2-D integer tensor of token ids [B, T] in the model's vocabulary."""
+    tensor = isinstance(calibration, torch.Tensor)
+    integer = tensor and not (calibration.is_floating_point() or calibration.is_complex()
+                              or calibration.dtype == torch.bool)
+    if not (integer and calibration.dim() == 2 and calibration.numel()):
+        got = f"shape {tuple(calibration.shape)}, dtype {calibration.dtype}" if tensor else type(calibration).__name__
+        raise ValueError(f"calibration must be a non-empty 2-D integer tensor of token ids [B, T], got {got}")
+    checks.token_ids("calibration", calibration.flatten().tolist(), vocab_size)
+
+
+def load_skeleton(model: nn.Module, config: QuantizeConfig, input_scaled: list[str]) -> None:
+    """Make `model` (a float model of a saved quantized model's config) the shape `quantize` made it: the layers it
+    quantizes become empty QuantizedLinear layers for load_state_dict to fill, those named in input_scaled holding
+    an AWQ input scale, and `model.quantization` is set."""
+    layers = quantize_layers(model, config)
+    unknown = sorted(set(input_scaled) - set(layers))
+    if unknown:
+        raise ValueError(listing("input_scaled names layers that are not quantized", unknown))
+    replace_layers(model, {name: QuantizedLinear.empty(layer, config.weights, config.group_size, name in input_scaled)
+                           for name, layer in layers.items()})
+    model.quantization = config
 
 
 def awq_scales(model: nn.Module, layers: dict[str, nn.Linear], config: QuantizeConfig, calibration: torch.Tensor,

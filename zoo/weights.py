@@ -1,5 +1,6 @@
 """Weights from a file into a built model: .safetensors, or a tensors-only .pt state dict. Every way the file can be
-wrong (missing, a folder, damaged, pickled code, names or shapes that do not fit) is one ValueError naming it."""
+wrong (missing, a folder, damaged, pickled code, names, shapes or dtypes that do not fit) is one ValueError naming
+it."""
 import pickle
 import re
 from collections.abc import Mapping
@@ -65,8 +66,8 @@ def first_sentence(error: Exception) -> str:
 
 def fitted_state(model, state: Mapping, problem: str) -> dict:
     """The file's tensors under every name of the model's state dict (a tied name filled from its twin), or a
-    ValueError starting with `problem` listing the names missing, unexpected, of the wrong shape, or tied in the
-    model but different in the file (an untied model's weights)."""
+    ValueError starting with `problem` listing the names missing, unexpected, of the wrong shape or dtype, or tied
+    in the model but different in the file (an untied model's weights)."""
     expected = model.state_dict()
     twins = tied_names(model)
     fitted = {name: next((state[t] for t in twins[name] if t in state), None) for name in expected}
@@ -74,14 +75,31 @@ def fitted_state(model, state: Mapping, problem: str) -> dict:
     unexpected = [str(name) for name in state if name not in expected]
     wrong_shape = [f"{name} {shape(tensor)} (the model's: {shape(expected[name])})"
                    for name, tensor in state.items() if name in expected and tensor.shape != expected[name].shape]
+    wrong_dtype = [f"{name} {dtype_name(tensor.dtype)} (the model's: {expected_dtype(expected[name])})"
+                   for name, tensor in state.items() if name in expected and not dtype_fits(tensor, expected[name])]
     untied = [" = ".join(names) for names in tied_groups(twins, state)
               if any(not torch.equal(state[names[0]], state[n]) for n in names[1:])]
-    mismatches = [listing(label, names) for label, names in (("missing", missing), ("unexpected", unexpected),
-                  ("wrong shape", wrong_shape), ("one tensor in the model (tied), different in the file", untied))
+    mismatches = [listing(label, names) for label, names in (
+                  ("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape),
+                  ("wrong dtype", wrong_dtype), ("one tensor in the model (tied), different in the file", untied))
                   if names]
     if mismatches:
         raise ValueError(f"{problem}: {'; '.join(mismatches)}")
     return fitted
+
+
+def dtype_fits(tensor: torch.Tensor, expected: torch.Tensor) -> bool:
+    """A floating parameter or buffer takes any floating dtype (load_state_dict casts it exactly or rounds it); any
+    other (a quantized payload) only its own: load_state_dict would cast an int32 or bool tensor silently."""
+    return tensor.is_floating_point() if expected.is_floating_point() else tensor.dtype == expected.dtype
+
+
+def expected_dtype(tensor: torch.Tensor) -> str:
+    return "a floating dtype" if tensor.is_floating_point() else dtype_name(tensor.dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def tied_names(model) -> dict[str, list[str]]:
