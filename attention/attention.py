@@ -22,6 +22,19 @@ def check_heads(n_heads: int, n_kv_heads: int) -> None:
         )
 
 
+def head_sizes(d_model: int, n_heads: int, n_kv_heads: int | None, head_dim: int | None) -> tuple[int, int]:
+    """(n_kv_heads, head_dim) with their defaults (n_heads; d_model // n_heads) filled in, checked."""
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    check_heads(n_heads, n_kv_heads)
+    if head_dim is None:
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim explicitly")
+        head_dim = d_model // n_heads
+    if head_dim < 1:
+        raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+    return n_kv_heads, head_dim
+
+
 class Attention(nn.Module):
     # layers whose outputs meet in the query-key product: AWQ leaves their weights unclipped (zoo/quantize.py)
     query_key_projections = ("q_proj", "k_proj")
@@ -47,14 +60,7 @@ class Attention(nn.Module):
         kv_source: index of an earlier layer whose keys and values this layer reads instead of computing its own.
         causal: False lets every query see the whole sequence (a masked diffusion LM): every key kept, no kv_source."""
         super().__init__()
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        check_heads(n_heads, n_kv_heads)
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim explicitly")
-            head_dim = d_model // n_heads
-        if head_dim < 1:
-            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+        n_kv_heads, head_dim = head_sizes(d_model, n_heads, n_kv_heads, head_dim)
         self.retention = Retention(sinks=sinks, window=window, chunk=chunk)  # checks the three
         if kv_source is not None and not 0 <= kv_source < layer_idx:
             raise ValueError(f"layer {layer_idx} can share keys and values only with an earlier layer, got kv_source={kv_source}")
@@ -74,6 +80,17 @@ class Attention(nn.Module):
             self.v_proj = Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.o_proj = Linear(n_heads * head_dim, d_model, bias=bias)
         self.rope_base, self.rope = rope_base, RotaryEmbedding(head_dim, rope_base)
+
+    @staticmethod
+    def module_bytes(dtype: torch.dtype, d_model: int, n_heads: int, n_kv_heads: int | None, head_dim: int | None,
+                     bias: bool, kv_source: int | None, **_) -> int:
+        """Bytes of the parameters and buffers __init__ makes, from its arguments alone (the rest size nothing)."""
+        n_kv_heads, head_dim = head_sizes(d_model, n_heads, n_kv_heads, head_dim)
+        projections = [(d_model, n_heads * head_dim), (n_heads * head_dim, d_model)]  # q, o
+        if kv_source is None:
+            projections += [(d_model, n_kv_heads * head_dim)] * 2  # k, v
+        elements = sum(rows * cols + (cols if bias else 0) for rows, cols in projections)
+        return elements * dtype.itemsize + RotaryEmbedding.buffer_bytes(head_dim)
 
     def cache_spec(self) -> CacheSpec:
         if self.kv_source is not None:

@@ -40,6 +40,25 @@ def feature_width(feature_map: str, feature_dim: int) -> int:
     return feature_dim if feature_map == "elu" else 1 + feature_dim + feature_dim**2
 
 
+def head_sizes(d_model: int, n_heads: int, head_dim: int | None, feature_map: str,
+               feature_dim: int | None) -> tuple[int, int]:
+    """(head_dim, feature_dim) with their defaults filled in, checked."""
+    if feature_map not in FEATURE_MAPS:
+        raise ValueError(f"unknown feature_map {feature_map!r}; allowed: {', '.join(FEATURE_MAPS)}")
+    if n_heads < 1:
+        raise ValueError(f"n_heads must be >= 1, got {n_heads}")
+    if head_dim is None:
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim explicitly")
+        head_dim = d_model // n_heads
+    if feature_dim is None:
+        feature_dim = head_dim if feature_map == "elu" else 16
+    for name, value in (("head_dim", head_dim), ("feature_dim", feature_dim)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    return head_dim, feature_dim
+
+
 class LinearAttention(nn.Module):
     # layers whose outputs meet in the query-key product: AWQ leaves their weights unclipped (zoo/quantize.py)
     query_key_projections = ("q_proj", "k_proj")
@@ -59,19 +78,9 @@ class LinearAttention(nn.Module):
         feature_dim: width of each head's q and k before the feature map (default head_dim for "elu", 16 for "taylor").
         chunk_size: tokens per chunk of the chunked (prefill) form."""
         super().__init__()
-        if feature_map not in FEATURE_MAPS:
-            raise ValueError(f"unknown feature_map {feature_map!r}; allowed: {', '.join(FEATURE_MAPS)}")
-        if n_heads < 1:
-            raise ValueError(f"n_heads must be >= 1, got {n_heads}")
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim explicitly")
-            head_dim = d_model // n_heads
-        if feature_dim is None:
-            feature_dim = head_dim if feature_map == "elu" else 16
-        for name, value in (("head_dim", head_dim), ("feature_dim", feature_dim), ("chunk_size", chunk_size)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        head_dim, feature_dim = head_sizes(d_model, n_heads, head_dim, feature_map, feature_dim)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if not eps > 0:
             raise ValueError(f"eps must be > 0 (it keeps the normalizer away from zero), got {eps}")
         self.layer_idx, self.n_heads, self.head_dim = layer_idx, n_heads, head_dim
@@ -82,6 +91,13 @@ class LinearAttention(nn.Module):
         self.k_proj = Linear(d_model, n_heads * feature_dim, bias=False)
         self.v_proj = Linear(d_model, n_heads * head_dim, bias=False)
         self.o_proj = Linear(n_heads * head_dim, d_model, bias=False)
+
+    @staticmethod
+    def module_bytes(dtype: torch.dtype, d_model: int, n_heads: int, head_dim: int | None, feature_map: str,
+                     feature_dim: int | None, **_) -> int:
+        """Bytes of the parameters __init__ makes, from its arguments alone (the rest size nothing)."""
+        head_dim, feature_dim = head_sizes(d_model, n_heads, head_dim, feature_map, feature_dim)
+        return 2 * d_model * n_heads * (feature_dim + head_dim) * dtype.itemsize  # q and k; v and o
 
     def cache_spec(self) -> CacheSpec:
         # fp32 whatever the model's dtype: S and z are running sums, which 16-bit floats stop resolving

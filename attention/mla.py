@@ -12,6 +12,17 @@ from attention.norm import RMSNorm
 from kernels import Linear
 
 
+def check_sizes(n_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                q_lora_rank: int | None) -> None:
+    sizes = dict(n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
+                 qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim)
+    bad = {name: value for name, value in sizes.items() if value < 1}
+    if q_lora_rank is not None and q_lora_rank < 1:
+        bad["q_lora_rank"] = q_lora_rank
+    if bad:
+        raise ValueError(f"MLA sizes must be >= 1 (q_lora_rank may be None for a plain q_proj), got {bad}")
+
+
 class MLAttention(nn.Module):
     # layers whose outputs meet in the query-key product (the latent feeds the keys as well as the values): AWQ
     # leaves their weights unclipped (zoo/quantize.py)
@@ -33,13 +44,7 @@ class MLAttention(nn.Module):
     ):
         """causal: False lets every query see the whole sequence (a masked diffusion LM)."""
         super().__init__()
-        sizes = dict(n_heads=n_heads, kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim,
-                     qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim)
-        bad = {name: value for name, value in sizes.items() if value < 1}
-        if q_lora_rank is not None and q_lora_rank < 1:
-            bad["q_lora_rank"] = q_lora_rank
-        if bad:
-            raise ValueError(f"MLA sizes must be >= 1 (q_lora_rank may be None for a plain q_proj), got {bad}")
+        check_sizes(n_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank)
         self.layer_idx, self.causal = layer_idx, causal
         self.n_heads, self.kv_lora_rank, self.v_head_dim = n_heads, kv_lora_rank, v_head_dim
         self.nope_dim, self.rope_dim = qk_nope_head_dim, qk_rope_head_dim
@@ -56,6 +61,18 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = Linear(n_heads * v_head_dim, d_model, bias=False)
         self.rope_base, self.rope = rope_base, RotaryEmbedding(qk_rope_head_dim, rope_base)
+
+    @staticmethod
+    def module_bytes(dtype: torch.dtype, d_model: int, n_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
+                     qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int | None, **_) -> int:
+        """Bytes of the parameters and buffers __init__ makes, from its arguments alone (the rest size nothing)."""
+        check_sizes(n_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank)
+        q_out = n_heads * (qk_nope_head_dim + qk_rope_head_dim)
+        query = d_model * q_out if q_lora_rank is None else (d_model + 1 + q_out) * q_lora_rank  # q_a, its norm, q_b
+        key_value = (d_model * (kv_lora_rank + qk_rope_head_dim) + kv_lora_rank  # kv_a and its norm
+                     + kv_lora_rank * n_heads * (qk_nope_head_dim + v_head_dim))  # kv_b
+        output = n_heads * v_head_dim * d_model
+        return (query + key_value + output) * dtype.itemsize + RotaryEmbedding.buffer_bytes(qk_rope_head_dim)
 
     def cache_spec(self) -> CacheSpec:
         return CacheSpec(kind="latent", kv_heads=1, head_dim=self.kv_lora_rank + self.rope_dim, value_dim=self.kv_lora_rank,

@@ -14,6 +14,11 @@ class RotaryEmbedding(nn.Module):
         # Derived, not learned: kept out of the state dict.
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    @staticmethod
+    def buffer_bytes(head_dim: int) -> int:
+        """Bytes of inv_freq (fp32, one frequency per pair of channels) for a head of head_dim channels."""
+        return len(range(0, head_dim, 2)) * 4
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for positions [B, T], shaped [B, 1, T, head_dim] to broadcast over heads."""
         # fp32 position x frequency products, as HF computes them, so logits match to the last bit

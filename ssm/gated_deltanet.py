@@ -54,6 +54,20 @@ class GatedHeadNorm(nn.Module):
         return self.weight.float() * o * F.silu(gate.float())
 
 
+def checked_head_dim(d_model: int, n_heads: int, head_dim: int | None, expand_v: int, d_conv: int) -> int:
+    """The sizes checked; head_dim with its default (d_model // n_heads) filled in."""
+    if n_heads < 1:
+        raise ValueError(f"n_heads must be >= 1, got {n_heads}")
+    if head_dim is None:
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim explicitly")
+        head_dim = d_model // n_heads
+    for name, value in (("head_dim", head_dim), ("expand_v", expand_v), ("d_conv", d_conv)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    return head_dim
+
+
 class GatedDeltaNet(nn.Module):
     # layers whose outputs meet in the query-key product (in_proj holds q and k with v and the gates): AWQ leaves
     # their weights unclipped (zoo/quantize.py)
@@ -75,16 +89,9 @@ class GatedDeltaNet(nn.Module):
         d_conv: width of the causal conv over q, k, v. chunk_size: tokens per chunk of the chunked (prefill) form.
         eigenvalues: "positive" (beta = sigmoid(b)) or "signed" (beta = 2 sigmoid(b), Grazzi et al. 2024)."""
         super().__init__()
-        if n_heads < 1:
-            raise ValueError(f"n_heads must be >= 1, got {n_heads}")
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim explicitly")
-            head_dim = d_model // n_heads
-        for name, value in (("head_dim", head_dim), ("expand_v", expand_v), ("d_conv", d_conv),
-                            ("chunk_size", chunk_size)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        head_dim = checked_head_dim(d_model, n_heads, head_dim, expand_v, d_conv)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if not norm_eps > 0:
             raise ValueError(f"norm_eps must be > 0 (it keeps the output RMSNorm finite), got {norm_eps}")
         if eigenvalues not in EIGENVALUES:
@@ -102,6 +109,21 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedHeadNorm(self.value_dim, norm_eps)
         self.out_proj = Linear(value_width, d_model, bias=False)
         self.reset_decay_parameters()
+
+    @staticmethod
+    def module_bytes(dtype: torch.dtype, d_model: int, n_heads: int, head_dim: int | None, expand_v: int, d_conv: int,
+                     **_) -> int:
+        """Bytes of the parameters __init__ makes, from its arguments alone (the rest size nothing)."""
+        head_dim = checked_head_dim(d_model, n_heads, head_dim, expand_v, d_conv)
+        value_dim = head_dim * expand_v
+        key_width, value_width = n_heads * head_dim, n_heads * value_dim
+        conv_dim = 2 * key_width + value_width
+        elements = (d_model * (conv_dim + value_width + 2 * n_heads)  # in_proj
+                    + conv_dim * d_conv  # depthwise conv1d, no bias
+                    + 2 * n_heads  # A_log, dt_bias
+                    + value_dim  # the gated head norm, shared by the heads
+                    + value_width * d_model)  # out_proj
+        return elements * dtype.itemsize
 
     @torch.no_grad()
     def reset_decay_parameters(self, dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4) -> None:

@@ -62,6 +62,17 @@ def cuda_kernels():
     return selective_scan_fn, causal_conv1d_fn
 
 
+def checked_dt_rank(d_model: int, d_state: int, d_conv: int, expand: int, dt_rank: int | None) -> int:
+    """The sizes checked; dt_rank with its default (mamba-ssm's "auto") filled in."""
+    for name, value in (("d_state", d_state), ("d_conv", d_conv), ("expand", expand)):
+        if value <= 0:
+            raise ValueError(f"Mamba {name} must be > 0, got {name}={value}")
+    dt_rank = math.ceil(d_model / 16) if dt_rank is None else dt_rank
+    if dt_rank <= 0:
+        raise ValueError(f"Mamba dt_rank must be > 0 (or None for ceil(d_model/16)), got dt_rank={dt_rank}")
+    return dt_rank
+
+
 class Mamba(nn.Module):
     def __init__(
         self,
@@ -81,12 +92,7 @@ class Mamba(nn.Module):
         bias: biases on in_proj and out_proj; conv_bias: on the depthwise conv. dt_min/dt_max/dt_init_floor:
         the initial time steps are log-uniform in [dt_min, dt_max], at least dt_init_floor (init only)."""
         super().__init__()
-        for name, value in (("d_state", d_state), ("d_conv", d_conv), ("expand", expand)):
-            if value <= 0:
-                raise ValueError(f"Mamba {name} must be > 0, got {name}={value}")
-        dt_rank = math.ceil(d_model / 16) if dt_rank is None else dt_rank
-        if dt_rank <= 0:
-            raise ValueError(f"Mamba dt_rank must be > 0 (or None for ceil(d_model/16)), got dt_rank={dt_rank}")
+        dt_rank = checked_dt_rank(d_model, d_state, d_conv, expand, dt_rank)
         if not 0 < dt_min <= dt_max:
             raise ValueError(f"Mamba needs 0 < dt_min <= dt_max, got dt_min={dt_min}, dt_max={dt_max}")
         self.layer_idx = layer_idx
@@ -103,6 +109,20 @@ class Mamba(nn.Module):
         self.D = nn.Parameter(torch.ones(self.d_inner))
         self.out_proj = Linear(self.d_inner, d_model, bias=bias)
         self.reset_dt()
+
+    @staticmethod
+    def module_bytes(dtype: torch.dtype, d_model: int, d_state: int, d_conv: int, expand: int, dt_rank: int | None,
+                     conv_bias: bool, bias: bool, **_) -> int:
+        """Bytes of the parameters __init__ makes, from its arguments alone (the rest size nothing)."""
+        dt_rank = checked_dt_rank(d_model, d_state, d_conv, expand, dt_rank)
+        d_inner = int(expand * d_model)
+        elements = (d_model * 2 * d_inner + (2 * d_inner + d_model if bias else 0)  # in_proj, out_proj biases
+                    + d_inner * (d_conv + (1 if conv_bias else 0))  # depthwise conv1d
+                    + d_inner * (dt_rank + 2 * d_state)  # x_proj
+                    + (dt_rank + 1) * d_inner  # dt_proj, with its bias
+                    + d_inner  # D
+                    + d_inner * d_model)  # out_proj
+        return elements * dtype.itemsize + d_inner * d_state * 4  # A_log is fp32 whatever the default dtype
 
     @torch.no_grad()
     def reset_dt(self) -> None:

@@ -75,6 +75,22 @@ class Mamba2(nn.Module):
         self.out_proj = Linear(d_inner, d_model, bias=bias)
         self.reset_ssm_parameters(dt_min, dt_max, dt_init_floor)
 
+    @staticmethod
+    def module_bytes(dtype: torch.dtype, d_model: int, d_state: int, d_conv: int, expand: int, head_dim: int,
+                     n_groups: int, chunk_size: int, conv_bias: bool, bias: bool, dt_min: float, dt_max: float,
+                     **_) -> int:
+        """Bytes of the parameters __init__ makes, from its arguments alone (the rest size nothing)."""
+        check_settings(d_model, d_state, d_conv, expand, head_dim, n_groups, chunk_size, dt_min, dt_max)
+        d_inner = expand * d_model
+        n_heads, conv_dim = d_inner // head_dim, d_inner + 2 * n_groups * d_state
+        in_width = d_inner + conv_dim + n_heads
+        elements = (d_model * in_width + (in_width + d_model if bias else 0)  # in_proj, out_proj biases
+                    + conv_dim * (d_conv + (1 if conv_bias else 0))  # depthwise conv1d
+                    + 3 * n_heads  # dt_bias, A_log, D
+                    + d_inner  # the gated norm
+                    + d_inner * d_model)  # out_proj
+        return elements * dtype.itemsize
+
     @torch.no_grad()
     def reset_ssm_parameters(self, dt_min: float, dt_max: float, dt_init_floor: float) -> None:
         """mamba-ssm's init: A uniform in [1, 16], D = 1, dt log-uniform in [dt_min, dt_max] stored through softplus^-1."""
@@ -171,6 +187,12 @@ class Mamba2(nn.Module):
         return mamba2_reference(self, x)
 
 
+def divisors(n: int) -> list[int]:
+    """n's divisors in order, found up to its square root (an inner width may be 2^27)."""
+    low = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return low + [n // k for k in reversed(low) if k * k != n]
+
+
 def check_settings(d_model, d_state, d_conv, expand, head_dim, n_groups, chunk_size, dt_min, dt_max) -> None:
     if d_model < 1 or expand < 1:
         raise ValueError(f"d_model and expand must be >= 1, got d_model={d_model}, expand={expand}")
@@ -181,11 +203,11 @@ def check_settings(d_model, d_state, d_conv, expand, head_dim, n_groups, chunk_s
     d_inner = expand * d_model
     if head_dim < 1 or d_inner % head_dim:
         raise ValueError(f"head_dim={head_dim} must divide expand*d_model={d_inner}; "
-                         f"allowed head_dim: {[k for k in range(1, d_inner + 1) if d_inner % k == 0]}")
+                         f"allowed head_dim: {divisors(d_inner)}")
     n_heads = d_inner // head_dim
     if n_groups < 1 or n_heads % n_groups:
         raise ValueError(f"n_heads={n_heads} (expand*d_model/head_dim) is not divisible by n_groups={n_groups}; "
-                         f"allowed n_groups: {[g for g in range(1, n_heads + 1) if n_heads % g == 0]}")
+                         f"allowed n_groups: {divisors(n_heads)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if not 0 < dt_min <= dt_max:

@@ -6,6 +6,25 @@ from zoo import checks
 MLP_KINDS = ("swiglu", "gelu", "none")
 NORM_KINDS = ("rmsnorm", "layernorm")
 
+# Upper bounds on the sizes a config may ask for, each far above any released model's (in brackets), so a typo or a
+# hostile config.json fails by name even where memory would allow it (the bytes it asks for are checked at build).
+MAX_VOCAB = 2**24  # 16.8M ids (Gemma 3: 262k)
+MAX_D_MODEL = 2**17  # 131,072 (Llama 3.1 405B: 16,384)
+MAX_MLP_HIDDEN = 2**20  # 1,048,576 (Llama 3.1 405B: 53,248)
+MAX_LAYERS = 4096  # (Llama 3.1 405B: 126; DeepNet, Wang et al. 2022: 1,000)
+MAX_SEQ_LEN = 2**24  # 16.8M positions (Llama 4 Scout: 10M)
+MAX_HEADS = 2**12  # query or KV heads, or B/C groups, per layer (DeepSeek-V3: 128)
+MAX_WIDTH = 2**14  # a head's width, a latent or low rank, a state size (DeepSeek-V3's latent: 512)
+MAX_FACTOR = 2**10  # an expansion factor or a conv width (Mamba: expand 2, d_conv 4)
+# A mixer parameter's bound by name; any other integer parameter of a mixer is bounded by MAX_SEQ_LEN.
+MIXER_PARAM_BOUNDS = {
+    **dict.fromkeys(("n_heads", "n_kv_heads", "n_groups"), MAX_HEADS),
+    **dict.fromkeys(("head_dim", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                     "feature_dim", "d_state", "dt_rank"), MAX_WIDTH),
+    **dict.fromkeys(("expand", "expand_v", "d_conv"), MAX_FACTOR),
+    "kv_source": MAX_LAYERS,
+}
+
 
 @dataclass
 class MixerSpec:
@@ -39,12 +58,14 @@ class ModelConfig:
 
     def __post_init__(self):
         """Every field's type and range, so a bad value fails here by name rather than inside torch."""
-        for name in ("vocab_size", "d_model", "max_seq_len"):
-            setattr(self, name, checks.integer(name, getattr(self, name), minimum=1))
+        for name, maximum in (("vocab_size", MAX_VOCAB), ("d_model", MAX_D_MODEL), ("max_seq_len", MAX_SEQ_LEN)):
+            setattr(self, name, at_most(name, checks.integer(name, getattr(self, name), minimum=1), maximum))
         check_layers(self.layers)
         checks.choice("mlp", self.mlp, MLP_KINDS)
         checks.choice("norm", self.norm, NORM_KINDS)
         self.mlp_hidden = checks.optional_integer("mlp_hidden", self.mlp_hidden, minimum=1)
+        if self.mlp_hidden is not None:
+            at_most("mlp_hidden", self.mlp_hidden, MAX_MLP_HIDDEN)
         self.norm_eps = checks.real("norm_eps", self.norm_eps, minimum=0, open_min=True)
         self.rope_base = checks.real("rope_base", self.rope_base, minimum=0, open_min=True)
         checks.boolean("tie_embeddings", self.tie_embeddings)
@@ -62,7 +83,16 @@ class ModelConfig:
 
 
 def check_layers(layers) -> None:
+    if isinstance(layers, (list, tuple)):  # counted before its items are looked at
+        at_most("n_layers (the length of layers)", len(layers), MAX_LAYERS)
     if not isinstance(layers, (list, tuple)) or not all(isinstance(spec, MixerSpec) for spec in layers):
         raise ValueError(f"layers must be a list of MixerSpec, one per layer, got {layers!r}")
     if not layers:
         raise ValueError("a model needs at least one layer (layers is empty)")
+
+
+def at_most(name: str, value: int, maximum: int) -> int:
+    """value (an integer already checked) unless it exceeds maximum, a bound far above any real model's."""
+    if value > maximum:
+        raise ValueError(f"{name} must be <= {maximum:,} (a bound far above any real model's), got {value:,}")
+    return value

@@ -11,6 +11,17 @@ def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
     return RMSNorm(dim, eps) if kind == "rmsnorm" else nn.LayerNorm(dim, eps=eps)
 
 
+def norm_bytes(kind: str, dim: int, dtype: torch.dtype) -> int:
+    """Bytes of make_norm's parameters: a gain, and for LayerNorm a bias too."""
+    return (1 if kind == "rmsnorm" else 2) * dim * dtype.itemsize
+
+
+def mlp_bytes(kind: str, d_model: int, hidden: int, dtype: torch.dtype) -> int:
+    """Bytes of make_mlp's parameters: SwiGLU's three projections, GELU's two, none's nothing."""
+    projections = {"swiglu": 3, "gelu": 2, "none": 0}[kind]
+    return projections * d_model * hidden * dtype.itemsize
+
+
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, hidden: int):
         super().__init__()

@@ -4,11 +4,12 @@ import math
 import numbers
 import typing
 
+import torch
 from torch import nn
 
 from cache.mixer import Mixer
 from zoo import checks
-from zoo.config import MixerSpec, ModelConfig
+from zoo.config import MAX_SEQ_LEN, MIXER_PARAM_BOUNDS, MixerSpec, ModelConfig, at_most
 from zoo.registry import mixers
 
 # Model-wide settings a mixer receives when its constructor asks for them by name.
@@ -38,7 +39,8 @@ def mixer_class(kind: str, layer_idx: int | None = None) -> type[nn.Module]:
     return classes[kind]
 
 
-def make_mixer(spec: MixerSpec, config: ModelConfig, layer_idx: int) -> nn.Module:
+def mixer_arguments(spec: MixerSpec, config: ModelConfig, layer_idx: int) -> dict:
+    """The keyword arguments a layer's mixer is constructed with, each checked by name, type and bound."""
     cls = mixer_class(spec.kind, layer_idx)
     accepted = inspect.signature(cls).parameters
     shared = {name: getattr(config, name) for name in SHARED_SETTINGS if name in accepted and name not in spec.params}
@@ -46,12 +48,30 @@ def make_mixer(spec: MixerSpec, config: ModelConfig, layer_idx: int) -> nn.Modul
     if unknown:
         raise ValueError(f"mixer {spec.kind!r} (layer {layer_idx}) got unknown parameters {unknown}; allowed: {sorted(accepted)}")
     check_param_types(spec, cls, layer_idx)
+    check_param_bounds(spec, cls, layer_idx)
     if "causal" in spec.params:  # one direction per model: the engine and the sampler read it from the config
         raise ValueError(f"layer {layer_idx} sets 'causal' in its mixer params; set ModelConfig.causal instead")
     if not config.causal:
         check_non_causal(spec, layer_idx)
         shared["causal"] = False  # the mixer refuses what ties it to causal order (a window, a borrowed cache)
-    mixer = cls(d_model=config.d_model, layer_idx=layer_idx, **shared, **spec.params)
+    return {"d_model": config.d_model, "layer_idx": layer_idx, **shared, **spec.params}
+
+
+def mixer_bytes(spec: MixerSpec, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> int:
+    """Bytes of the parameters and buffers the layer's mixer will hold, from its class's module_bytes (the size
+    every mixer states, so a model is priced before it is built)."""
+    cls = mixer_class(spec.kind, layer_idx)
+    if not callable(getattr(cls, "module_bytes", None)):
+        raise TypeError(f"mixer {cls.__name__} (kind {spec.kind!r}) does not state its size: give it a static "
+                        f"module_bytes(dtype, **its constructor's arguments) -> bytes of its parameters and buffers")
+    arguments = inspect.signature(cls).bind(**mixer_arguments(spec, config, layer_idx))
+    arguments.apply_defaults()  # the constructor's defaults, so a size is read from one place
+    return cls.module_bytes(dtype, **arguments.arguments)
+
+
+def make_mixer(spec: MixerSpec, config: ModelConfig, layer_idx: int) -> nn.Module:
+    cls = mixer_class(spec.kind, layer_idx)
+    mixer = cls(**mixer_arguments(spec, config, layer_idx))
     if not isinstance(mixer, Mixer):  # a new mixer learns here what the contract asks of it
         missing = [name for name in ("layer_idx", "cache_spec", "forward", "reference") if not hasattr(mixer, name)]
         raise TypeError(f"mixer {cls.__name__} (kind {spec.kind!r}) does not meet the mixer contract "
@@ -72,6 +92,16 @@ def check_param_types(spec: MixerSpec, cls: type, layer_idx: int) -> None:
                 optional = " or None" if type(None) in declared else ""
                 raise ValueError(f"mixer {spec.kind!r} (layer {layer_idx}): {name} must be {wanted}{optional}, "
                                  f"got {value!r} ({type(value).__name__})")
+
+
+def check_param_bounds(spec: MixerSpec, cls: type, layer_idx: int) -> None:
+    """Each parameter its constructor declares int within its bound (zoo.config.MIXER_PARAM_BOUNDS), so an absurd
+    width or head count fails by name before anything is sized from it; lower bounds are the constructor's."""
+    hints = typing.get_type_hints(cls.__init__)
+    for name, value in spec.params.items():
+        if int in (typing.get_args(hints.get(name)) or (hints.get(name),)) and checks.is_integer(value):
+            maximum = MIXER_PARAM_BOUNDS.get(name, MAX_SEQ_LEN)
+            at_most(f"mixer {spec.kind!r} (layer {layer_idx}): {name}", value, maximum)
 
 
 def check_non_causal(spec: MixerSpec, layer_idx: int) -> None:

@@ -6,8 +6,9 @@ from torch import nn
 
 from cache import HandoffKV
 from zoo.config import ModelConfig
-from zoo.layers import make_mlp, make_norm
-from zoo.mixers import make_mixer
+from zoo.layers import make_mlp, make_norm, mlp_bytes, norm_bytes
+from zoo.mixers import make_mixer, mixer_bytes
+from zoo.resources import check_bytes
 from kernels import Linear
 
 
@@ -28,6 +29,9 @@ class Block(nn.Module):
 
 class DecoderLM(nn.Module):
     def __init__(self, config: ModelConfig):
+        """Priced before anything is allocated: a model larger than the memory free (or ZOO_MEMORY_LIMIT) on the device
+        it is built on is refused (zoo/resources.py); a build on the meta device allocates nothing and is not."""
+        check_model_bytes(config, torch.get_default_device())
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
@@ -86,6 +90,33 @@ class DecoderLM(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, positions, caches[i], batch)
         return self.norm(x)
+
+
+def model_bytes(config: ModelConfig, dtype: torch.dtype | None = None) -> int:
+    """Bytes of every parameter and buffer DecoderLM(config) holds (a tied head counted once), from the config
+    alone; dtype: the floating dtype its parameters take (default: torch's default dtype, which a build uses)."""
+    dtype = dtype or torch.get_default_dtype()
+    tables = (1 if config.tie_embeddings else 2) * config.vocab_size * config.d_model  # the embedding; a head untied
+    return (tables * dtype.itemsize + norm_bytes(config.norm, config.d_model, dtype)
+            + sum(block_bytes(config, i, dtype) for i in range(config.n_layers)))
+
+
+def block_bytes(config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> int:
+    """Bytes of Block(config, layer_idx): its mixer, its MLP, and a norm before each."""
+    norms = 1 if config.mlp == "none" else 2
+    return (norms * norm_bytes(config.norm, config.d_model, dtype)
+            + mixer_bytes(config.layers[layer_idx], config, layer_idx, dtype)
+            + mlp_bytes(config.mlp, config.d_model, config.mlp_hidden, dtype))
+
+
+def check_model_bytes(config: ModelConfig, device: torch.device) -> None:
+    """Refuse a model whose parameters and buffers would not fit in the memory free on `device` (meta: no memory)."""
+    if device.type == "meta":
+        return
+    what = (f"the model's parameters and buffers (vocab_size={config.vocab_size:,}, d_model={config.d_model:,}, "
+            f"mlp_hidden={config.mlp_hidden:,}, n_layers={config.n_layers:,}, {torch.get_default_dtype()})")
+    lower = "vocab_size, d_model, mlp_hidden, the layer count or the mixers' widths"
+    check_bytes(what, model_bytes(config), device, lower)
 
 
 def check_shared_caches(specs) -> None:

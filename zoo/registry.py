@@ -10,7 +10,8 @@ from attention import Attention, LinearAttention, MLAttention
 from ssm import Mamba, Mamba2
 from ssm.gated_deltanet import EIGENVALUES, GatedDeltaNet
 from zoo import checks
-from zoo.config import MixerSpec, ModelConfig
+from zoo.config import (MAX_D_MODEL, MAX_HEADS, MAX_LAYERS, MAX_MLP_HIDDEN, MAX_SEQ_LEN, MAX_VOCAB,
+                         MIXER_PARAM_BOUNDS, MixerSpec, ModelConfig, at_most)
 from zoo.presets import Preset, preset_settings
 
 # ModelConfig fields a user may override besides the preset's sizes.
@@ -18,6 +19,10 @@ CONFIG_OVERRIDES = ("mlp", "norm", "norm_eps", "rope_base", "tie_embeddings", "m
 # Per-layer settings every architecture understands.
 ATTENTION_OVERRIDES = ("n_layers", "n_heads", "n_kv_heads", "head_dim")
 
+
+# Each size's upper bound (zoo/config.py says why each); an integer setting not named is bounded by MAX_SEQ_LEN.
+BOUNDS = {"vocab_size": MAX_VOCAB, "d_model": MAX_D_MODEL, "n_layers": MAX_LAYERS, "share": MAX_LAYERS,
+          "gqa_kv_heads": MAX_HEADS, "mlp_hidden": MAX_MLP_HIDDEN, **MIXER_PARAM_BOUNDS}
 
 PRESET, ENTRY = "preset", "entry"  # markers for defaults that are not values (see Setting)
 
@@ -37,14 +42,14 @@ class Setting:
         if value is None and self.default in (None, ENTRY):
             return None
         if self.kind is int:
-            return checks.integer(name, value, minimum=self.minimum)
+            return at_most(name, checks.integer(name, value, minimum=self.minimum), BOUNDS.get(name, MAX_SEQ_LEN))
         if self.choices is not None:
             return checks.choice(name, value, self.choices())
         return value
 
-    def describe(self) -> str:
+    def describe(self, name: str) -> str:
         if self.kind is int:
-            kind = f"integer >= {self.minimum}"
+            kind = f"integer in [{self.minimum}, {BOUNDS.get(name, MAX_SEQ_LEN):,}]"
         else:
             kind = "one of " + ", ".join(self.choices()) if self.choices else self.kind.__name__
         default = {None: "the mixer's", PRESET: "the preset's window", ENTRY: "the entry's"}.get(self.default, repr(self.default))
@@ -409,7 +414,7 @@ def details(name: str) -> dict:
         "description": arch.description,
         "mixer": arch.mixer.cls.__name__ if arch.mixer else "composed of other entries' layers",
         "causal": arch.causal,
-        "settings": {setting: SETTINGS[setting].describe() for setting in settings_of(arch)},
+        "settings": {setting: SETTINGS[setting].describe(setting) for setting in settings_of(arch)},
         "recall defaults at d_model 64, 1 head, L 64": arch.recall(64, 1, 64),
         "recall learning rate": arch.recall_lr,
         "recall depths (layers)": ", ".join(map(str, arch.recall_layers)) + (f": {arch.recall_note}" if arch.recall_note else ""),
@@ -427,10 +432,10 @@ def check_architecture(name: str) -> str:
 def check_settings(settings: dict, reads: tuple[str, ...]) -> None:
     """Sizes as integers >= 1 (numpy ints become ints), then each architecture setting by its declaration."""
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "gqa_kv_heads", "max_seq_len"):
-        settings[name] = checks.integer(name, settings[name], minimum=1)
+        settings[name] = at_most(name, checks.integer(name, settings[name], minimum=1), BOUNDS.get(name, MAX_SEQ_LEN))
     for name in ("n_kv_heads", "head_dim", "mlp_hidden"):
-        if name in settings:
-            settings[name] = checks.optional_integer(name, settings[name], minimum=1)
+        if settings.get(name) is not None:
+            settings[name] = at_most(name, checks.integer(name, settings[name], minimum=1), BOUNDS[name])
     for name in reads:
         if name in settings:
             settings[name] = SETTINGS[name].check(name, settings[name])

@@ -9,6 +9,7 @@ import zoo
 from harness.results import check_output_folder, settings_dict
 from harness.train.checkpoint import read_train_state
 from harness.train.corpus import check_corpus_path
+from harness.train.memory import check_training_bytes
 from zoo import checks
 
 AUTOCAST = ("auto", "on", "off")
@@ -53,18 +54,21 @@ class TrainSettings:
         if not isinstance(self.overrides, dict) or not all(isinstance(name, str) for name in self.overrides):
             raise ValueError(f"overrides must map registry setting names to values, got {self.overrides!r}")
         config = zoo.make_config(self.arch, self.preset, **self.overrides)
-        with torch.device("meta"):  # the mixers' own checks, without allocating any weights
-            zoo.DecoderLM(config)
-        data_vocab = config.vocab_size - (0 if config.causal else 1)  # a diffusion LM's last id is its mask
-        if data_vocab < BYTE_VOCAB:
-            raise ValueError(f"vocab_size {data_vocab} is too small for a byte-level model: token ids are bytes "
-                             f"0..255, so it must be >= {BYTE_VOCAB} (e.g. --set vocab_size=256)")
         checks.integer("context", self.context, minimum=1)
         if self.context > config.max_seq_len:
             raise ValueError(f"context {self.context} is longer than the model's max_seq_len {config.max_seq_len} "
                              f"({self.arch}, preset {self.preset}): use a shorter context or --set "
                              f"max_seq_len={self.context}")
         checks.integer("batch_size", self.batch_size, minimum=1)
+        checks.device("device", self.device)
+        # priced before even a meta-device build, which takes seconds at thousands of layers
+        check_training_bytes(config, self.batch_size, self.context, self.device)
+        with torch.device("meta"):  # the mixers' own checks, without allocating any weights
+            zoo.DecoderLM(config)
+        data_vocab = config.vocab_size - (0 if config.causal else 1)  # a diffusion LM's last id is its mask
+        if data_vocab < BYTE_VOCAB:
+            raise ValueError(f"vocab_size {data_vocab} is too small for a byte-level model: token ids are bytes "
+                             f"0..255, so it must be >= {BYTE_VOCAB} (e.g. --set vocab_size=256)")
         checks.real("lr", self.lr, minimum=0, open_min=True)
         checks.integer("warmup_steps", self.warmup_steps, minimum=0)
         if self.minutes is None and self.max_steps is None:
@@ -75,7 +79,6 @@ class TrainSettings:
         checks.integer("eval_every", self.eval_every, minimum=1)
         checks.integer("eval_windows", self.eval_windows, minimum=1)
         checks.choice("autocast", self.autocast, AUTOCAST)
-        checks.device("device", self.device)
         checks.integer("seed", self.seed, minimum=0, maximum=2**63 - 1)  # torch.manual_seed and numpy both take it
         check_corpus_path(self.corpus)
         check_output_folder(self.out)
