@@ -87,7 +87,7 @@ class StaticInputs:
                           max_length=max_length, step="decode", slots=self.device("slots", rows),
                           block_tables=tuple(self.device(f"table{g}", rows) for g in range(self.groups)),
                           slot_mappings=tuple(self.device(f"mapping{g}", rows) for g in range(self.groups)),
-                          every_token_kept=True)
+                          every_token_kept=True, captured=True)
 
     def write(self, step: StepRows | None, rows: int) -> None:
         """Fill the first `rows` rows: the step's sequences, then padding rows (all padding without a step)."""

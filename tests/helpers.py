@@ -4,6 +4,8 @@ from torch import nn
 
 import zoo
 from harness import SamplingParams
+from zoo.ffn.experts import ExpertLinear
+from zoo.ffn.router import Router
 
 
 @torch.no_grad()
@@ -18,7 +20,7 @@ def spread_weights(model: nn.Module, seed: int = 0, gain: float = 2.0) -> nn.Mod
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             module.weight.copy_(torch.randn(module.weight.shape, generator=generator))
-        elif isinstance(module, nn.Linear):
+        elif isinstance(module, (nn.Linear, ExpertLinear, Router)):  # an MoE's router and stacked experts too
             module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * gain * module.in_features**-0.5)
     return model.eval()
 

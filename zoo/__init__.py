@@ -1,8 +1,9 @@
 """archzoo's front door: build any registered decoder architecture, size its cache, save and load it, load HF weights."""
 from zoo.cache import cache_bytes, cache_read_bytes, decode_weight_bytes, parameter_bytes
-from zoo.config import MixerSpec, ModelConfig
+from zoo.config import FFNSpec, MixerSpec, ModelConfig
 from zoo.hf import from_hf
 from zoo.model import DecoderLM
+from zoo.parameters import ParameterCounts, parameter_counts, routed_experts
 from zoo.presets import PRESETS
 from zoo.build import build
 from zoo.checkpoint import load, save
@@ -11,7 +12,8 @@ from zoo.registry import architectures, compare_defaults, describe, details, is_
 from zoo.tokenizer import ByteTokenizer
 
 __all__ = [
-    "ByteTokenizer", "DecoderLM", "MixerSpec", "ModelConfig", "PRESETS", "QuantizeConfig",
-    "architectures", "build", "cache_bytes", "cache_read_bytes", "compare_defaults", "decode_weight_bytes", "describe", "details",
-    "from_hf", "is_causal", "load", "make_config", "parameter_bytes", "quantize", "quantize_layers", "save",
+    "ByteTokenizer", "DecoderLM", "FFNSpec", "MixerSpec", "ModelConfig", "PRESETS", "ParameterCounts", "QuantizeConfig",
+    "architectures", "build", "cache_bytes", "cache_read_bytes", "compare_defaults", "decode_weight_bytes", "describe",
+    "details", "from_hf", "is_causal", "load", "make_config", "parameter_bytes", "parameter_counts", "quantize",
+    "quantize_layers", "routed_experts", "save",
 ]

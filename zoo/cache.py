@@ -5,6 +5,9 @@ import torch
 from cache import KV_FORMATS, specs_read
 from zoo import checks
 from zoo.quantize import QuantizedLinear
+from zoo.quantized_experts import QuantizedExpertLinear
+
+QUANTIZED = (QuantizedLinear, QuantizedExpertLinear)
 
 
 def cache_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | None = None, kv_format: str = "auto") -> int:
@@ -27,8 +30,8 @@ def cache_read_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | N
 
 def parameter_bytes(model) -> int:
     """Bytes of the model's weights: distinct parameters (a tied embedding/head counts once) and a quantized layer's
-    stored weight, scales and zeros (its saved buffers: not a layout a kernel derives from them)."""
-    quantized = sum(layer.stored_bytes for layer in model.modules() if isinstance(layer, QuantizedLinear))
+    (or expert stack's) stored weight, scales and zeros (its saved buffers: not a layout a kernel derives from them)."""
+    quantized = sum(layer.stored_bytes for layer in model.modules() if isinstance(layer, QUANTIZED))
     return sum(p.nbytes for p in model.parameters()) + quantized
 
 
@@ -42,5 +45,5 @@ def decode_weight_elements(model) -> int:
     """Weights one decode step applies (each one multiply-add per token): decode_weight_bytes' weights counted as
     values, a quantized layer's as its in x out, whatever its bits."""
     untied_embedding = 0 if model.config.tie_embeddings else model.embed.weight.numel()
-    quantized = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantizedLinear))
+    quantized = sum(m.weight_elements for m in model.modules() if isinstance(m, QUANTIZED))
     return sum(p.numel() for p in model.parameters()) - untied_embedding + quantized

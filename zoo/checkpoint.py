@@ -18,7 +18,7 @@ from pathlib import Path
 from safetensors.torch import save_model
 
 from zoo import checks
-from zoo.config import MixerSpec, ModelConfig
+from zoo.config import FFNSpec, MixerSpec, ModelConfig
 from zoo.model import DecoderLM
 from zoo.quantize import QuantizedLinear, QuantizeConfig, load_skeleton
 from zoo.weights import fitted_state, listing, read_state_dict
@@ -32,7 +32,20 @@ REQUIRED_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.def
 
 
 def config_to_json(config: ModelConfig) -> str:
-    return json.dumps(dataclasses.asdict(config), indent=2) + "\n"
+    """The config's fields as JSON; ffns left out when None (every layer the model-wide mlp), so such a model's
+    config.json is what it was before per-layer FFNs and loads in an archzoo without them."""
+    fields = dataclasses.asdict(config)
+    if fields["ffns"] is None:
+        del fields["ffns"]
+    return json.dumps(fields, indent=2) + "\n"
+
+
+def specs(entries, cls: type, what: str) -> list:
+    """[{"kind": ..., "params": {...}}, ...] (the JSON of a list of MixerSpec or FFNSpec) as `cls` objects."""
+    if not isinstance(entries, list) or not all(isinstance(entry, dict) and set(entry) == {"kind", "params"}
+                                                 for entry in entries):
+        raise ValueError(f"{what} must be a list of {{\"kind\": ..., \"params\": {{...}}}} objects, got {entries!r}")
+    return [cls(entry["kind"], entry["params"]) for entry in entries]
 
 
 def parse_json(text: str, where: str):
@@ -56,12 +69,10 @@ def config_from_json(text: str, where: str = "config") -> ModelConfig:
         raise ValueError(f"{where} is not a ModelConfig: " + "; ".join(
             f"{label} {names}" for label, names in (("unknown fields", unknown), ("missing fields", missing)) if names)
             + f" (its fields: {', '.join(CONFIG_FIELDS)})")
-    layers = fields["layers"]
-    if not isinstance(layers, list) or not all(isinstance(layer, dict) and set(layer) == {"kind", "params"}
-                                                for layer in layers):
-        raise ValueError(f"{where}: layers must be a list of {{\"kind\": ..., \"params\": {{...}}}} objects, got {layers!r}")
     try:
-        return ModelConfig(**{**fields, "layers": [MixerSpec(layer["kind"], layer["params"]) for layer in layers]})
+        layers = specs(fields["layers"], MixerSpec, "layers")
+        ffns = None if fields.get("ffns") is None else specs(fields["ffns"], FFNSpec, "ffns")
+        return ModelConfig(**{**fields, "layers": layers, "ffns": ffns})
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
 

@@ -1,4 +1,5 @@
-"""Model configuration: one dataclass, with a mixer spec per layer so hybrids are just lists."""
+"""Model configuration: one dataclass, with a mixer spec per layer so hybrids are just lists, and optionally a
+feed-forward spec per layer (an MoE FFN in some layers, a dense one in others)."""
 from dataclasses import dataclass, field
 
 from zoo import checks
@@ -16,6 +17,7 @@ MAX_SEQ_LEN = 2**24  # 16.8M positions (Llama 4 Scout: 10M)
 MAX_HEADS = 2**12  # query or KV heads, or B/C groups, per layer (DeepSeek-V3: 128)
 MAX_WIDTH = 2**14  # a head's width, a latent or low rank, a state size (DeepSeek-V3's latent: 512)
 MAX_FACTOR = 2**10  # an expansion factor or a conv width (Mamba: expand 2, d_conv 4)
+MAX_EXPERTS = 2**12  # routed or shared experts per layer (DeepSeek-V3: 256 routed, top 8, 1 shared)
 # A mixer parameter's bound by name; any other integer parameter of a mixer is bounded by MAX_SEQ_LEN.
 MIXER_PARAM_BOUNDS = {
     **dict.fromkeys(("n_heads", "n_kv_heads", "n_groups"), MAX_HEADS),
@@ -23,6 +25,11 @@ MIXER_PARAM_BOUNDS = {
                      "feature_dim", "d_state", "dt_rank"), MAX_WIDTH),
     **dict.fromkeys(("expand", "expand_v", "d_conv"), MAX_FACTOR),
     "kv_source": MAX_LAYERS,
+}
+# An FFN parameter's bound by name; any other integer parameter of an FFN is bounded by MAX_SEQ_LEN.
+FFN_PARAM_BOUNDS = {
+    **dict.fromkeys(("hidden", "expert_hidden"), MAX_MLP_HIDDEN),
+    **dict.fromkeys(("n_experts", "top_k", "n_shared_experts"), MAX_EXPERTS),
 }
 
 
@@ -41,6 +48,21 @@ class MixerSpec:
 
 
 @dataclass
+class FFNSpec:
+    """Which feed-forward a layer uses (`kind`, a key of zoo.registry.FFNS, or "none") and its constructor
+    arguments; `hidden` not given is the model's mlp_hidden."""
+
+    kind: str
+    params: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.kind, str):
+            raise ValueError(f"an FFNSpec's kind must be an FFN name (str), got {self.kind!r}")
+        if not isinstance(self.params, dict) or not all(isinstance(name, str) for name in self.params):
+            raise ValueError(f"an FFNSpec's params must be a dict of parameter names to values, got {self.params!r}")
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int
     d_model: int
@@ -55,12 +77,16 @@ class ModelConfig:
     name: str = "custom"
     causal: bool = True  # False: every position sees the whole sequence (a masked diffusion LM)
     mask_token_id: int | None = None  # the id a masked diffusion LM reads as "to be predicted"
+    # one FFNSpec per layer; None: every layer the model-wide `mlp` of width mlp_hidden (what configs saved before
+    # per-layer FFNs hold, so they load unchanged)
+    ffns: list[FFNSpec] | None = None
 
     def __post_init__(self):
         """Every field's type and range, so a bad value fails here by name rather than inside torch."""
         for name, maximum in (("vocab_size", MAX_VOCAB), ("d_model", MAX_D_MODEL), ("max_seq_len", MAX_SEQ_LEN)):
             setattr(self, name, at_most(name, checks.integer(name, getattr(self, name), minimum=1), maximum))
         check_layers(self.layers)
+        check_ffns(self.ffns, len(self.layers))
         checks.choice("mlp", self.mlp, MLP_KINDS)
         checks.choice("norm", self.norm, NORM_KINDS)
         self.mlp_hidden = checks.optional_integer("mlp_hidden", self.mlp_hidden, minimum=1)
@@ -81,6 +107,10 @@ class ModelConfig:
     def n_layers(self) -> int:
         return len(self.layers)
 
+    def ffn(self, layer_idx: int) -> FFNSpec:
+        """Layer layer_idx's feed-forward: its own FFNSpec, or the model-wide mlp when no layer has one."""
+        return FFNSpec(self.mlp) if self.ffns is None else self.ffns[layer_idx]
+
 
 def check_layers(layers) -> None:
     if isinstance(layers, (list, tuple)):  # counted before its items are looked at
@@ -89,6 +119,16 @@ def check_layers(layers) -> None:
         raise ValueError(f"layers must be a list of MixerSpec, one per layer, got {layers!r}")
     if not layers:
         raise ValueError("a model needs at least one layer (layers is empty)")
+
+
+def check_ffns(ffns, n_layers: int) -> None:
+    if ffns is None:
+        return
+    if not isinstance(ffns, (list, tuple)) or not all(isinstance(spec, FFNSpec) for spec in ffns):
+        raise ValueError(f"ffns must be None (every layer the model-wide mlp) or a list of FFNSpec, one per layer, "
+                         f"got {checks.short(ffns)}")
+    if len(ffns) != n_layers:
+        raise ValueError(f"ffns must give one FFNSpec per layer: {n_layers} layers, got {len(ffns)} FFNSpecs")
 
 
 def at_most(name: str, value: int, maximum: int) -> int:

@@ -16,7 +16,7 @@ import gguf
 import torch
 
 from zoo import checks
-from zoo.config import ModelConfig
+from zoo.config import FFNSpec, ModelConfig
 from zoo.hf import mixer_settings
 from zoo.tokenizer import ByteTokenizer
 
@@ -48,6 +48,9 @@ def check_exportable(config: ModelConfig) -> None:
     problems = []
     if config.mlp != "swiglu":
         problems.append(f"mlp {config.mlp!r} (llama.cpp's llama needs 'swiglu')")
+    if config.ffns is not None and any(spec != FFNSpec("swiglu") for spec in config.ffns):
+        problems.append(f"per-layer FFNs {sorted({spec.kind for spec in config.ffns})} (llama.cpp's llama needs the "
+                        f"model's SwiGLU in every layer)")
     if config.norm != "rmsnorm":
         problems.append(f"norm {config.norm!r} (needs 'rmsnorm')")
     if not config.causal:

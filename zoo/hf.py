@@ -194,7 +194,8 @@ def check_same_architecture(config: ModelConfig, hf_side: ModelConfig) -> None:
     """copy_weights_to_hf: what the weights alone do not fix (how a projection splits into heads, the window,
     whether blocks have an MLP, RoPE base, norm eps) must agree, or the HF twin would compute something else without any error."""
     problems = [f"{field}: zoo {getattr(config, field)} vs HF {getattr(hf_side, field)}"
-                for field in ("n_layers", "mlp", "rope_base", "norm_eps") if getattr(config, field) != getattr(hf_side, field)]
+                for field in ("n_layers", "mlp", "ffns", "rope_base", "norm_eps")
+                if getattr(config, field) != getattr(hf_side, field)]
     for i, (ours, theirs) in enumerate(zip(config.layers, hf_side.layers)):
         a, b = mixer_settings(ours, config), mixer_settings(theirs, hf_side)
         if a != b:

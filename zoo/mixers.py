@@ -79,9 +79,10 @@ def make_mixer(spec: MixerSpec, config: ModelConfig, layer_idx: int) -> nn.Modul
     return mixer
 
 
-def check_param_types(spec: MixerSpec, cls: type, layer_idx: int) -> None:
-    """Each parameter has the type its constructor declares (None only where it allows None), so a float size or a
-    string fails here by name rather than inside torch; ranges are the constructor's to check."""
+def check_param_types(spec, cls: type, layer_idx: int, part: str = "mixer") -> None:
+    """Each parameter of a spec (a MixerSpec, or an FFNSpec: part "ffn") has the type its constructor declares (None
+    only where it allows None), so a float size or a string fails here by name rather than inside torch; ranges are
+    the constructor's to check."""
     hints = typing.get_type_hints(cls.__init__)
     for name, value in spec.params.items():
         declared = typing.get_args(hints.get(name)) or (hints.get(name),)
@@ -90,18 +91,18 @@ def check_param_types(spec: MixerSpec, cls: type, layer_idx: int) -> None:
         for kind, (fits, wanted) in VALUE_TYPES.items():
             if kind in declared and not fits(value):
                 optional = " or None" if type(None) in declared else ""
-                raise ValueError(f"mixer {spec.kind!r} (layer {layer_idx}): {name} must be {wanted}{optional}, "
+                raise ValueError(f"{part} {spec.kind!r} (layer {layer_idx}): {name} must be {wanted}{optional}, "
                                  f"got {value!r} ({type(value).__name__})")
 
 
-def check_param_bounds(spec: MixerSpec, cls: type, layer_idx: int) -> None:
-    """Each parameter its constructor declares int within its bound (zoo.config.MIXER_PARAM_BOUNDS), so an absurd
-    width or head count fails by name before anything is sized from it; lower bounds are the constructor's."""
+def check_param_bounds(spec, cls: type, layer_idx: int, bounds: dict = MIXER_PARAM_BOUNDS, part: str = "mixer") -> None:
+    """Each parameter its constructor declares int within its bound (zoo.config.MIXER_PARAM_BOUNDS, or an FFN's
+    FFN_PARAM_BOUNDS), so an absurd width or head count fails by name before anything is sized from it; lower bounds
+    are the constructor's."""
     hints = typing.get_type_hints(cls.__init__)
     for name, value in spec.params.items():
         if int in (typing.get_args(hints.get(name)) or (hints.get(name),)) and checks.is_integer(value):
-            maximum = MIXER_PARAM_BOUNDS.get(name, MAX_SEQ_LEN)
-            at_most(f"mixer {spec.kind!r} (layer {layer_idx}): {name}", value, maximum)
+            at_most(f"{part} {spec.kind!r} (layer {layer_idx}): {name}", value, bounds.get(name, MAX_SEQ_LEN))
 
 
 def check_non_causal(spec: MixerSpec, layer_idx: int) -> None:

@@ -1,4 +1,4 @@
-"""The decoder LM: embedding -> pre-norm blocks (mixer + MLP) -> norm -> head."""
+"""The decoder LM: embedding -> pre-norm blocks (mixer + feed-forward) -> norm -> head."""
 import dataclasses
 
 import torch
@@ -6,7 +6,8 @@ from torch import nn
 
 from cache import HandoffKV
 from zoo.config import ModelConfig
-from zoo.layers import make_mlp, make_norm, mlp_bytes, norm_bytes
+from zoo.feedforward import ffn_bytes, make_ffn
+from zoo.layers import make_norm, norm_bytes
 from zoo.mixers import make_mixer, mixer_bytes
 from zoo.resources import check_bytes
 from kernels import Linear
@@ -17,13 +18,13 @@ class Block(nn.Module):
         super().__init__()
         self.mixer_norm = make_norm(config.norm, config.d_model, config.norm_eps)
         self.mixer = make_mixer(config.layers[layer_idx], config, layer_idx)
-        self.mlp = make_mlp(config.mlp, config.d_model, config.mlp_hidden)
+        self.mlp = make_ffn(config.ffn(layer_idx), config, layer_idx)  # `mlp`: the name checkpoints hold its weights at
         self.mlp_norm = make_norm(config.norm, config.d_model, config.norm_eps) if self.mlp is not None else None
 
     def forward(self, x, positions=None, cache=None, batch=None):
         x = x + self.mixer(self.mixer_norm(x), positions, cache, batch)
         if self.mlp is not None:
-            x = x + self.mlp(self.mlp_norm(x))
+            x = x + self.mlp(self.mlp_norm(x), batch)
         return x
 
 
@@ -50,7 +51,8 @@ class DecoderLM(nn.Module):
         if not isinstance(n_layers, int) or not 1 <= n_layers < self.config.n_layers:
             raise ValueError(f"n_layers must be an integer in [1, {self.config.n_layers - 1}] (fewer than the "
                              f"model's {self.config.n_layers}), got {n_layers!r}")
-        config = dataclasses.replace(self.config, layers=self.config.layers[:n_layers],
+        ffns = None if self.config.ffns is None else self.config.ffns[:n_layers]
+        config = dataclasses.replace(self.config, layers=self.config.layers[:n_layers], ffns=ffns,
                                      name=f"{self.config.name}[:{n_layers}]")
         with torch.device("meta"):  # every module is replaced by this model's own below
             draft = DecoderLM(config)
@@ -102,11 +104,11 @@ def model_bytes(config: ModelConfig, dtype: torch.dtype | None = None) -> int:
 
 
 def block_bytes(config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> int:
-    """Bytes of Block(config, layer_idx): its mixer, its MLP, and a norm before each."""
-    norms = 1 if config.mlp == "none" else 2
+    """Bytes of Block(config, layer_idx): its mixer, its feed-forward, and a norm before each."""
+    ffn = ffn_bytes(config.ffn(layer_idx), config, layer_idx, dtype)
+    norms = 1 if config.ffn(layer_idx).kind == "none" else 2
     return (norms * norm_bytes(config.norm, config.d_model, dtype)
-            + mixer_bytes(config.layers[layer_idx], config, layer_idx, dtype)
-            + mlp_bytes(config.mlp, config.d_model, config.mlp_hidden, dtype))
+            + mixer_bytes(config.layers[layer_idx], config, layer_idx, dtype) + ffn)
 
 
 def check_model_bytes(config: ModelConfig, device: torch.device) -> None:
@@ -115,7 +117,7 @@ def check_model_bytes(config: ModelConfig, device: torch.device) -> None:
         return
     what = (f"the model's parameters and buffers (vocab_size={config.vocab_size:,}, d_model={config.d_model:,}, "
             f"mlp_hidden={config.mlp_hidden:,}, n_layers={config.n_layers:,}, {torch.get_default_dtype()})")
-    lower = "vocab_size, d_model, mlp_hidden, the layer count or the mixers' widths"
+    lower = "vocab_size, d_model, mlp_hidden, the layer count, the mixers' widths or the FFNs' (experts)"
     check_bytes(what, model_bytes(config), device, lower)
 
 

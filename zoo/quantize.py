@@ -18,6 +18,8 @@ Two ways to round:
 
 Which layers: every nn.Linear of the blocks (mixers and MLPs) at least one group wide, and the vocabulary head if
 asked. A layer narrower than one group (Mamba's dt projection at small sizes) keeps its weights. The embedding stays.
+An MoE layer's stacked experts (ExpertLinear) become QuantizedExpertLinear, each expert rounded to nearest as one
+layer would be (AWQ's search covers the nn.Linear layers only); its router stays in full precision (zoo/ffn/router.py).
 
 A quantized model saves and loads like a float one (zoo/checkpoint.py writes its QuantizeConfig beside it): loading
 builds its layers empty (QuantizedLinear.empty, load_skeleton) and fills them with the stored tensors.
@@ -33,7 +35,9 @@ from torch import nn
 from kernels.quantized_matmul import (int4_cpu_layout, int4_cpu_layout_used, int4_dequantize, int4_matmul, int8_matmul,
                                       pack_int4)
 from zoo import checks
+from zoo.ffn.experts import ExpertLinear
 from zoo.model import DecoderLM
+from zoo.quantized_experts import QuantizedExpertLinear
 from zoo.weights import listing
 
 WEIGHT_SCHEMES = ("int8", "int4")
@@ -167,6 +171,11 @@ class QuantizedLinear(nn.Module):
         return sum(tensor.nbytes for tensor in self.state_dict().values())
 
     @property
+    def weight_elements(self) -> int:
+        """The weights it stands for, whatever its bits."""
+        return self.in_features * self.out_features
+
+    @property
     def weight(self) -> torch.Tensor:
         dtype = self.scales.dtype
         if self.scheme == "int8":
@@ -200,6 +209,23 @@ def quantize_layers(model: nn.Module, config: QuantizeConfig) -> dict[str, nn.Li
     return layers
 
 
+def quantize_experts(model: nn.Module, config: QuantizeConfig) -> dict[str, ExpertLinear]:
+    """The expert stacks `quantize` replaces, by module name: those at least one group wide (as quantize_layers)."""
+    width = config.group_size if config.weights == "int4" else 1
+    stacks = {f"blocks.{name}": module for name, module in model.blocks.named_modules()
+              if isinstance(module, ExpertLinear) and module.in_features >= width}
+    for name, stack in stacks.items():
+        if stack.in_features % width:
+            raise ValueError(f"group_size={config.group_size} does not divide the input width {stack.in_features} of "
+                             f"{name}; allowed group sizes: {[g for g in GROUP_SIZES if stack.in_features % g == 0]}")
+    return stacks
+
+
+def rounding(config: QuantizeConfig) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """One [out, in] weight -> its stored tensors, by the config's scheme."""
+    return quantize_int8 if config.weights == "int8" else lambda weight: quantize_int4(weight, config.group_size)
+
+
 @torch.no_grad()
 def quantize(model: nn.Module, config: QuantizeConfig | None = None, calibration: torch.Tensor | None = None,
              score: Callable[[nn.Module], float] | None = None, **settings) -> nn.Module:
@@ -223,7 +249,10 @@ def quantize(model: nn.Module, config: QuantizeConfig | None = None, calibration
     if calibration is not None:
         check_calibration(calibration, model.config.vocab_size)
     quantize_layers(model, config)  # refuses a group size that does not divide a layer's width, before the copy
+    quantize_experts(model, config)
     quantized = copy.deepcopy(model)
+    replace_layers(quantized, {name: QuantizedExpertLinear(stack, config.weights, config.group_size, rounding(config))
+                               for name, stack in quantize_experts(quantized, config).items()})  # before AWQ's search
     layers = quantize_layers(quantized, config)
     scales, clips = awq_scales(quantized, layers, config, calibration, score) if config.method == "awq" else ({}, {})
     replace_layers(quantized, {name: QuantizedLinear(layer, config.weights, config.group_size, scales.get(name),
@@ -238,7 +267,7 @@ def check_float_model(model) -> None:
     if not isinstance(model, DecoderLM):
         raise ValueError(f"zoo.quantize takes a zoo model (zoo.DecoderLM, from zoo.build or zoo.load), got "
                          f"{type(model).__name__}")
-    done = next((m for m in model.modules() if isinstance(m, QuantizedLinear)), None)
+    done = next((m for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedExpertLinear))), None)
     if done is not None:
         raise ValueError(f"model is already quantized ({done.scheme}): quantize the float model instead (zoo.quantize "
                          f"returns a quantized copy and leaves its input float)")
@@ -263,6 +292,8 @@ def load_skeleton(model: nn.Module, config: QuantizeConfig, input_scaled: list[s
     unknown = sorted(set(input_scaled) - set(layers))
     if unknown:
         raise ValueError(listing("input_scaled names layers that are not quantized", unknown))
+    replace_layers(model, {name: QuantizedExpertLinear.empty(stack, config.weights, config.group_size)
+                           for name, stack in quantize_experts(model, config).items()})
     replace_layers(model, {name: QuantizedLinear.empty(layer, config.weights, config.group_size, name in input_scaled)
                            for name, layer in layers.items()})
     model.quantization = config

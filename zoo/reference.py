@@ -3,11 +3,11 @@
 
     x = embed[tokens]
     per block:  x = x + mixer.reference(norm(x))          (every mixer's float64 oracle)
-                x = x + mlp(norm(x))                       (when the model has MLPs)
+                x = x + ffn.reference(norm(x))             (every feed-forward's, in a layer that has one)
     logits = head(norm(x))
 
-Everything in float64 from the model's weights; norms and MLPs are written here from their definitions and chosen
-by the model's config (norm: rmsnorm | layernorm, mlp: swiglu | gelu | none), not by calling the modules.
+Everything in float64 from the model's weights; norms are written here from their definitions and chosen by the
+model's config (norm: rmsnorm | layernorm), not by calling the modules.
 """
 import torch
 
@@ -39,29 +39,11 @@ def norm(config, module, x: torch.Tensor) -> torch.Tensor:
     return fn(x, module, config.norm_eps)
 
 
-def silu(x: torch.Tensor) -> torch.Tensor:
-    return x / (1 + torch.exp(-x))
-
-
-def gelu(x: torch.Tensor) -> torch.Tensor:
-    """The exact GELU, x * Phi(x) (Hendrycks & Gimpel 2016), not the tanh approximation."""
-    return 0.5 * x * (1 + torch.erf(x / 2**0.5))
-
-
 def linear(module, x: torch.Tensor) -> torch.Tensor:
     y = x @ f64(module.weight).T
     if getattr(module, "bias", None) is not None:
         y = y + f64(module.bias)
     return y
-
-
-def mlp(config, module, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU (Shazeer 2020): down(SiLU(gate x) * up x); GELU MLP: down(GELU(up x))."""
-    if config.mlp == "swiglu":
-        return linear(module.down_proj, silu(linear(module.gate_proj, x)) * linear(module.up_proj, x))
-    if config.mlp == "gelu":
-        return linear(module.down_proj, gelu(linear(module.up_proj, x)))
-    raise ValueError(f"no reference for mlp kind {config.mlp!r}")
 
 
 def mixer_reference(mixer, x: torch.Tensor, kv_from=None) -> torch.Tensor:
@@ -71,6 +53,15 @@ def mixer_reference(mixer, x: torch.Tensor, kv_from=None) -> torch.Tensor:
         raise NotImplementedError(f"layer {getattr(mixer, 'layer_idx', '?')}: mixer {type(mixer).__name__} has no "
                                   f"reference(x) method, the float64 oracle every mixer ships")
     return (mixer.reference(x) if kv_from is None else mixer.reference(x, kv_from=kv_from)).to(F64)
+
+
+def ffn_reference(ffn, x: torch.Tensor) -> torch.Tensor:
+    """One feed-forward's float64 output for its (normed) input x: its `reference` method, the FFN contract's
+    oracle hook."""
+    if not callable(getattr(ffn, "reference", None)):
+        raise NotImplementedError(f"FFN {type(ffn).__name__} has no reference(x) method, the float64 oracle every "
+                                  f"FFN ships")
+    return ffn.reference(x).to(F64)
 
 
 @torch.no_grad()
@@ -90,6 +81,6 @@ def reference_forward(model, tokens: torch.Tensor) -> torch.Tensor:
         kv_from = None if source is None else (model.blocks[source].mixer, mixer_inputs[source])
         x = x + mixer_reference(mixer, h, kv_from=kv_from)
         if block.mlp is not None:
-            x = x + mlp(config, block.mlp, norm(config, block.mlp_norm, x))
+            x = x + ffn_reference(block.mlp, norm(config, block.mlp_norm, x))
     x = norm(config, model.norm, x)
     return linear(model.head, x)

@@ -1,6 +1,7 @@
 """The architecture registry: one entry per name says everything about it — how its layers are laid out, the
-settings it reads (with types and ranges: validation, `zoo describe`), its mixer class, causal or not, its MQAR
-(recall) defaults, whether `zoo compare` runs it by default, its HF class. Nothing elsewhere lists architectures."""
+settings it reads (with types and ranges: validation, `zoo describe`), its mixer class, its feed-forward kind, causal
+or not, its MQAR (recall) defaults, whether `zoo compare` runs it by default, its HF class. Nothing elsewhere lists
+architectures. The feed-forward kinds are declared here too (FFNS), one line each."""
 from dataclasses import dataclass, fields
 from typing import Callable
 
@@ -10,8 +11,10 @@ from attention import Attention, LinearAttention, MLAttention
 from ssm import Mamba, Mamba2
 from ssm.gated_deltanet import EIGENVALUES, GatedDeltaNet
 from zoo import checks
-from zoo.config import (MAX_D_MODEL, MAX_HEADS, MAX_LAYERS, MAX_MLP_HIDDEN, MAX_SEQ_LEN, MAX_VOCAB,
-                         MIXER_PARAM_BOUNDS, MixerSpec, ModelConfig, at_most)
+from zoo.config import (FFN_PARAM_BOUNDS, MAX_D_MODEL, MAX_HEADS, MAX_LAYERS, MAX_MLP_HIDDEN, MAX_SEQ_LEN, MAX_VOCAB,
+                         MIXER_PARAM_BOUNDS, FFNSpec, MixerSpec, ModelConfig, at_most)
+from zoo.ffn import GeluMLP, MoE, SwiGLU
+from zoo.ffn.moe import ROUTERS
 from zoo.presets import Preset, preset_settings
 
 # ModelConfig fields a user may override besides the preset's sizes.
@@ -22,7 +25,7 @@ ATTENTION_OVERRIDES = ("n_layers", "n_heads", "n_kv_heads", "head_dim")
 
 # Each size's upper bound (zoo/config.py says why each); an integer setting not named is bounded by MAX_SEQ_LEN.
 BOUNDS = {"vocab_size": MAX_VOCAB, "d_model": MAX_D_MODEL, "n_layers": MAX_LAYERS, "share": MAX_LAYERS,
-          "gqa_kv_heads": MAX_HEADS, "mlp_hidden": MAX_MLP_HIDDEN, **MIXER_PARAM_BOUNDS}
+          "gqa_kv_heads": MAX_HEADS, "mlp_hidden": MAX_MLP_HIDDEN, **MIXER_PARAM_BOUNDS, **FFN_PARAM_BOUNDS}
 
 PRESET, ENTRY = "preset", "entry"  # markers for defaults that are not values (see Setting)
 
@@ -37,6 +40,7 @@ class Setting:
     minimum: int = 1
     choices: Callable[[], tuple[str, ...]] | None = None  # allowed strings, asked when checked
     default: object = None
+    owner: str = "mixer"  # whose constructor default applies when the default is None: a mixer's or an FFN's
 
     def check(self, name: str, value):
         if value is None and self.default in (None, ENTRY):
@@ -52,7 +56,8 @@ class Setting:
             kind = f"integer in [{self.minimum}, {BOUNDS.get(name, MAX_SEQ_LEN):,}]"
         else:
             kind = "one of " + ", ".join(self.choices()) if self.choices else self.kind.__name__
-        default = {None: "the mixer's", PRESET: "the preset's window", ENTRY: "the entry's"}.get(self.default, repr(self.default))
+        default = {None: f"the {self.owner}'s", PRESET: "the preset's window",
+                   ENTRY: "the entry's"}.get(self.default, repr(self.default))
         return f"{kind}; default {default}: {self.help}"
 
 
@@ -65,11 +70,22 @@ class Mixer:
 
 
 @dataclass(frozen=True)
+class FFN:
+    """The feed-forward class a kind name (FFNSpec.kind) builds, and the SETTINGS it reads: each, when set, is passed
+    to its constructor under the same name."""
+
+    kind: str
+    cls: type[nn.Module]
+    settings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Architecture:
     description: str
     layers: Callable[[dict], list[MixerSpec]]  # settings -> one MixerSpec per layer
     settings: tuple[str, ...] = ()  # names in SETTINGS this architecture reads, beyond the common ones
     mixer: Mixer | None = None  # the mixer its layers are made of; None: composed of other entries' layers
+    ffn: str | None = None  # the FFN kind (FFNS) in every layer; None: the model-wide `mlp` (swiglu unless set)
     in_patterns: bool = True  # may be a layer of a hybrid pattern (a per-layer mixer, not a cross-layer scheme)
     hybrid: bool = False  # its layers are a pattern of other entries', so it reads their settings too
     causal: bool = True  # False: a masked diffusion LM (bidirectional, one extra vocabulary id for its mask token)
@@ -156,20 +172,57 @@ def mixer_layers(kind: str, names: tuple[str, ...], n_heads: bool = False) -> Ca
     return layers
 
 
-def pattern_layers(default: str) -> Callable[[dict], list[MixerSpec]]:
-    """A hybrid: registry names per layer, repeated to fill n_layers so the model ends on the pattern's last layer."""
+@dataclass(frozen=True)
+class Pattern:
+    """A hybrid's layers: registry names per layer (default: `default`, else the `layers` setting), repeated to fill
+    n_layers so the model ends on the pattern's last layer."""
 
-    def layers(settings: dict) -> list[MixerSpec]:
-        pattern = default if settings.get("layers") is None else settings["layers"]
-        names = pattern_names(pattern)
-        allowed = [n for n, a in ARCHITECTURES.items() if a.in_patterns]
-        bad = [n for n in names if n not in allowed]
-        if bad:
-            raise ValueError(f"hybrid pattern {pattern!r} names unknown layer kind(s) {bad}; allowed: {', '.join(allowed)}")
-        n = settings["n_layers"]
-        return [ARCHITECTURES[names[(i - n) % len(names)]].layers({**settings, "n_layers": 1})[0] for i in range(n)]
+    default: str
 
-    return layers
+    def __call__(self, settings: dict) -> list[MixerSpec]:
+        return [ARCHITECTURES[name].layers({**settings, "n_layers": 1})[0]
+                for name, _ in pattern_entries(self.default, settings)]
+
+    def ffn_kinds(self, settings: dict) -> list[str | None]:
+        """Each layer's FFN kind: the one after its slash, else its entry's (None: the model-wide mlp)."""
+        return [ffn or ARCHITECTURES[name].ffn for name, ffn in pattern_entries(self.default, settings)]
+
+
+def pattern_entries(default: str, settings: dict) -> list[tuple[str, str | None]]:
+    """Each layer's (registry name, FFN kind or None) of a hybrid pattern ('gqa/moe,swa': an entry's layer, and
+    after a slash the FFN it takes instead of its own), repeated to n_layers."""
+    pattern = default if settings.get("layers") is None else settings["layers"]
+    entries = [tuple(name.split("/", 1)) if "/" in name else (name, None) for name in pattern_names(pattern)]
+    allowed = [n for n, a in ARCHITECTURES.items() if a.in_patterns]
+    bad = [name for name, _ in entries if name not in allowed]
+    if bad:
+        raise ValueError(f"hybrid pattern {pattern!r} names unknown layer kind(s) {bad}; allowed: {', '.join(allowed)}")
+    kinds = [*FFNS, "none"]
+    bad = [ffn for _, ffn in entries if ffn is not None and ffn not in kinds]
+    if bad:
+        raise ValueError(f"hybrid pattern {pattern!r} names unknown FFN kind(s) {bad} after a slash; allowed: "
+                         f"{', '.join(kinds)}")
+    n = settings["n_layers"]
+    return [entries[(i - n) % len(entries)] for i in range(n)]
+
+
+def ffn_spec(kind: str, settings: dict) -> FFNSpec:
+    """An FFN of this kind with the settings it reads that are set."""
+    names = FFNS[kind].settings if kind in FFNS else ()
+    return FFNSpec(kind, {name: settings[name] for name in names if settings.get(name) is not None})
+
+
+def layer_ffns(arch: Architecture, settings: dict) -> list[FFNSpec] | None:
+    """Each layer's FFN, or None when every layer takes the model-wide mlp (the config then reads as before
+    per-layer FFNs: config.json unchanged)."""
+    if isinstance(arch.layers, Pattern):
+        kinds = arch.layers.ffn_kinds(settings)
+    else:
+        kinds = [arch.ffn] * settings["n_layers"]
+    if all(kind is None for kind in kinds):
+        return None
+    mlp = settings.get("mlp", "swiglu")
+    return [ffn_spec(kind or mlp, settings) for kind in kinds]
 
 
 def pattern_names(pattern) -> list[str]:
@@ -242,7 +295,25 @@ SETTINGS: dict[str, Setting] = {
     "expand_v": Setting(int, "Gated DeltaNet value width / key width per head"),
     "eigenvalues": Setting(str, "Gated DeltaNet state-transition eigenvalues: positive (beta = sigmoid(b)) or signed "
                            "(beta = 2 sigmoid(b), Grazzi et al. 2024)", choices=lambda: EIGENVALUES),
+    "n_experts": Setting(int, "MoE routed experts per layer", owner="FFN"),
+    "top_k": Setting(int, "MoE experts each token is routed to (at most n_experts)", owner="FFN"),
+    "expert_hidden": Setting(int, "MoE hidden width of each expert (default mlp_hidden, as Mixtral's)", owner="FFN"),
+    "n_shared_experts": Setting(int, "MoE experts every token runs besides its routed ones (Qwen2-MoE, DeepSeek-V3)",
+                                minimum=0, owner="FFN"),
+    "router": Setting(str, "MoE scores: softmax (Mixtral, Qwen2-MoE; a shared expert gated by a sigmoid) or sigmoid "
+                      "with a bias-corrected top-k (DeepSeek-V3; shared experts ungated)", choices=lambda: ROUTERS,
+                      owner="FFN"),
+    "norm_topk_prob": Setting(bool, "MoE: renormalise a token's top_k weights to sum 1 (Mixtral, DeepSeek-V3; "
+                              "Qwen2-MoE's flag)", owner="FFN"),
 }
+MOE_SETTINGS = ("n_experts", "top_k", "expert_hidden", "n_shared_experts", "router", "norm_topk_prob")
+
+# The feed-forward kinds (FFNSpec.kind; "none" is a layer without one), one declaration each.
+FFNS: dict[str, FFN] = {ffn.kind: ffn for ffn in (
+    FFN("swiglu", SwiGLU),
+    FFN("gelu", GeluMLP),
+    FFN("moe", MoE, MOE_SETTINGS),
+)}
 
 ATTENTION = Mixer("attention", Attention)
 GATED_DELTA = Mixer("gdn", GatedDeltaNet)
@@ -317,20 +388,21 @@ ARCHITECTURES: dict[str, Architecture] = {
         recall_default=False,
     ),
     "hybrid": Architecture(
-        "any per-layer mix of registered mixers, layers='swa,swa,swa,gqa' (default 'swa,gqa'), repeated to n_layers",
-        pattern_layers("swa,gqa"), ("layers",), in_patterns=False, hybrid=True, compare_default=False, recall=windowed,
+        "any per-layer mix of registered mixers, layers='swa,swa,swa,gqa' (default 'swa,gqa'), repeated to n_layers; "
+        "'gqa/moe' gives a layer another FFN kind after a slash",
+        Pattern("swa,gqa"), ("layers",), in_patterns=False, hybrid=True, compare_default=False, recall=windowed,
     ),
     "hybrid-1in6": Architecture(
         "character.ai style: five sliding-window layers per global GQA layer",
-        pattern_layers("swa,swa,swa,swa,swa,gqa"), ("layers",), in_patterns=False, hybrid=True, recall=windowed,
+        Pattern("swa,swa,swa,swa,swa,gqa"), ("layers",), in_patterns=False, hybrid=True, recall=windowed,
     ),
     "hybrid-3to1": Architecture(
         "sliding-window heavy: three sliding-window layers per global GQA layer",
-        pattern_layers("swa,swa,swa,gqa"), ("layers",), in_patterns=False, hybrid=True, compare_default=False, recall=windowed,
+        Pattern("swa,swa,swa,gqa"), ("layers",), in_patterns=False, hybrid=True, compare_default=False, recall=windowed,
     ),
     "hybrid-chunked": Architecture(
         "Llama 4 style: three chunked local-attention layers per global GQA layer",
-        pattern_layers("chunked,chunked,chunked,gqa"), ("layers",), in_patterns=False, hybrid=True,
+        Pattern("chunked,chunked,chunked,gqa"), ("layers",), in_patterns=False, hybrid=True,
         compare_default=False, recall_default=False, recall=lambda d_model, n_heads, seq_len: {**windowed(d_model, n_heads, seq_len),
                                                                          "chunk": max(1, seq_len // 4)},
     ),
@@ -347,6 +419,13 @@ ARCHITECTURES: dict[str, Architecture] = {
         lambda settings: gated_delta_layers({**settings, "eigenvalues": "signed"}), ("expand_v", "d_conv"),
         mixer=GATED_DELTA, compare_default=False, recall_default=False,
     ),
+    # after gdn-neg for the same reason
+    "moe": Architecture(
+        "mixture of experts (Mixtral): GQA attention, and in every layer a router sends each token to top_k of "
+        "n_experts SwiGLU experts (default 2 of 8); DeepSeek-V3's sigmoid router and shared experts as settings",
+        attention_layers(gqa_kv_heads), MOE_SETTINGS, mixer=ATTENTION, ffn="moe", compare_default=False,
+        recall_default=False, recall=half_kv_heads,
+    ),
 }
 
 
@@ -359,10 +438,17 @@ def mixers() -> dict[str, type[nn.Module]]:
     return found
 
 
+def ffns() -> dict[str, type[nn.Module]]:
+    """FFN kind (FFNSpec.kind) -> its class, from the declarations."""
+    return {kind: ffn.cls for kind, ffn in FFNS.items()}
+
+
 def settings_of(arch: Architecture) -> tuple[str, ...]:
-    """The settings an architecture reads: its own, and for a hybrid those of every layer kind it may hold."""
+    """The settings an architecture reads: its own, and for a hybrid those of every layer and FFN kind it may hold."""
     if arch.hybrid:
-        return tuple(dict.fromkeys(name for a in ARCHITECTURES.values() if a.in_patterns for name in a.settings)) + arch.settings
+        layer_settings = (name for a in ARCHITECTURES.values() if a.in_patterns for name in a.settings)
+        ffn_settings = (name for ffn in FFNS.values() for name in ffn.settings)
+        return tuple(dict.fromkeys([*layer_settings, *ffn_settings])) + arch.settings
     return arch.settings
 
 
@@ -413,6 +499,7 @@ def details(name: str) -> dict:
     return {
         "description": arch.description,
         "mixer": arch.mixer.cls.__name__ if arch.mixer else "composed of other entries' layers",
+        "ffn": FFNS[arch.ffn].cls.__name__ if arch.ffn else "the model-wide mlp (swiglu unless set)",
         "causal": arch.causal,
         "settings": {setting: SETTINGS[setting].describe(setting) for setting in settings_of(arch)},
         "recall defaults at d_model 64, 1 head, L 64": arch.recall(64, 1, 64),
@@ -459,6 +546,7 @@ def make_config(name: str, preset: str = "small", **overrides) -> ModelConfig:
         vocab_size=vocab_size,
         d_model=settings["d_model"],
         layers=arch.layers(settings),
+        ffns=layer_ffns(arch, settings),
         mlp=settings.get("mlp", "swiglu"),
         mlp_hidden=settings["mlp_hidden"],
         norm=settings.get("norm", "rmsnorm"),

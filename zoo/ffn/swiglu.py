@@ -1,0 +1,27 @@
+"""SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"): down(SiLU(gate x) * up x), Llama's FFN."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import Linear
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate_proj = Linear(d_model, hidden, bias=False)
+        self.up_proj = Linear(d_model, hidden, bias=False)
+        self.down_proj = Linear(hidden, d_model, bias=False)
+
+    @staticmethod
+    def module_bytes(dtype: torch.dtype, d_model: int, hidden: int) -> int:
+        return 3 * d_model * hidden * dtype.itemsize
+
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """float64: down(g / (1 + e^-g) * u) with g = x W_gate^T, u = x W_up^T."""
+        x = x.double()
+        gate, up = x @ self.gate_proj.weight.double().T, x @ self.up_proj.weight.double().T
+        return (gate / (1 + torch.exp(-gate)) * up) @ self.down_proj.weight.double().T
