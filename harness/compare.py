@@ -279,6 +279,7 @@ def measure_cell(model, cell: dict, rates: roofline.MachineRates, seed: int) -> 
                     block_size=cell["block_size"], kv_dtype=cell["kv_dtype"], cuda_graphs=GRAPHS[cell["graphs"]])
     timed = timed_generate if cell["measure"] == "generate" else timed_probe
     times, step_s = timed(engine, cell, model.config.vocab_size, seed)
+    experts_read = zoo.decode_experts_read(engine.model)  # MoE: distinct experts each timed step read, per layer
     return {
         **cell,
         "params": sum(p.numel() for p in model.parameters()),
@@ -287,7 +288,8 @@ def measure_cell(model, cell: dict, rates: roofline.MachineRates, seed: int) -> 
         "measured_cache_bytes": engine.cache_bytes_allocated,
         "cache_bytes_per_token": zoo.cache_bytes(model, seq_len=1, kv_format=cell["kv_dtype"]),
         **times,
-        **floor_fields(model, cell, step_s, rates),
+        **floor_fields(model, cell, step_s, rates, experts_read),
+        **routing_fields(engine.model, cell["batch"], experts_read),
         "cuda_graphs": engine.cuda_graphs,
         "cuda_graphs_off": engine.cuda_graphs_off,
         "graph_bytes": engine.graph_bytes,  # after the steps: graphs are captured on a batch size's first step
@@ -327,6 +329,7 @@ def warm_up(engine: Engine, prompts: list[list[int]], new_tokens: int) -> None:
     params = SamplingParams(max_new_tokens=min(WARMUP_TOKENS, new_tokens), temperature=0.0)
     engine.generate([p[:8] for p in prompts], params)
     engine.decode_stats = DecodeStats()
+    zoo.reset_decode_routing(engine.model)
 
 
 def timed_probe(engine: Engine, cell: dict, vocab: int, seed: int) -> tuple[dict, float]:
@@ -342,6 +345,7 @@ def timed_probe(engine: Engine, cell: dict, vocab: int, seed: int) -> tuple[dict
         raise RuntimeError(f"the engine admitted {len(seqs)} of {cell['batch']} sequences of {cell['context']} tokens")
     with torch.no_grad():
         fill_random(engine.pool.layers, seed)
+    zoo.reset_decode_routing(engine.model)  # the probe's warm-up steps count too: same batch, same shapes
     step_s = DecodeProbe(engine, seqs, cell["context"]).median_step(steps=cell["new_tokens"], warmup=PROBE_WARMUP)
     return {
         "ttft_ms": None,
@@ -363,11 +367,26 @@ def floor_context(cell: dict) -> int:
     return cell["context"] + (cell["new_tokens"] - 2) // 2
 
 
-def floor_fields(model, cell: dict, step_s: float, rates: roofline.MachineRates) -> dict:
-    """The roofline beside the measurement: the decode step's floor at the cell's batch and mean context, and one
-    prompt's prefill floor (the engine prefills prompts of 512 tokens or more one after another, so the mean
-    TTFT at batch b waits for about (b + 1) / 2 of them; shorter ones share a forward)."""
-    step = roofline.decode_step_cost(model, cell["batch"], floor_context(cell), kv_format=cell["kv_dtype"])
+def routing_fields(model, batch: int, experts_read: dict[int, float]) -> dict:
+    """An MoE model's routing beside its floor: distinct experts a timed decode step read per MoE layer (measured,
+    mean over layers and steps), and a uniform router's expectation at this batch; None for a model without MoE."""
+    layers = zoo.moe_layers(model)
+    if not layers:
+        return {"experts_read": None, "experts_read_uniform": None, "n_experts": None}
+    expected = [zoo.expected_experts_read(moe.n_experts, moe.top_k, batch) for moe in layers.values()]
+    return {"experts_read": sum(experts_read.values()) / len(experts_read) if experts_read else None,
+            "experts_read_uniform": sum(expected) / len(expected),
+            "n_experts": max(moe.n_experts for moe in layers.values())}
+
+
+def floor_fields(model, cell: dict, step_s: float, rates: roofline.MachineRates,
+                 experts_read: dict[int, float] | None = None) -> dict:
+    """The roofline beside the measurement: the decode step's floor at the cell's batch and mean context (an MoE
+    layer's weight bytes those of the experts its timed steps read), and one prompt's prefill floor (the engine
+    prefills prompts of 512 tokens or more one after another, so the mean TTFT at batch b waits for about (b + 1) / 2
+    of them; shorter ones share a forward)."""
+    step = roofline.decode_step_cost(model, cell["batch"], floor_context(cell), kv_format=cell["kv_dtype"],
+                                     experts_read=experts_read or None)
     floor_s = roofline.floor_seconds(step, rates)
     prefill = roofline.prefill_cost(model, 1, cell["context"], kv_format=cell["kv_dtype"])
     return {

@@ -92,6 +92,25 @@ def weight_bytes(model, dtype: torch.dtype) -> int:
     return weight_elements(model) * dtype.itemsize
 
 
+def active_elements(model) -> int:
+    """Weights one token applies: weight_elements less, per MoE layer, the experts it is not routed to."""
+    return weight_elements(model) - sum(moe.inactive_weights for moe in zoo.moe_layers(model).values())
+
+
+def unread_expert_bytes(model, dtype: torch.dtype, tokens: int, experts_read: dict[int, float] | None = None) -> float:
+    """Expert weight bytes a step over `tokens` tokens does not read: per MoE layer, the share of its experts outside
+    the step's union, measured (experts_read: layer -> mean distinct experts a step read) or, without a measurement,
+    a uniform router's expectation E (1 - (1 - k/E)^tokens)."""
+    quantized = getattr(model, "quantization", None) is not None
+    unread = 0.0
+    for i, moe in zoo.moe_layers(model).items():
+        read = experts_read[i] if experts_read else zoo.expected_experts_read(moe.n_experts, moe.top_k, tokens)
+        stack = (sum(linear.stored_bytes for linear in moe.experts.children()) if quantized
+                 else 3 * moe.n_experts * moe.d_model * moe.expert_hidden * dtype.itemsize)
+        unread += (1 - read / moe.n_experts) * stack
+    return unread
+
+
 def attention_flops(own, read, keys: int) -> int:
     """One query's FLOPs in one layer over `keys` keys: q.k over the key width and p.v over the value width for every
     query head (a shared layer uses its own heads and its source's widths; MLA's latent row is both, absorbed)."""
@@ -101,19 +120,22 @@ def attention_flops(own, read, keys: int) -> int:
 
 
 def decode_step_cost(model, batch: int, context: int, dtype: torch.dtype | None = None,
-                     kv_format: str = "auto") -> StepCost:
+                     kv_format: str = "auto", experts_read: dict[int, float] | None = None) -> StepCost:
     """One decode step for `batch` sequences holding `context` tokens: it writes the new token's K/V (or rewrites
     its state) and attends over the keys of context + 1 its retention policy keeps; kv_format: how the per-token
-    caches are stored (cache.KV_FORMATS), which sets their bytes."""
+    caches are stored (cache.KV_FORMATS), which sets their bytes. An MoE layer reads only the experts its batch is
+    routed to: experts_read (layer -> distinct experts per step, measured), else a uniform router's expectation;
+    each token applies top_k of them."""
     if batch < 1 or context < 0:
         raise ValueError(f"batch must be >= 1 and context >= 0, got batch={batch}, context={context}")
     dtype = model_dtype(model, dtype)
     specs = model.cache_specs()
-    weights = weight_elements(model)
+    weights = active_elements(model)
     keys = context + 1
     write = sum(spec.token_bytes(dtype, kv_format) + spec.state_bytes(dtype) for spec in specs if spec.owns_memory)
     attention = sum(attention_flops(own, read, read.tokens_held(keys)) for own, read in zip(specs, specs_read(specs)))
-    return StepCost(weight_bytes=weight_bytes(model, dtype),
+    return StepCost(weight_bytes=round(weight_bytes(model, dtype) - unread_expert_bytes(model, dtype, batch,
+                                                                                          experts_read)),
                     cache_read_bytes=zoo.cache_read_bytes(model, seq_len=keys, batch=batch, dtype=dtype,
                                                           kv_format=kv_format),
                     cache_write_bytes=batch * write,
@@ -123,12 +145,13 @@ def decode_step_cost(model, batch: int, context: int, dtype: torch.dtype | None 
 def prefill_cost(model, batch: int, prompt_len: int, dtype: torch.dtype | None = None,
                  kv_format: str = "auto") -> StepCost:
     """`batch` prompts of `prompt_len` tokens from an empty cache. Every weight is applied to every token except the
-    head, which the engine applies at the last position only; bytes = weights + the cache written."""
+    head, which the engine applies at the last position only (an MoE layer applies top_k experts per token and reads
+    those its tokens are routed to); bytes = weights + the cache written."""
     if batch < 1 or prompt_len < 1:
         raise ValueError(f"batch and prompt_len must be >= 1, got batch={batch}, prompt_len={prompt_len}")
     dtype = model_dtype(model, dtype)
     specs = model.cache_specs()
-    weights = weight_elements(model)
+    weights = active_elements(model)
     head = model.config.vocab_size * model.config.d_model
     attention = 0
     for own, read in zip(specs, specs_read(specs)):
@@ -136,7 +159,8 @@ def prefill_cost(model, batch: int, prompt_len: int, dtype: torch.dtype | None =
             attention += prompt_len * attention_flops(own, read, 0)
         else:  # per (query, key) pair; MLA counted as its absorbed form (the expanded prefill does fewer)
             attention += attention_flops(own, read, read.retention.causal_pairs(prompt_len))
-    return StepCost(weight_bytes=weight_bytes(model, dtype), cache_read_bytes=0,
+    unread = unread_expert_bytes(model, dtype, batch * prompt_len)
+    return StepCost(weight_bytes=round(weight_bytes(model, dtype) - unread), cache_read_bytes=0,
                     cache_write_bytes=zoo.cache_bytes(model, seq_len=prompt_len, batch=batch, dtype=dtype,
                                                       kv_format=kv_format),
                     flops=batch * (2 * (weights - head) * prompt_len + 2 * head + attention))

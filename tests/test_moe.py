@@ -16,7 +16,7 @@ from zoo.ffn.moe import MoE
 from zoo.model import model_bytes
 from helpers import assert_not_constant, assert_same_output, greedy, make_prompts, random_model
 
-CAPTURED = SimpleNamespace(captured=True)  # what a graph-captured step's CacheBatch says
+CAPTURED = SimpleNamespace(captured=True, is_decode=True)  # what a graph-captured decode step's CacheBatch says
 FEW_MB = 4 * 2**20
 
 
@@ -26,7 +26,7 @@ def spread(moe: MoE, seed: int) -> MoE:
     are of order one."""
     generator = torch.Generator().manual_seed(seed)
     for name, tensor in [*moe.named_parameters(), *moe.named_buffers()]:
-        if name == "routed_tokens":
+        if not tensor.is_floating_point():  # the routing counters
             continue
         fan_in = tensor.shape[-1] if tensor.dim() > 1 else 1
         tensor.copy_(torch.randn(tensor.shape, generator=generator) * fan_in**-0.5)

@@ -3,7 +3,8 @@ from zoo.cache import cache_bytes, cache_read_bytes, decode_weight_bytes, parame
 from zoo.config import FFNSpec, MixerSpec, ModelConfig
 from zoo.hf import from_hf
 from zoo.model import DecoderLM
-from zoo.parameters import ParameterCounts, parameter_counts, routed_experts
+from zoo.parameters import (ParameterCounts, decode_experts_read, expected_experts_read, moe_layers, parameter_counts,
+                             reset_decode_routing, routed_experts)
 from zoo.presets import PRESETS
 from zoo.build import build
 from zoo.checkpoint import load, save
@@ -15,5 +16,6 @@ __all__ = [
     "ByteTokenizer", "DecoderLM", "FFNSpec", "MixerSpec", "ModelConfig", "PRESETS", "ParameterCounts", "QuantizeConfig",
     "architectures", "build", "cache_bytes", "cache_read_bytes", "compare_defaults", "decode_weight_bytes", "describe",
     "details", "from_hf", "is_causal", "load", "make_config", "parameter_bytes", "parameter_counts", "quantize",
-    "quantize_layers", "routed_experts", "save",
+    "quantize_layers", "routed_experts", "save", "decode_experts_read", "expected_experts_read", "moe_layers",
+    "reset_decode_routing",
 ]

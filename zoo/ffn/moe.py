@@ -65,6 +65,10 @@ class MoE(nn.Module):
         self.shared_expert_gate = Router(d_model, 1) if n_shared_experts and router == "softmax" else None
         # tokens routed to each expert by the last forward (padding rows too): what a step's weight reads follow
         self.register_buffer("routed_tokens", torch.zeros(n_experts, dtype=torch.int64), persistent=False)
+        # decode steps since the last reset, and in how many of them each expert was read: summed on the device (no
+        # host read per step, so a captured step records too), read once after a measurement
+        self.register_buffer("decode_steps", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("decode_reads", torch.zeros(n_experts, dtype=torch.int64), persistent=False)
 
     @staticmethod
     def module_bytes(dtype: torch.dtype, d_model: int, hidden: int, n_experts: int = 8, top_k: int = 2,
@@ -76,7 +80,7 @@ class MoE(nn.Module):
         shared_gate = Router.module_bytes(dtype, d_model, 1) if n_shared_experts and router == "softmax" else 0
         return (Router.module_bytes(dtype, d_model, n_experts, bias=router == "sigmoid")
                 + Experts.module_bytes(dtype, n_experts, d_model, width) + shared + shared_gate
-                + n_experts * torch.int64.itemsize)
+                + (2 * n_experts + 1) * torch.int64.itemsize)  # routed_tokens, decode_reads, decode_steps
 
     @property
     def inactive_weights(self) -> int:
@@ -99,7 +103,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         ids, weights = self.route(rows)
-        self.count(ids)
+        self.count(ids, batch is not None and batch.is_decode)
         fixed_shapes = torch.compiler.is_compiling() or (batch is not None and batch.captured)
         y = self.gathered(rows, ids, weights) if fixed_shapes else self.grouped(rows, ids, weights)
         if self.shared_experts is not None:
@@ -109,9 +113,13 @@ class MoE(nn.Module):
         return y.reshape(x.shape)
 
     @torch.no_grad()
-    def count(self, ids: torch.Tensor) -> None:
-        """routed_tokens := tokens per expert in this forward (fixed shapes: an index_add, not a bincount)."""
+    def count(self, ids: torch.Tensor, decode: bool) -> None:
+        """routed_tokens := tokens per expert in this forward (fixed shapes: an index_add, not a bincount); a decode
+        step also adds the experts it read to decode_reads."""
         self.routed_tokens.zero_().index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
+        if decode:
+            self.decode_steps.add_(1)
+            self.decode_reads.add_((self.routed_tokens > 0).long())
 
     def grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert; each routed expert runs once on its rows; outputs added back to their tokens."""
