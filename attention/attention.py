@@ -4,6 +4,7 @@ an earlier layer (cross-layer attention)."""
 import torch
 from torch import nn
 
+from attention.heads import default_head_dim
 from cache.layouts import fresh_attention
 from cache.retention import Retention
 from cache.spec import CacheBatch, CacheSpec
@@ -26,10 +27,7 @@ def head_sizes(d_model: int, n_heads: int, n_kv_heads: int | None, head_dim: int
     """(n_kv_heads, head_dim) with their defaults (n_heads; d_model // n_heads) filled in, checked."""
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
     check_heads(n_heads, n_kv_heads)
-    if head_dim is None:
-        if d_model % n_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim explicitly")
-        head_dim = d_model // n_heads
+    head_dim = default_head_dim(d_model, n_heads, head_dim)
     if head_dim < 1:
         raise ValueError(f"head_dim must be >= 1, got {head_dim}")
     return n_kv_heads, head_dim

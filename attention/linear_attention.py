@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.heads import default_head_dim
 from attention.reference import linear_attention_reference
 from cache.spec import CacheBatch, CacheSpec
 from kernels import Linear, linear_attention_chunked, linear_attention_parallel_ref, linear_attention_step
@@ -47,10 +48,7 @@ def head_sizes(d_model: int, n_heads: int, head_dim: int | None, feature_map: st
         raise ValueError(f"unknown feature_map {feature_map!r}; allowed: {', '.join(FEATURE_MAPS)}")
     if n_heads < 1:
         raise ValueError(f"n_heads must be >= 1, got {n_heads}")
-    if head_dim is None:
-        if d_model % n_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim explicitly")
-        head_dim = d_model // n_heads
+    head_dim = default_head_dim(d_model, n_heads, head_dim)
     if feature_dim is None:
         feature_dim = head_dim if feature_map == "elu" else 16
     for name, value in (("head_dim", head_dim), ("feature_dim", feature_dim)):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.heads import default_head_dim
 from cache.spec import CacheBatch, CacheSpec
 from kernels import Linear
 from kernels.gated_delta import gated_delta_chunked, gated_delta_step
@@ -58,10 +59,7 @@ def checked_head_dim(d_model: int, n_heads: int, head_dim: int | None, expand_v:
     """The sizes checked; head_dim with its default (d_model // n_heads) filled in."""
     if n_heads < 1:
         raise ValueError(f"n_heads must be >= 1, got {n_heads}")
-    if head_dim is None:
-        if d_model % n_heads:
-            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim explicitly")
-        head_dim = d_model // n_heads
+    head_dim = default_head_dim(d_model, n_heads, head_dim)
     for name, value in (("head_dim", head_dim), ("expand_v", expand_v), ("d_conv", d_conv)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
