@@ -321,12 +321,12 @@ def test_copy_weights_to_hf_rejects_a_different_window():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-          moe_intermediate_size=32), r"mixture-of-experts.*first_k_dense_replace=1.*num_hidden_layers=2"),
+    (dict(first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+          moe_intermediate_size=32), r"group-limited routing.*n_group=2, topk_group=1"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                            "original_max_position_embeddings": 64}), "yarn"),
-], ids=["moe", "attention_bias", "yarn"])
+], ids=["moe_group_limited", "attention_bias", "yarn"])
 def test_from_hf_rejects_unsupported_deepseek_v3(overrides, message):
     torch.manual_seed(0)
     hf = DeepseekV3ForCausalLM(deepseek_v3_config(**overrides))
