@@ -426,6 +426,13 @@ ARCHITECTURES: dict[str, Architecture] = {
         attention_layers(gqa_kv_heads), MOE_SETTINGS, mixer=ATTENTION, ffn="moe", compare_default=False,
         recall_default=False, recall=half_kv_heads,
     ),
+    # after moe for the same reason
+    "hybrid-moe": Architecture(
+        "MoE under other mixers (in the spirit of Jamba, Lieber et al. 2024): MLA with an MoE feed-forward, GQA with a "
+        "dense SwiGLU, then Mamba-2 and Gated DeltaNet layers with MoE (a 2-layer preset keeps the last two)",
+        Pattern("mla/moe,gqa/swiglu,mamba2/moe,gdn/moe"), ("layers",), in_patterns=False, hybrid=True,
+        compare_default=False, recall_default=False,
+    ),
 }
 
 
