@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from attention.heads import default_head_dim
+from attention.norm import RMSNorm
 from cache.layouts import fresh_attention
 from cache.retention import Retention
 from cache.spec import CacheBatch, CacheSpec
@@ -33,6 +34,25 @@ def head_sizes(d_model: int, n_heads: int, n_kv_heads: int | None, head_dim: int
     return n_kv_heads, head_dim
 
 
+# q/k RMSNorm before RoPE: "head" over each head, one gain shared by the heads (Qwen3); "all" over all heads (OLMoE)
+QK_NORMS = ("head", "all")
+
+
+def check_qk_norm(qk_norm: str | None) -> None:
+    if qk_norm is not None and qk_norm not in QK_NORMS:
+        raise ValueError(f"unknown qk_norm {qk_norm!r}; allowed: {', '.join(QK_NORMS)} or None")
+
+
+def qk_norm_widths(qk_norm: str | None, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(q_norm, k_norm) gain sizes; (0, 0) without a q/k norm."""
+    check_qk_norm(qk_norm)
+    if qk_norm is None:
+        return 0, 0
+    if qk_norm == "head":
+        return head_dim, head_dim
+    return n_heads * head_dim, n_kv_heads * head_dim
+
+
 class Attention(nn.Module):
     # layers whose outputs meet in the query-key product: AWQ leaves their weights unclipped (zoo/quantize.py)
     query_key_projections = ("q_proj", "k_proj")
@@ -51,12 +71,16 @@ class Attention(nn.Module):
         chunk: int | None = None,
         kv_source: int | None = None,
         causal: bool = True,
+        qk_norm: str | None = None,
+        norm_eps: float = 1e-5,
     ):
         """window: each query sees the newest `window` keys, itself included (HF Mistral's sliding_window).
         sinks: with a window, the first `sinks` positions stay visible to every query (StreamingLLM's attention sinks).
         chunk: each query sees only the keys of its own `chunk`-aligned chunk (Llama 4's chunked local attention).
         kv_source: index of an earlier layer whose keys and values this layer reads instead of computing its own.
-        causal: False lets every query see the whole sequence (a masked diffusion LM): every key kept, no kv_source."""
+        causal: False lets every query see the whole sequence (a masked diffusion LM): every key kept, no kv_source.
+        qk_norm: RMSNorm (eps norm_eps) on queries and keys after projection, before RoPE: None, "head" (Qwen3's,
+        over each head) or "all" (OLMoE's, over all heads' concatenated width); a kv_source layer norms only q."""
         super().__init__()
         n_kv_heads, head_dim = head_sizes(d_model, n_heads, n_kv_heads, head_dim)
         self.retention = Retention(sinks=sinks, window=window, chunk=chunk)  # checks the three
@@ -78,16 +102,25 @@ class Attention(nn.Module):
             self.v_proj = Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.o_proj = Linear(n_heads * head_dim, d_model, bias=bias)
         self.rope_base, self.rope = rope_base, RotaryEmbedding(head_dim, rope_base)
+        self.qk_norm = qk_norm
+        q_width, k_width = qk_norm_widths(qk_norm, n_heads, n_kv_heads, head_dim)
+        if qk_norm is not None:
+            self.q_norm = RMSNorm(q_width, norm_eps)
+            if kv_source is None:
+                self.k_norm = RMSNorm(k_width, norm_eps)
 
     @staticmethod
     def module_bytes(dtype: torch.dtype, d_model: int, n_heads: int, n_kv_heads: int | None, head_dim: int | None,
-                     bias: bool, kv_source: int | None, **_) -> int:
+                     bias: bool, kv_source: int | None, qk_norm: str | None, **_) -> int:
         """Bytes of the parameters and buffers __init__ makes, from its arguments alone (the rest size nothing)."""
         n_kv_heads, head_dim = head_sizes(d_model, n_heads, n_kv_heads, head_dim)
         projections = [(d_model, n_heads * head_dim), (n_heads * head_dim, d_model)]  # q, o
+        q_width, k_width = qk_norm_widths(qk_norm, n_heads, n_kv_heads, head_dim)
+        norms = q_width
         if kv_source is None:
             projections += [(d_model, n_kv_heads * head_dim)] * 2  # k, v
-        elements = sum(rows * cols + (cols if bias else 0) for rows, cols in projections)
+            norms += k_width
+        elements = norms + sum(rows * cols + (cols if bias else 0) for rows, cols in projections)
         return elements * dtype.itemsize + RotaryEmbedding.buffer_bytes(head_dim)
 
     def cache_spec(self) -> CacheSpec:
@@ -107,13 +140,13 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         if positions is None:
             positions = torch.arange(t, device=x.device).expand(b, t)
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        q = self.normed_heads(self.q_proj(x), "q_norm", self.n_heads)
         cos, sin = self.rope(positions, q.dtype)
         q = apply_rope(q, cos, sin)
         if self.kv_source is not None:
             out = cache.attend(q, batch, self.scale)
         else:
-            k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            k = self.normed_heads(self.k_proj(x), "k_norm", self.n_kv_heads)
             v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
             k = apply_rope(k, cos, sin)
             if cache is not None:
@@ -124,6 +157,16 @@ class Attention(nn.Module):
             else:
                 out = cache.attend(q, batch, self.scale, causal=self.causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def normed_heads(self, y: torch.Tensor, norm: str, n: int) -> torch.Tensor:
+        """A projection [B, T, n * head_dim] -> [B, n, T, head_dim], through the q/k norm `norm` when there is one."""
+        b, t, _ = y.shape
+        if self.qk_norm == "all":
+            y = getattr(self, norm)(y)
+        y = y.view(b, t, n, self.head_dim)
+        if self.qk_norm == "head":
+            y = getattr(self, norm)(y)
+        return y.transpose(1, 2)
 
     def reference(self, x: torch.Tensor, kv_from=None) -> torch.Tensor:
         """The float64 oracle (attention/reference.py); kv_from = (source mixer, its input) for a layer that shares."""

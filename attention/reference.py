@@ -5,7 +5,8 @@ computes everything else itself (RoPE, scale, masks, feature maps) in float64, w
 kernels/ or cache/. Inputs are [B, T, d_model] at positions 0 .. T-1 (an uncached forward); outputs are float64.
 
     attention_reference(mixer, x, kv_from=None)   softmax attention: MHA / GQA / MQA, window, sinks, chunk,
-                                                  non-causal, cross-layer (kv_from = the source layer and its input)
+                                                  non-causal, cross-layer (kv_from = the source layer and its input),
+                                                  q/k RMSNorm per head or over all heads (Qwen3, OLMoE)
     mla_reference(mixer, x)                       DeepSeek-V2 MLA, the uncached (non-absorbed) form
     linear_attention_reference(mixer, x)          Katharopoulos et al. linear attention, a loop over t
 """
@@ -98,6 +99,19 @@ def merge_heads(y: torch.Tensor) -> torch.Tensor:
     return y.transpose(1, 2).reshape(b, t, n * d)
 
 
+def qk_normed(mixer, norm: str, y: torch.Tensor, n: int) -> torch.Tensor:
+    """Projected queries or keys [B, T, n * d] split into heads [B, n, T, d], RMS-normed first as mixer.qk_norm says:
+    "head" over each head's d values with one gain of d, "all" over the n * d values of a token with a gain of n * d
+    (its eps the norm module's, the model's norm_eps), None not at all."""
+    qk_norm = getattr(mixer, "qk_norm", None)
+    if qk_norm is None:
+        return heads(y, n)
+    gain, eps = getattr(mixer, norm).weight, getattr(mixer, norm).eps
+    if qk_norm == "all":
+        return heads(rms_norm(y, gain, eps), n)
+    return rms_norm(heads(y, n), gain, eps)
+
+
 def attention_reference(mixer, x: torch.Tensor, kv_from=None) -> torch.Tensor:
     """Softmax attention (Vaswani et al. 2017) with grouped KV heads (Ainslie et al. 2023) and RoPE, in float64.
 
@@ -108,7 +122,7 @@ def attention_reference(mixer, x: torch.Tensor, kv_from=None) -> torch.Tensor:
     x = x.detach().to(F64)
     n_heads, n_kv_heads, head_dim = mixer.n_heads, mixer.n_kv_heads, mixer.head_dim
     base = mixer.rope_base
-    q = rope(heads(project(mixer.q_proj, x), n_heads), base)
+    q = rope(qk_normed(mixer, "q_norm", project(mixer.q_proj, x), n_heads), base)
     if mixer.kv_source is not None:
         if kv_from is None:
             raise ValueError(f"layer {mixer.layer_idx} reads the keys of layer {mixer.kv_source}: pass "
@@ -117,7 +131,7 @@ def attention_reference(mixer, x: torch.Tensor, kv_from=None) -> torch.Tensor:
         kv_mixer, kv_x = source, source_x.detach().to(F64)
     else:
         kv_mixer, kv_x = mixer, x
-    k = rope(heads(project(kv_mixer.k_proj, kv_x), n_kv_heads), base)
+    k = rope(qk_normed(kv_mixer, "k_norm", project(kv_mixer.k_proj, kv_x), n_kv_heads), base)
     v = heads(project(kv_mixer.v_proj, kv_x), n_kv_heads)
     assert q.shape[-1] == k.shape[-1] == head_dim
     mask = visibility_mask(x.shape[1], mixer.causal, mixer.window, mixer.sinks, mixer.chunk)

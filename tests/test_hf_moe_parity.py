@@ -1,4 +1,5 @@
-"""HF oracles for mixture-of-experts decoders: Mixtral, Qwen2-MoE and DeepSeek-V3 (MLA, dense layers then MoE).
+"""HF oracles for mixture-of-experts decoders: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE (q/k RMSNorm per head and over
+all heads) and DeepSeek-V3 (MLA, dense layers then MoE).
 Same weights in, same logits and greedy tokens out, both ways (zoo.from_hf, copy_weights_to_hf); unsupported
 routing and families refused by name before any weight is read."""
 from types import SimpleNamespace
@@ -6,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from transformers import (
-    DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM, OlmoeConfig, Qwen2MoeConfig,
-    Qwen2MoeForCausalLM, Qwen3MoeConfig,
+    DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM,
+    Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM,
 )
 
 import zoo
@@ -37,6 +38,17 @@ def qwen2_moe_config(**overrides) -> Qwen2MoeConfig:
     return Qwen2MoeConfig(**{**settings, **overrides})
 
 
+def qwen3_moe_config(**overrides) -> Qwen3MoeConfig:
+    settings = dict(SHARED, intermediate_size=96, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
+                    norm_topk_prob=False)
+    return Qwen3MoeConfig(**{**settings, **overrides})
+
+
+def olmoe_config(**overrides) -> OlmoeConfig:
+    settings = dict(SHARED, intermediate_size=32, num_experts=6, num_experts_per_tok=2)  # norm_topk_prob: False
+    return OlmoeConfig(**{**settings, **overrides})
+
+
 def deepseek_v3_config(**overrides) -> DeepseekV3Config:
     settings = dict(
         SHARED, num_key_value_heads=4,  # HF expands MLA keys to every head; its eager path needs all of them
@@ -48,7 +60,8 @@ def deepseek_v3_config(**overrides) -> DeepseekV3Config:
 
 
 FAMILIES = {"mixtral": (MixtralForCausalLM, mixtral_config), "qwen2_moe": (Qwen2MoeForCausalLM, qwen2_moe_config),
-            "deepseek_v3": (DeepseekV3ForCausalLM, deepseek_v3_config)}
+            "deepseek_v3": (DeepseekV3ForCausalLM, deepseek_v3_config),
+            "qwen3_moe": (Qwen3MoeForCausalLM, qwen3_moe_config), "olmoe": (OlmoeForCausalLM, olmoe_config)}
 
 # case -> (family, HF overrides, each layer's zoo FFN class)
 CASES = {
@@ -65,6 +78,14 @@ CASES = {
         q_lora_rank=24, rope_interleave=False, first_k_dense_replace=0, n_shared_experts=2, n_group=2, topk_group=2,
         routed_scaling_factor=1.0, norm_topk_prob=False, num_hidden_layers=2,
     ), ["MoE", "MoE"]),
+    "qwen3_moe_mlp_only": ("qwen3_moe", dict(mlp_only_layers=[1], norm_topk_prob=True), ["MoE", "SwiGLU", "MoE"]),
+    "qwen3_moe_window_sparse_step_bias": ("qwen3_moe", dict(
+        decoder_sparse_step=2, num_hidden_layers=4, use_sliding_window=True, sliding_window=12, head_dim=32,
+        attention_bias=True,
+    ), ["SwiGLU", "MoE", "SwiGLU", "MoE"]),
+    "olmoe": ("olmoe", dict(), ["MoE"] * 3),
+    "olmoe_norm_topk_bias": ("olmoe", dict(norm_topk_prob=True, attention_bias=True, num_hidden_layers=2),
+                             ["MoE"] * 2),
 }
 
 
@@ -98,7 +119,7 @@ def test_each_layers_ffn_is_mapped(pair):
 
 
 def hf_expert_width(c) -> int:
-    return c.intermediate_size if c.model_type == "mixtral" else c.moe_intermediate_size
+    return c.intermediate_size if c.model_type in ("mixtral", "olmoe") else c.moe_intermediate_size
 
 
 def test_logits_match(pair):
@@ -137,6 +158,8 @@ def test_greedy_continuation_matches_generate(pair, hf_continuation, kv_cache):
     ("qwen2_moe_window_sparse_step", "use_sliding_window", False),
     ("deepseek_v3_moe", "routed_scaling_factor", 1.0),
     ("deepseek_v3_moe", "norm_topk_prob", False),
+    ("qwen3_moe_window_sparse_step_bias", "norm_topk_prob", True),
+    ("olmoe", "norm_topk_prob", True),
 ])
 def test_oracle_setting_matters(case, setting, other):
     """Guard: each HF setting the conversion must honour changes HF's logits on these models, so the parity tests
@@ -148,6 +171,19 @@ def test_oracle_setting_matters(case, setting, other):
     with torch.no_grad():
         err = (hf(tokens).logits - twin(tokens).logits).abs().max().item()
     assert err > 0.1, f"{case}: {setting}={other} gives the same logits; the parity test proves nothing"
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe_mlp_only", "olmoe"])
+def test_oracle_qk_norm_matters(case):
+    """Guard: HF's q_norm and k_norm change its logits, so a converter that dropped the q/k norm would fail parity."""
+    hf = random_family(case)
+    twin = random_family(case)
+    for layer in twin.model.layers:
+        layer.self_attn.q_norm, layer.self_attn.k_norm = torch.nn.Identity(), torch.nn.Identity()
+    tokens = torch.tensor([prompt_ids()])
+    with torch.no_grad():
+        err = (hf(tokens).logits - twin(tokens).logits).abs().max().item()
+    assert err > 0.1, f"{case}: without q/k norm HF gives the same logits; the parity test proves nothing"
 
 
 # ---- zoo -> HF: registry-built models into HF twins of the matching config ---------------------------------------
@@ -191,6 +227,26 @@ def qwen2_moe_twin(model: DecoderLM) -> Qwen2MoeForCausalLM:
     return Qwen2MoeForCausalLM(config).float().eval()
 
 
+def qwen3_moe_twin(model: DecoderLM) -> Qwen3MoeForCausalLM:
+    p, moe = model.config.layers[0].params, model.blocks[0].mlp
+    config = qwen3_moe_config(
+        **sizes(model), num_attention_heads=p["n_heads"], num_key_value_heads=p["n_kv_heads"],
+        moe_intermediate_size=moe.expert_hidden, num_experts=moe.n_experts, num_experts_per_tok=moe.top_k,
+        norm_topk_prob=moe.norm_topk_prob,
+    )
+    return Qwen3MoeForCausalLM(config).float().eval()
+
+
+def olmoe_twin(model: DecoderLM) -> OlmoeForCausalLM:
+    p, moe = model.config.layers[0].params, model.blocks[0].mlp
+    config = olmoe_config(
+        **sizes(model), num_attention_heads=p["n_heads"], num_key_value_heads=p["n_kv_heads"],
+        intermediate_size=moe.expert_hidden, num_experts=moe.n_experts, num_experts_per_tok=moe.top_k,
+        norm_topk_prob=moe.norm_topk_prob,
+    )
+    return OlmoeForCausalLM(config).float().eval()
+
+
 def deepseek_v3_twin(model: DecoderLM) -> DeepseekV3ForCausalLM:
     p, moe = model.config.layers[0].params, model.blocks[1].mlp
     mla = {k: p[k] for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
@@ -207,7 +263,9 @@ def deepseek_v3_twin(model: DecoderLM) -> DeepseekV3ForCausalLM:
     ("moe", dict(n_shared_experts=2, expert_hidden=32, norm_topk_prob=False, top_k=3), qwen2_moe_twin),
     ("hybrid", dict(layers="mla/swiglu,mla/moe", router="sigmoid", n_shared_experts=1, expert_hidden=32),
      deepseek_v3_twin),
-], ids=["mixtral", "qwen2_moe", "deepseek_v3"])
+    ("moe", dict(qk_norm="head", expert_hidden=32, top_k=3), qwen3_moe_twin),
+    ("moe", dict(qk_norm="all", norm_topk_prob=False), olmoe_twin),
+], ids=["mixtral", "qwen2_moe", "deepseek_v3", "qwen3_moe", "olmoe"])
 def test_copy_weights_to_hf_round_trip(arch, settings, twin_of):
     model = zoo_moe(arch, **settings)
     hf = twin_of(model)
@@ -253,8 +311,8 @@ def test_copy_weights_to_hf_refuses_an_output_bias_qwen2_moe_lacks():
 # ---- refusals: before any weight is read (the stand-in model has none) -------------------------------------------
 
 @pytest.mark.parametrize("config, message", [
-    (OlmoeConfig(), r"model_type 'olmoe': .*q_norm, k_norm.*no q/k norm"),
-    (Qwen3MoeConfig(), r"model_type 'qwen3_moe': .*q_norm, k_norm.*no q/k norm"),
+    (olmoe_config(clip_qkv=8.0), r"OLMoE with clip_qkv=8.0 is not supported.*allowed: clip_qkv=None"),
+    (qwen3_moe_config(decoder_sparse_step=0), r"decoder_sparse_step must be >= 1, got 0"),
     (deepseek_v3_config(n_group=3, topk_group=1), r"group-limited routing .*n_group=3, topk_group=1; allowed: "
                                                   r"topk_group == n_group"),
     (deepseek_v3_config(routed_scaling_factor=0.0), r"routed_scaling_factor must be a finite number > 0, got 0.0"),
@@ -268,8 +326,8 @@ def test_copy_weights_to_hf_refuses_an_output_bias_qwen2_moe_lacks():
     (qwen2_moe_config(decoder_sparse_step=0), r"decoder_sparse_step must be >= 1, got 0"),
     (qwen2_moe_config(layer_types=["sliding_attention", "full_attention", "full_attention"]),
      r"layer_types\[0\]='sliding_attention' needs sliding_window >= 1, got sliding_window=0"),
-], ids=["olmoe", "qwen3_moe", "group_limited", "routed_scale_zero", "no_dense_count", "gelu", "top_k_above_experts",
-        "zero_experts", "shared_width", "sparse_step_zero", "window_zero"])
+], ids=["olmoe_clip_qkv", "qwen3_moe_sparse_step_zero", "group_limited", "routed_scale_zero", "no_dense_count",
+        "gelu", "top_k_above_experts", "zero_experts", "shared_width", "sparse_step_zero", "window_zero"])
 def test_from_hf_refuses_unsupported_moe_configs(config, message):
     with pytest.raises(ValueError, match=message):
         zoo.from_hf(SimpleNamespace(config=config))

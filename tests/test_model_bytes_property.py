@@ -24,8 +24,8 @@ def configs(draw) -> zoo.ModelConfig:
         "mlp": draw(st.sampled_from(["swiglu", "gelu", "none"])), "mlp_hidden": draw(st.integers(1, 200)),
         "norm": draw(st.sampled_from(["rmsnorm", "layernorm"])),
     }
-    if arch == "mamba2":  # its default head_dim 64 need not divide expand * d_model
-        overrides["head_dim"] = head_width
+    if any(spec.kind == "mamba2" for spec in zoo.make_config(arch, "tiny").layers):  # mamba2 or a hybrid with it:
+        overrides["head_dim"] = head_width  # its default head_dim 64 need not divide expand * d_model
     if arch == "cla":  # the share factor must divide the layer count
         overrides["share"] = 2 if n_layers % 2 == 0 else 1
     return zoo.make_config(arch, "tiny", **overrides)

@@ -1,8 +1,8 @@
 """Weights interop with HF transformers: an HF model in, a zoo model with the same weights (and logits) out.
 
-Supported: LlamaForCausalLM, MistralForCausalLM (sliding window), MixtralForCausalLM and Qwen2MoeForCausalLM
-(mixture of experts, zoo/hf_moe.py), DeepseekV3ForCausalLM (MLA; dense layers, then MoE layers), MambaForCausalLM and
-Mamba2ForCausalLM. OLMoE and Qwen3-MoE are refused by name: their attention normalises queries and keys.
+Supported: LlamaForCausalLM, MistralForCausalLM (sliding window), MixtralForCausalLM, Qwen2MoeForCausalLM,
+Qwen3MoeForCausalLM and OlmoeForCausalLM (mixture of experts, zoo/hf_moe.py; the last two with q/k RMSNorm in
+attention), DeepseekV3ForCausalLM (MLA; dense layers, then MoE layers), MambaForCausalLM and Mamba2ForCausalLM.
 """
 import inspect
 from typing import Callable, NamedTuple
@@ -12,8 +12,8 @@ import torch
 from zoo.config import FFNSpec, MixerSpec, ModelConfig
 from zoo.hf_mamba import mamba_config, mamba_names
 from zoo.hf_mamba2 import mamba2_config, mamba2_names
-from zoo.hf_moe import (REFUSED, deepseek_v3_ffns, expert_fusions, ffn_names, ffn_settings, mixtral_ffns,
-                        qwen2_moe_ffns, routed_scales)
+from zoo.hf_moe import (deepseek_v3_ffns, expert_fusions, ffn_names, ffn_settings, mixtral_ffns, olmoe_ffns,
+                        qwen2_moe_ffns, qwen3_moe_ffns, routed_scales)
 from zoo.mixers import mixer_class
 from zoo.model import DecoderLM
 
@@ -110,9 +110,6 @@ def load_into_hf(hf_model, theirs: dict, tied: bool) -> None:
 
 def converter_for(hf_config) -> Converter:
     model_type = getattr(hf_config, "model_type", None)
-    if model_type in REFUSED:
-        raise ValueError(f"from_hf does not support model_type {model_type!r}: {REFUSED[model_type]}; supported: "
-                         f"{', '.join(CONVERTERS)}")
     if model_type not in CONVERTERS:
         raise ValueError(f"from_hf does not support model_type {model_type!r}; supported: {', '.join(CONVERTERS)}")
     return CONVERTERS[model_type]
@@ -211,6 +208,24 @@ def qwen2_moe_names(config: ModelConfig) -> list[tuple[str, str]]:
     return [(hf, ours) for hf, ours in decoder_names(config, shared_expert="shared_expert") if ours not in absent]
 
 
+def qwen3_moe_config(c) -> ModelConfig:
+    """Attention with RMSNorm over each query and key head before RoPE (q_norm, k_norm of head_dim), every layer
+    windowed when use_sliding_window; MoE or dense FFNs per layer as Qwen2-MoE's, no shared expert."""
+    attention = {**attention_settings(c), "window": c.sliding_window, "qk_norm": "head", "norm_eps": c.rms_norm_eps}
+    layers = [MixerSpec("attention", dict(attention)) for _ in range(c.num_hidden_layers)]
+    return decoder_config(c, layers, "qwen3_moe", qwen3_moe_ffns(c))
+
+
+def olmoe_config(c) -> ModelConfig:
+    """Attention with RMSNorm over all query heads' and all key heads' width before RoPE; an MoE in every layer."""
+    if c.clip_qkv is not None:
+        raise ValueError(f"OLMoE with clip_qkv={c.clip_qkv!r} is not supported (the zoo's attention does not clamp "
+                         f"q, k, v); allowed: clip_qkv=None")
+    attention = {**attention_settings(c), "qk_norm": "all", "norm_eps": c.rms_norm_eps}
+    layers = [MixerSpec("attention", dict(attention)) for _ in range(c.num_hidden_layers)]
+    return decoder_config(c, layers, "olmoe", olmoe_ffns(c))
+
+
 def deepseek_v3_config(c) -> ModelConfig:
     """MLA in every layer; dense MLPs in the first first_k_dense_replace layers, MoE after."""
     if c.attention_bias:
@@ -247,7 +262,8 @@ def decoder_names(config: ModelConfig, shared_expert: str = "shared_experts"):
 def mixer_weight_names(spec: MixerSpec) -> list[str]:
     if spec.kind == "attention":
         suffixes = ("weight", "bias") if spec.params.get("bias") else ("weight",)
-        return [f"{proj}.{s}" for proj in ("q_proj", "k_proj", "v_proj", "o_proj") for s in suffixes]
+        norms = ["q_norm.weight", "k_norm.weight"] if spec.params.get("qk_norm") else []
+        return [f"{proj}.{s}" for proj in ("q_proj", "k_proj", "v_proj", "o_proj") for s in suffixes] + norms
     if spec.kind == "mla":
         q = ["q_proj"] if spec.params.get("q_lora_rank") is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
         return [f"{m}.weight" for m in (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")]
@@ -278,6 +294,8 @@ CONVERTERS = {
     "mistral": Converter(mistral_config, decoder_names),
     "mixtral": Converter(mixtral_config, decoder_names, fused=expert_fusions),
     "qwen2_moe": Converter(qwen2_moe_config, qwen2_moe_names, fused=expert_fusions, absent=qwen2_moe_absent),
+    "qwen3_moe": Converter(qwen3_moe_config, decoder_names, fused=expert_fusions),
+    "olmoe": Converter(olmoe_config, decoder_names, fused=expert_fusions),
     "deepseek_v3": Converter(deepseek_v3_config, decoder_names, interleaved_rope_rows, expert_fusions, routed_scales),
     "mamba": Converter(mamba_config, mamba_names),
     "mamba2": Converter(mamba2_config, mamba2_names),

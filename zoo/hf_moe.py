@@ -1,5 +1,6 @@
-"""HF interop for the feed-forward of mixture-of-experts decoders (Mixtral, Qwen2-MoE, DeepSeek-V3): each layer's
-FFNSpec from an HF config, the FFN weights' HF names, and refusals for routing the zoo's MoE does not compute.
+"""HF interop for the feed-forward of mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3):
+each layer's FFNSpec from an HF config, the FFN weights' HF names, and refusals for routing the zoo's MoE does not
+compute.
 
 transformers stacks a layer's routed experts as the zoo does, with gate and up fused: experts.gate_up_proj is
 [n_experts, 2 * width, d_model] ([gate; up] per expert), experts.down_proj [n_experts, d_model, width].
@@ -12,15 +13,6 @@ from zoo.feedforward import bound_arguments
 from zoo.ffn.moe import expert_width
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-# MoE model types the zoo cannot compute, and what it lacks for them
-REFUSED = {
-    "olmoe": "OLMoE's attention applies RMSNorm to its queries and keys (q_norm, k_norm over all heads); the zoo's "
-             "attention mixer has no q/k norm",
-    "qwen3_moe": "Qwen3-MoE's attention applies RMSNorm to each query and key head (q_norm, k_norm); the zoo's "
-                 "attention mixer has no q/k norm",
-}
-
 
 class Fused(NamedTuple):
     """An HF weight that is the zoo weights `parts` (equal shapes) concatenated along `dim`."""
@@ -61,18 +53,41 @@ def mixtral_ffns(c) -> list[FFNSpec]:
     return per_layer([True] * c.num_hidden_layers, spec)
 
 
-def qwen2_moe_ffns(c) -> list[FFNSpec] | None:
-    """MoE in the layers HF makes sparse (num_experts > 0, (i + 1) % decoder_sparse_step == 0, i not in
-    mlp_only_layers), a SwiGLU of intermediate_size elsewhere; the shared expert gated by a sigmoid."""
+def qwen_sparse_layers(c) -> list[bool]:
+    """The layers Qwen2-MoE and Qwen3-MoE make sparse: num_experts > 0, (i + 1) % decoder_sparse_step == 0, i not in
+    mlp_only_layers."""
     step = checks.integer("decoder_sparse_step", c.decoder_sparse_step, minimum=1)
-    is_moe = [c.num_experts > 0 and (i + 1) % step == 0 and i not in c.mlp_only_layers
-              for i in range(c.num_hidden_layers)]
+    return [c.num_experts > 0 and (i + 1) % step == 0 and i not in c.mlp_only_layers
+            for i in range(c.num_hidden_layers)]
+
+
+def qwen2_moe_ffns(c) -> list[FFNSpec] | None:
+    """MoE in the sparse layers (qwen_sparse_layers), a SwiGLU of intermediate_size elsewhere; the shared expert
+    gated by a sigmoid."""
+    is_moe = qwen_sparse_layers(c)
     if not any(is_moe):
         return None
     n_experts = check_experts(c, "num_experts")
     spec = moe_spec(n_experts, c.num_experts_per_tok, c.moe_intermediate_size, qwen2_shared_experts(c), "softmax",
                     bool(c.norm_topk_prob))
     return per_layer(is_moe, spec)
+
+
+def qwen3_moe_ffns(c) -> list[FFNSpec] | None:
+    """Qwen2-MoE's sparse layers and softmax top-k (renormalised as norm_topk_prob says), without a shared expert."""
+    is_moe = qwen_sparse_layers(c)
+    if not any(is_moe):
+        return None
+    n_experts = check_experts(c, "num_experts")
+    spec = moe_spec(n_experts, c.num_experts_per_tok, c.moe_intermediate_size, 0, "softmax", bool(c.norm_topk_prob))
+    return per_layer(is_moe, spec)
+
+
+def olmoe_ffns(c) -> list[FFNSpec]:
+    """Every layer an MoE of intermediate_size experts; softmax top-k, renormalised only with norm_topk_prob."""
+    n_experts = check_experts(c, "num_experts")
+    spec = moe_spec(n_experts, c.num_experts_per_tok, c.intermediate_size, 0, "softmax", bool(c.norm_topk_prob))
+    return per_layer([True] * c.num_hidden_layers, spec)
 
 
 def qwen2_shared_experts(c) -> int:

@@ -8,6 +8,7 @@ from typing import Callable
 from torch import nn
 
 from attention import Attention, LinearAttention, MLAttention
+from attention.attention import QK_NORMS
 from ssm import Mamba, Mamba2
 from ssm.gated_deltanet import EIGENVALUES, GatedDeltaNet
 from zoo import checks
@@ -105,6 +106,8 @@ def attention_params(settings: dict, kv_heads: int, *retention: str) -> dict:
     params = {"n_heads": settings["n_heads"], "n_kv_heads": kv_heads, **{name: settings[name] for name in retention}}
     if settings.get("head_dim") is not None:
         params["head_dim"] = settings["head_dim"]
+    if settings.get("qk_norm") is not None:  # its eps the model's norm_eps, as the block norms'
+        params.update(qk_norm=settings["qk_norm"], norm_eps=settings.get("norm_eps", 1e-5))
     return params
 
 
@@ -281,6 +284,7 @@ SETTINGS: dict[str, Setting] = {
     "layers": Setting(str, "hybrid pattern: comma-separated layer names, repeated to n_layers", default=ENTRY),
     "mixer": Setting(str, "the bidirectional architecture the diffusion LM is made of", choices=bidirectional_names,
                      default="gqa"),
+    "qk_norm": Setting(str, "attention q/k RMSNorm before RoPE: head (Qwen3) or all (OLMoE)", choices=lambda: QK_NORMS),
     "kv_lora_rank": Setting(int, "MLA latent width (default d_model / 4)"),
     "q_lora_rank": Setting(int, "MLA query low-rank width (default: none)"),
     "qk_nope_head_dim": Setting(int, "MLA per-head key/query width without RoPE (default head_dim)"),
@@ -307,6 +311,7 @@ SETTINGS: dict[str, Setting] = {
                               "Qwen2-MoE's flag)", owner="FFN"),
 }
 MOE_SETTINGS = ("n_experts", "top_k", "expert_hidden", "n_shared_experts", "router", "norm_topk_prob")
+QK = ("qk_norm",)  # what the GQA-family attention entries read besides their retention
 
 # The feed-forward kinds (FFNSpec.kind; "none" is a layer without one), one declaration each.
 FFNS: dict[str, FFN] = {ffn.kind: ffn for ffn in (
@@ -322,17 +327,17 @@ gated_delta_layers = mixer_layers("gdn", ("head_dim", "expand_v", "d_conv", "eig
 ARCHITECTURES: dict[str, Architecture] = {
     "mha": Architecture(
         "multi-head attention: one KV head per query head (the full KV cache)",
-        attention_layers(fixed_kv_heads("mha", lambda settings: settings["n_heads"])), mixer=ATTENTION,
+        attention_layers(fixed_kv_heads("mha", lambda settings: settings["n_heads"])), QK, mixer=ATTENTION,
         bidirectional=True, hf_class="LlamaForCausalLM",
     ),
     "gqa": Architecture(
         "grouped-query attention: query heads share fewer KV heads (cache shrinks by n_heads/n_kv_heads)",
-        attention_layers(gqa_kv_heads), mixer=ATTENTION, bidirectional=True, recall=half_kv_heads,
+        attention_layers(gqa_kv_heads), QK, mixer=ATTENTION, bidirectional=True, recall=half_kv_heads,
         hf_class="LlamaForCausalLM",
     ),
     "mqa": Architecture(
         "multi-query attention: all query heads share one KV head (smallest attention KV cache)",
-        attention_layers(fixed_kv_heads("mqa", lambda settings: 1)), mixer=ATTENTION, bidirectional=True,
+        attention_layers(fixed_kv_heads("mqa", lambda settings: 1)), QK, mixer=ATTENTION, bidirectional=True,
         hf_class="LlamaForCausalLM",
     ),
     "mla": Architecture(
@@ -342,7 +347,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
     "cla": Architecture(
         "cross-layer attention: each group of `share` layers (default 2) caches one set of GQA keys/values",
-        cross_layer_layers, ("share",), mixer=ATTENTION, in_patterns=False, recall=half_kv_heads,
+        cross_layer_layers, ("share", *QK), mixer=ATTENTION, in_patterns=False, recall=half_kv_heads,
         recall_layers=(2, 4),
         recall_note="at 2 layers with share 2 the second layer reads keys and values computed from the token "
                     "embeddings, so no layer can match a query against keys that carry their preceding token (the "
@@ -350,19 +355,19 @@ ARCHITECTURES: dict[str, Architecture] = {
     ),
     "swa": Architecture(
         "sliding-window GQA: each query sees the newest `window` keys; the cache stops growing at the window",
-        attention_layers(gqa_kv_heads, "window"), ("window",), mixer=ATTENTION, recall=windowed,
+        attention_layers(gqa_kv_heads, "window"), ("window", *QK), mixer=ATTENTION, recall=windowed,
         hf_class="MistralForCausalLM",
     ),
     "sink": Architecture(
         "attention sinks (StreamingLLM, Xiao et al. 2023): GQA where each query sees the first `sinks` tokens and the "
         "newest `window`; the cache stops growing at sinks + window",
-        attention_layers(gqa_kv_heads, "window", "sinks"), ("window", "sinks"), mixer=ATTENTION,
+        attention_layers(gqa_kv_heads, "window", "sinks"), ("window", "sinks", *QK), mixer=ATTENTION,
         compare_default=False, recall_default=False, recall=windowed,
     ),
     "chunked": Architecture(
         "chunked local attention (Llama 4): GQA where each query sees only the keys of its own `chunk`-token chunk; the "
         "cache never holds more than one chunk",
-        attention_layers(gqa_kv_heads, "chunk"), ("chunk",), mixer=ATTENTION, compare_default=False,
+        attention_layers(gqa_kv_heads, "chunk"), ("chunk", *QK), mixer=ATTENTION, compare_default=False,
         recall_default=False,
         recall=lambda d_model, n_heads, seq_len: {**half_kv_heads(d_model, n_heads, seq_len), "chunk": max(1, seq_len // 4)},
     ),
@@ -423,7 +428,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "moe": Architecture(
         "mixture of experts (Mixtral): GQA attention, and in every layer a router sends each token to top_k of "
         "n_experts SwiGLU experts (default 2 of 8); DeepSeek-V3's sigmoid router and shared experts as settings",
-        attention_layers(gqa_kv_heads), MOE_SETTINGS, mixer=ATTENTION, ffn="moe", compare_default=False,
+        attention_layers(gqa_kv_heads), (*MOE_SETTINGS, *QK), mixer=ATTENTION, ffn="moe", compare_default=False,
         recall_default=False, recall=half_kv_heads,
     ),
     # after moe for the same reason
