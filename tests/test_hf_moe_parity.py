@@ -12,11 +12,11 @@ from transformers import (
 )
 
 import zoo
-from harness import Engine, SamplingParams
 from zoo.hf import copy_weights_to_hf
 from zoo.model import DecoderLM
-from helpers import assert_not_constant, spread_weights  # tests/ is on sys.path under pytest
-from test_hf_parity import NEW_TOKENS, PROMPT_LEN, VOCAB, hf_greedy, prompt_ids, random_hf
+from helpers import spread_weights  # tests/ is on sys.path under pytest
+from test_hf_parity import (PROMPT_LEN, VOCAB, assert_generate_matches, assert_logits_match, hf_greedy, prompt_ids,
+                            random_hf)
 
 BLOCK_SIZE = 8  # paged layout: a window spans several blocks
 
@@ -123,15 +123,7 @@ def hf_expert_width(c) -> int:
 
 
 def test_logits_match(pair):
-    name, hf, model = pair
-    tokens = torch.tensor([prompt_ids()])
-    with torch.no_grad():
-        want = hf(tokens).logits
-        got = model(tokens)
-    assert got.shape == want.shape == (1, PROMPT_LEN, VOCAB)
-    err = (got - want).abs().max().item()
-    assert err <= 1e-4, f"{name}: logits differ from HF by {err:.3g}"
-    assert want.std() > 0.5  # the weights are spread enough that the comparison means something
+    assert_logits_match(pair[0], pair[1], pair[2])
 
 
 @pytest.fixture(scope="module")
@@ -142,15 +134,7 @@ def hf_continuation(pair) -> list[int]:
 
 @pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
 def test_greedy_continuation_matches_generate(pair, hf_continuation, kv_cache):
-    name, hf, model = pair
-    want = hf_continuation
-    assert len(want) == NEW_TOKENS
-    assert_not_constant(want, name)
-    assert len(set(want)) > 8, f"{name}: HF continuation nearly constant {want}"
-    engine = Engine(model, max_batch=2, max_seq_len=128, kv_cache=kv_cache, block_size=BLOCK_SIZE)
-    got = engine.generate([prompt_ids()], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))[0].token_ids
-    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    assert got == want, f"{name}/{kv_cache}: first difference at step {first}"
+    assert_generate_matches(pair[0], pair[2], hf_continuation, kv_cache, BLOCK_SIZE)
 
 
 @pytest.mark.parametrize("case, setting, other", [

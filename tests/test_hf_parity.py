@@ -10,7 +10,7 @@ from transformers import (
 import zoo
 from harness import Engine, SamplingParams
 from zoo.hf import copy_weights_to_hf
-from helpers import assert_not_constant, spread_weights  # tests/ is on sys.path under pytest
+from helpers import spread_weights  # tests/ is on sys.path under pytest
 
 VOCAB = 256
 PROMPT_LEN = 40
@@ -91,8 +91,8 @@ def test_config_mapped(pair):
         assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
 
 
-def test_logits_match(pair):
-    name, hf, model = pair
+def assert_logits_match(name: str, hf, model) -> None:
+    """fp32 logits of prompt_ids() within 1e-4 of HF's, on weights spread enough that the comparison means something."""
     tokens = torch.tensor([prompt_ids()])
     with torch.no_grad():
         want = hf(tokens).logits
@@ -100,18 +100,26 @@ def test_logits_match(pair):
     assert got.shape == want.shape == (1, PROMPT_LEN, VOCAB)
     err = (got - want).abs().max().item()
     assert err <= 1e-4, f"{name}: logits differ from HF by {err:.3g}"
-    assert want.std() > 0.5  # the weights are spread enough that the comparison means something
+    assert want.std() > 0.5
+
+
+def assert_generate_matches(name: str, model, want: list[int], kv_cache: str, block_size: int) -> None:
+    """The engine's greedy continuation of prompt_ids() equals HF's (want), which varies enough to tell."""
+    assert len(want) == NEW_TOKENS
+    assert len(set(want)) > 8, f"{name}: HF continuation nearly constant {want}"
+    engine = Engine(model, max_batch=2, max_seq_len=128, kv_cache=kv_cache, block_size=block_size)
+    got = engine.generate([prompt_ids()], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))[0].token_ids
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    assert got == want, f"{name}/{kv_cache}: first difference at step {first}"
+
+
+def test_logits_match(pair):
+    assert_logits_match(pair[0], pair[1], pair[2])
 
 
 @pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
 def test_greedy_continuation_matches_generate(pair, hf_continuation, kv_cache):
-    name, hf, model = pair
-    prompt, want = prompt_ids(), hf_continuation
-    assert len(want) == NEW_TOKENS
-    assert len(set(want)) > 8, f"{name}: HF continuation nearly constant {want}"
-    engine = Engine(model, max_batch=2, max_seq_len=128, kv_cache=kv_cache, block_size=16)
-    got = engine.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))[0].token_ids
-    assert got == want, f"{name}/{kv_cache}: first difference at step {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+    assert_generate_matches(pair[0], pair[2], hf_continuation, kv_cache, block_size=16)
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -226,27 +234,12 @@ def test_family_config_mapped(family_pair):
 
 
 def test_family_logits_match(family_pair):
-    name, hf, model = family_pair
-    tokens = torch.tensor([prompt_ids()])
-    with torch.no_grad():
-        want = hf(tokens).logits
-        got = model(tokens)
-    assert got.shape == want.shape == (1, PROMPT_LEN, VOCAB)
-    err = (got - want).abs().max().item()
-    assert err <= 1e-4, f"{name}: logits differ from HF by {err:.3g}"
-    assert want.std() > 0.5
+    assert_logits_match(family_pair[0], family_pair[1], family_pair[2])
 
 
 @pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
 def test_family_greedy_continuation_matches_generate(family_pair, family_continuation, kv_cache):
-    name, hf, model = family_pair
-    prompt, want = prompt_ids(), family_continuation
-    assert len(want) == NEW_TOKENS
-    assert_not_constant(want, name)
-    assert len(set(want)) > 8, f"{name}: HF continuation nearly constant {want}"
-    engine = Engine(model, max_batch=2, max_seq_len=128, kv_cache=kv_cache, block_size=BLOCK_SIZE)
-    got = engine.generate([prompt], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))[0].token_ids
-    assert got == want, f"{name}/{kv_cache}: first difference at step {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+    assert_generate_matches(family_pair[0], family_pair[2], family_continuation, kv_cache, BLOCK_SIZE)
 
 
 @pytest.mark.parametrize("case, setting, other", [
