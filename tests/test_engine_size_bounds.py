@@ -9,11 +9,12 @@ import pytest
 
 import harness.engine
 import zoo
-from harness import BeamSearchParams, Engine, SamplingParams
+from harness import BeamSearchParams, Engine, SamplingParams, SpeculativeConfig
 from harness.block_manager import HOST_BYTES_PER_BLOCK
 from harness.cache_pool import MAX_BLOCK_SIZE
 from harness.sampling import MAX_STOP_TOKEN_IDS
 from harness.scheduler import HOST_BYTES_PER_SLOT
+from harness.speculative.config import MAX_SPECULATIVE_TOKENS
 from zoo import checks
 
 LIMIT = 64 * 2**20  # ZOO_MEMORY_LIMIT for the refusals: 64 MiB
@@ -196,3 +197,11 @@ def test_a_billion_token_prompt_is_refused_by_its_length_first(model):
     refused(r"stop_token_ids \[10000, 10001, 10002, 10003, 10004\] \(5 of 1,000\) out of vocabulary",
             lambda: engine.add_request([1, 2], SamplingParams(stop_token_ids=stops)))
     assert not engine.has_unfinished()
+
+
+def test_speculative_tokens_are_bounded():
+    """A million proposed tokens per step would size every verification forward: refused by name, at once."""
+    refused(r"num_speculative_tokens \(k\) must be in \[1, 256\], got 1000000",
+            lambda: SpeculativeConfig("prompt_lookup", num_speculative_tokens=10**6))
+    most = SpeculativeConfig("prompt_lookup", num_speculative_tokens=MAX_SPECULATIVE_TOKENS)
+    assert most.num_speculative_tokens == 256

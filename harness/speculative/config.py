@@ -6,6 +6,9 @@ from torch import nn
 from zoo import checks
 
 PROMPT_LOOKUP = "prompt_lookup"
+# most tokens one step may propose: far above what pays (vLLM's drafts propose a handful, EAGLE's trees about 60),
+# and a bound on what every step's verification forward and rollback room are sized for
+MAX_SPECULATIVE_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
 
     def __post_init__(self):
-        checks.integer("num_speculative_tokens (k)", self.num_speculative_tokens, minimum=1)
+        checks.integer("num_speculative_tokens (k)", self.num_speculative_tokens, minimum=1,
+                       maximum=MAX_SPECULATIVE_TOKENS)
         if isinstance(self.draft, str):
             checks.choice("draft (a model, or the proposer without one)", self.draft, (PROMPT_LOOKUP,))
             checks.integer("prompt_lookup_min", self.prompt_lookup_min, minimum=1)
