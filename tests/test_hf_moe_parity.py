@@ -15,8 +15,8 @@ import zoo
 from zoo.hf import copy_weights_to_hf
 from zoo.model import DecoderLM
 from helpers import spread_weights  # tests/ is on sys.path under pytest
-from test_hf_parity import (PROMPT_LEN, VOCAB, assert_generate_matches, assert_logits_match, hf_greedy, prompt_ids,
-                            random_hf)
+from test_hf_parity import (VOCAB, assert_generate_matches, assert_logits_match, assert_round_trip,
+                            hf_greedy, prompt_ids, random_hf)
 
 BLOCK_SIZE = 8  # paged layout: a window spans several blocks
 
@@ -252,19 +252,7 @@ def deepseek_v3_twin(model: DecoderLM) -> DeepseekV3ForCausalLM:
 ], ids=["mixtral", "qwen2_moe", "deepseek_v3", "qwen3_moe", "olmoe"])
 def test_copy_weights_to_hf_round_trip(arch, settings, twin_of):
     model = zoo_moe(arch, **settings)
-    hf = twin_of(model)
-    copy_weights_to_hf(model, hf)
-    tokens = torch.randint(0, model.config.vocab_size, (2, PROMPT_LEN), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        want, got = model(tokens), hf(tokens).logits
-    err = (got - want).abs().max().item()
-    assert err <= 1e-4, f"zoo -> HF weights give logits {err:.3g} apart"
-    assert want.std() > 0.5
-    back = zoo.from_hf(hf)
-    ours, theirs = model.state_dict(), back.state_dict()
-    assert ours.keys() == theirs.keys()
-    for key in ours:  # exact but where a routed scale was divided out and multiplied back in
-        torch.testing.assert_close(theirs[key], ours[key], rtol=1e-6, atol=0, msg=f"{key} changed in the round trip")
+    assert_round_trip(model, twin_of(model), rtol=1e-6)  # a routed scale divided out and multiplied back in
 
 
 def test_copy_weights_to_hf_refuses_a_different_routing():
