@@ -69,6 +69,7 @@ class Attention(nn.Module):
         window: int | None = None,
         sinks: int = 0,
         chunk: int | None = None,
+        dilation: int = 1,
         kv_source: int | None = None,
         causal: bool = True,
         qk_norm: str | None = None,
@@ -77,13 +78,15 @@ class Attention(nn.Module):
         """window: each query sees the newest `window` keys, itself included (HF Mistral's sliding_window).
         sinks: with a window, the first `sinks` positions stay visible to every query (StreamingLLM's attention sinks).
         chunk: each query sees only the keys of its own `chunk`-aligned chunk (Llama 4's chunked local attention).
+        dilation: with a window, each query sees every dilation-th key, W of them over (W-1)·dilation + 1 positions
+        (a dilated sliding window); the cache holds the whole span.
         kv_source: index of an earlier layer whose keys and values this layer reads instead of computing its own.
         causal: False lets every query see the whole sequence (a masked diffusion LM): every key kept, no kv_source.
         qk_norm: RMSNorm (eps norm_eps) on queries and keys after projection, before RoPE: None, "head" (Qwen3's,
         over each head) or "all" (OLMoE's, over all heads' concatenated width); a kv_source layer norms only q."""
         super().__init__()
         n_kv_heads, head_dim = head_sizes(d_model, n_heads, n_kv_heads, head_dim)
-        self.retention = Retention(sinks=sinks, window=window, chunk=chunk)  # checks the three
+        self.retention = Retention(sinks=sinks, window=window, chunk=chunk, dilation=dilation)  # checks the four
         if kv_source is not None and not 0 <= kv_source < layer_idx:
             raise ValueError(f"layer {layer_idx} can share keys and values only with an earlier layer, got kv_source={kv_source}")
         if kv_source is not None and not self.retention.keeps_all:
@@ -93,7 +96,7 @@ class Attention(nn.Module):
             raise ValueError(f"non-causal attention keeps every key and computes its own: window, sinks, chunk and "
                              f"kv_source must be unset, got {self.retention.describe()}, kv_source={kv_source}")
         self.layer_idx, self.kv_source, self.causal = layer_idx, kv_source, causal
-        self.window, self.sinks, self.chunk = window, sinks, chunk
+        self.window, self.sinks, self.chunk, self.dilation = window, sinks, chunk, dilation
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.q_proj = Linear(d_model, n_heads * head_dim, bias=bias)

@@ -51,8 +51,8 @@ def rope(x: torch.Tensor, base: float) -> torch.Tensor:
 
 
 def visible(q: int, p: int, causal: bool = True, window: int | None = None, sinks: int = 0,
-            chunk: int | None = None) -> bool:
-    """Whether the query at position q sees the key at position p."""
+            chunk: int | None = None, dilation: int = 1) -> bool:
+    """Whether the query at position q sees the key at position p (dilation r: q, q - r, ..., q - (window-1)·r)."""
     if not causal:
         return True
     if p > q:
@@ -60,13 +60,13 @@ def visible(q: int, p: int, causal: bool = True, window: int | None = None, sink
     if chunk is not None:
         return p // chunk == q // chunk
     if window is not None:
-        return p < sinks or q - p < window
+        return p < sinks or ((q - p) % dilation == 0 and (q - p) // dilation < window)
     return True
 
 
-def visibility_mask(t: int, causal: bool, window=None, sinks: int = 0, chunk=None) -> torch.Tensor:
+def visibility_mask(t: int, causal: bool, window=None, sinks: int = 0, chunk=None, dilation: int = 1) -> torch.Tensor:
     """[T, T] bool: row q, column p."""
-    return torch.tensor([[visible(q, p, causal, window, sinks, chunk) for p in range(t)] for q in range(t)])
+    return torch.tensor([[visible(q, p, causal, window, sinks, chunk, dilation) for p in range(t)] for q in range(t)])
 
 
 def softmax_attention(q, k, v, mask, scale: float, kv_group: int) -> torch.Tensor:
@@ -117,7 +117,8 @@ def attention_reference(mixer, x: torch.Tensor, kv_from=None) -> torch.Tensor:
 
     x: the layer's (normed) input [B, T, d_model]. kv_from = (source_mixer, source_x): a cross-layer attention
     layer (mixer.kv_source set) takes its keys and values from the source layer's projections of the source's input.
-    Retention read from the mixer: window W (q - p < W), sinks S (p < S or in the window), chunk C (same C-block);
+    Retention read from the mixer: window W (q - p < W), sinks S (p < S or in the window), chunk C (same C-block),
+    dilation r (q - p a multiple of r, fewer than W strides back);
     mixer.causal False: every key visible."""
     x = x.detach().to(F64)
     n_heads, n_kv_heads, head_dim = mixer.n_heads, mixer.n_kv_heads, mixer.head_dim
@@ -134,7 +135,7 @@ def attention_reference(mixer, x: torch.Tensor, kv_from=None) -> torch.Tensor:
     k = rope(qk_normed(kv_mixer, "k_norm", project(kv_mixer.k_proj, kv_x), n_kv_heads), base)
     v = heads(project(kv_mixer.v_proj, kv_x), n_kv_heads)
     assert q.shape[-1] == k.shape[-1] == head_dim
-    mask = visibility_mask(x.shape[1], mixer.causal, mixer.window, mixer.sinks, mixer.chunk)
+    mask = visibility_mask(x.shape[1], mixer.causal, mixer.window, mixer.sinks, mixer.chunk, mixer.dilation)
     out = softmax_attention(q, k, v, mask, head_dim**-0.5, n_heads // n_kv_heads)
     return project(mixer.o_proj, merge_heads(out))
 

@@ -47,7 +47,7 @@ def admitted_at_once(model, budget: int, context: int, new_tokens: int, kv_cache
 
 def attention_flops(model, keys: int) -> int:
     """FLOPs of one sequence's decode-step attention: q.k over each key's key width, p.v over its value width."""
-    return sum(2 * block.mixer.n_heads * (read.head_dim + read.value_dim) * read.tokens_held(keys)
+    return sum(2 * block.mixer.n_heads * (read.head_dim + read.value_dim) * read.retention.keys_seen(keys)
                for block, read in zip(model.blocks, specs_read(model.cache_specs())))
 
 

@@ -47,12 +47,12 @@ def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         if lengths is not None:
             padding = (torch.arange(k.shape[2], device=k.device) < lengths[:, None])[:, None, None]  # [B, 1, 1, L]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=padding, scale=scale, enable_gqa=gqa)
-    elif retention.capacity is None or t <= retention.capacity:  # no query here reaches past what the policy keeps
+    elif retention.all_visible_up_to is None or t <= retention.all_visible_up_to:  # each query sees all before it
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        # queries in blocks of the window (or chunk), each against its sinks and the span its first query starts:
-        # O(T·W) work, not O(T²)
-        chunks, step = [], retention.chunk or retention.window
+        # queries in blocks of the span (a window's, or the chunk), each against its sinks and the span its first
+        # query starts, masked by the policy: O(T·W) work, not O(T²)
+        chunks, step = [], retention.span
         for start in range(0, t, step):
             end, span = min(start + step, t), retention.span_start(start + 1)
             sinks = min(retention.sinks, span)
@@ -145,7 +145,7 @@ class ContiguousKV(KVTensors):
         elif self.rolling and k.shape[1] > 1 and not batch.checkpoints:
             # several tokens into a ring: only the kept ones (never padding, past the newest query), else two
             # positions could land in one row
-            kept = self.retention.visible(batch.positions, (batch.lengths.long() - 1)[:, None])
+            kept = self.retention.held(batch.positions, (batch.lengths.long() - 1)[:, None])
         if kept is not None:
             seqs, steps = kept.nonzero(as_tuple=True)
             index = (batch.slots[seqs], slice(None), rows[seqs, steps])
@@ -166,12 +166,16 @@ class ContiguousKV(KVTensors):
         """causal=False: each query sees every cached key of its row before batch.lengths, not only earlier ones."""
         if q.shape[2] == 1:
             # one query per sequence sees every live row: a ring holds just the visible keys, unordered, which softmax
-            # does not mind; an unrolled buffer is at least max_len wide, so the policy never binds there
-            lengths = self.retention.rows_held(batch.lengths) if self.rolling else batch.lengths
+            # does not mind; an unrolled buffer is at least max_len wide, so the policy never binds there. With
+            # dilation the query sees every r-th held position: the kernel walks them from the first on its stride
+            dilated = self.retention.dilation > 1
+            lengths = self.retention.rows_held(batch.lengths) if self.rolling and not dilated else batch.lengths
             k, v, k_scales, v_scales = self.stored()
             out = contiguous_decode_attention(q[:, :, 0], k, v, batch.slots, lengths, scale,
                                               value_dim or self.v.shape[-1], rows_read=min(batch.max_length, self.rows),
-                                              slot_range=batch.slot_range, k_scales=k_scales, v_scales=v_scales)
+                                              slot_range=batch.slot_range, k_scales=k_scales, v_scales=v_scales,
+                                              starts=self.retention.span_starts(batch.lengths) if dilated else None,
+                                              stride=self.retention.dilation)
             return out.unsqueeze(2)
         if self.rolling:
             return self.attend_ring_chunk(q, batch, scale, value_dim)
@@ -264,8 +268,8 @@ class PagedKV(KVTensors):
         if q.shape[2] == 1:
             starts = None if self.retention.keeps_all else self.retention.span_starts(batch.lengths)
             out = paged_decode_attention(q[:, :, 0], k, v, table, batch.lengths, scale, starts=starts,
-                                         sinks=self.retention.sinks, max_keys=self.retention.capacity,
-                                         k_scales=k_scales, v_scales=v_scales)
+                                         sinks=self.retention.sinks, max_keys=self.retention.visible_capacity,
+                                         k_scales=k_scales, v_scales=v_scales, stride=self.retention.dilation)
             return out.unsqueeze(2)
         # Several new tokens on top of cached ones (or an int8 cache's one): gather the blocks, then mask.
         k, v = self.gather(table, batch.max_length)

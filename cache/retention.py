@@ -1,14 +1,24 @@
 """Which positions an attention layer keeps and which keys each query sees: one frozen policy that every consumer
 (cache bytes, masks, both cache layouts, the block manager, cache grouping, the decode kernels) asks.
 
-The keys a query at position q sees are always "the first `sinks` positions, plus one contiguous span ending at q":
+The keys a query at position q sees are always "the first `sinks` positions, plus every `dilation`-th position of
+one span ending at q":
 
-    all        span from 0                                 (full causal attention)
-    window W   span of the newest W keys, q included       (Mistral's sliding window)
-    sinks S+W  the first S positions + the newest W        (StreamingLLM, Xiao et al. 2023)
-    chunk C    span from the start of q's own C-aligned chunk (Llama 4's chunked local attention)
+    all           span from 0                                 (full causal attention)
+    window W      span of the newest W keys, q included       (Mistral's sliding window)
+    sinks S+W     the first S positions + the newest W        (StreamingLLM, Xiao et al. 2023)
+    chunk C       span from the start of q's own C-aligned chunk (Llama 4's chunked local attention)
+    window W, r   q, q - r, ..., q - (W-1)r: W keys over a span of (W-1)r + 1 (dilated sliding window, as in
+                  Longformer's dilated windows, Beltagy et al. 2020)
 
-so a kernel needs only `sinks` and each sequence's span start (`span_starts`), never the kind of policy.
+so a kernel needs only `sinks`, the stride (`dilation`) and each sequence's first visible span position
+(`span_starts`), never the kind of policy.
+
+Held is not visible: the cache must hold every position a later query will see, which with dilation is the whole
+span ((W-1)r + 1 positions) though a query sees only W of them. `span_start`, `tokens_held`, `dropped`,
+`capacity`, `rows`, `row` and `peak_blocks` answer for what is held (cache bytes, the ring buffer, block freeing);
+`visible`, `span_starts`, `keys_seen`, `visible_capacity` and `causal_pairs` for what a query sees (masks, kernels,
+attention FLOPs).
 """
 from dataclasses import dataclass
 
@@ -20,9 +30,10 @@ class Retention:
     sinks: int = 0
     window: int | None = None
     chunk: int | None = None
+    dilation: int = 1
 
     def __post_init__(self):
-        for name in ("window", "chunk"):
+        for name in ("window", "chunk", "dilation"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"retention {name} must be an integer >= 1 or None, got {value!r}")
@@ -33,39 +44,69 @@ class Retention:
         if self.chunk is not None and (self.window is not None or self.sinks):
             raise ValueError(f"chunked attention (chunk={self.chunk}) takes no window or sinks, got "
                              f"window={self.window}, sinks={self.sinks}")
+        if self.dilation is None or (self.dilation > 1 and (self.window is None or self.sinks)):
+            raise ValueError(f"dilation (every r-th key, got r={self.dilation!r}) spaces a sliding window's keys: give "
+                             f"window and no sinks or chunk (got window={self.window}, sinks={self.sinks}, "
+                             f"chunk={self.chunk})")
 
     @property
     def keeps_all(self) -> bool:
         return self.window is None and self.chunk is None
 
     @property
+    def span(self) -> int | None:
+        """Positions the span of one query covers: the chunk, or the window's (W-1)·r + 1; None: unbounded."""
+        if self.chunk is not None:
+            return self.chunk
+        return None if self.window is None else (self.window - 1) * self.dilation + 1
+
+    @property
     def capacity(self) -> int | None:
-        """Most keys any query sees (and a rolling buffer holds); None: unbounded."""
+        """Most positions the cache holds for one sequence (what a rolling buffer's rows are); None: unbounded."""
+        return self.span if self.chunk is not None or self.span is None else self.sinks + self.span
+
+    @property
+    def visible_capacity(self) -> int | None:
+        """Most keys any query sees (sinks + W, the chunk); None: unbounded. Below capacity with dilation."""
         if self.chunk is not None:
             return self.chunk
         return None if self.window is None else self.sinks + self.window
+
+    @property
+    def all_visible_up_to(self) -> int | None:
+        """Longest sequence in which every query sees every earlier key (plain causal attention); None: any."""
+        return self.capacity if self.dilation == 1 else 1
 
     def describe(self) -> str:
         if self.chunk is not None:
             return f"chunk {self.chunk}"
         if self.window is None:
             return "all"
+        if self.dilation > 1:
+            return f"window {self.window} dilation {self.dilation}"
         return f"window {self.window}" if not self.sinks else f"{self.sinks} sinks + window {self.window}"
 
     # ---- one sequence of n tokens ------------------------------------------------------------------------
 
     def span_start(self, length: int) -> int:
-        """First position of the contiguous span the newest query (at length - 1) sees."""
+        """First position of the span the newest query (at length - 1) covers: the cache holds it and what follows."""
         if self.chunk is not None:
             return max(0, length - 1) // self.chunk * self.chunk
-        return 0 if self.window is None else max(0, length - self.window)
+        return 0 if self.window is None else max(0, length - self.span)
 
     def tokens_held(self, length: int) -> int:
-        """Keys the newest query of a `length`-token sequence sees: what its cache must hold (0 for no tokens)."""
+        """Positions the cache of a `length`-token sequence must hold for its newest and later queries (0 for none)."""
         if length <= 0:
             return 0
         start = self.span_start(length)
         return min(self.sinks, start) + length - start
+
+    def keys_seen(self, length: int) -> int:
+        """Keys the newest query of a `length`-token sequence sees (tokens_held without dilation)."""
+        if length <= 0:
+            return 0
+        start = self.span_start(length)
+        return min(self.sinks, start) + (length - 1 - start) // self.dilation + 1
 
     def dropped(self, length: int) -> tuple[int, int]:
         """[lo, hi): positions no query at or after length - 1 will see again (they may leave the cache)."""
@@ -84,8 +125,8 @@ class Retention:
         if self.window is None:
             return positions
         if not self.sinks:
-            return positions % self.window
-        recent = (positions - self.sinks) % self.window + self.sinks
+            return positions % self.span
+        recent = (positions - self.sinks) % self.span + self.sinks
         if isinstance(positions, torch.Tensor):
             return torch.where(positions < self.sinks, positions, recent)
         return positions if positions < self.sinks else recent
@@ -94,14 +135,14 @@ class Retention:
         """Most `block_size`-token blocks a sequence of up to `max_length` tokens holds at once when a step feeds it
         up to `step_tokens` new tokens on top of its cache (a chunked prefill): the sink blocks, plus the keys the
         step's first query still sees and the step's own, a span of at most W (or C) + step_tokens - 1 keys, which
-        touches at most (span - 1) // block_size + 2 blocks."""
+        touches at most (span - 1) // block_size + 2 blocks. W here is the span held: (W-1)·r + 1 with dilation."""
         whole = -(-max_length // block_size)
         if self.keeps_all:
             return whole
         if self.chunk is not None and self.chunk % block_size == 0 and step_tokens == 1:
             span_blocks = self.chunk // block_size  # chunks start on block boundaries
         else:
-            span_blocks = ((self.chunk or self.window) + step_tokens - 2) // block_size + 2
+            span_blocks = (self.span + step_tokens - 2) // block_size + 2
         return min(whole, -(-self.sinks // block_size) + span_blocks)
 
     def dead_blocks(self, length: int, block_size: int) -> range:
@@ -110,10 +151,15 @@ class Retention:
         return range(-(-lo // block_size), max(-(-lo // block_size), hi // block_size))
 
     def causal_pairs(self, tokens: int) -> int:
-        """(query, key) pairs a causal prefill of `tokens` tokens computes: the sum of tokens_held(q + 1)."""
+        """(query, key) pairs a causal prefill of `tokens` tokens computes: the sum of keys_seen(q + 1)."""
         if self.chunk is not None:
             full, rest = divmod(tokens, self.chunk)
             return full * self.chunk * (self.chunk + 1) // 2 + rest * (rest + 1) // 2
+        if self.dilation > 1:  # query q sees min(W, q // r + 1) keys: each count 1..W for r queries, then W
+            growing = min(tokens, self.window * self.dilation)
+            whole, rest = divmod(growing, self.dilation)
+            return (self.dilation * whole * (whole + 1) // 2 + rest * (whole + 1)
+                    + (tokens - growing) * self.window)
         cap = self.capacity
         if cap is None or tokens <= cap:
             return tokens * (tokens + 1) // 2
@@ -129,26 +175,40 @@ class Retention:
             return visible & (torch.div(keys, self.chunk, rounding_mode="floor")
                               == torch.div(queries, self.chunk, rounding_mode="floor"))
         if self.window is not None:
-            recent = keys > queries - self.window
+            recent = keys > queries - self.span
+            if self.dilation > 1:
+                recent = recent & ((queries - keys) % self.dilation == 0)
             return visible & (recent | (keys < self.sinks) if self.sinks else recent)
         return visible
 
-    def span_starts(self, lengths: torch.Tensor) -> torch.Tensor:
-        """span_start of each sequence, as int32 [B] (what the paged decode kernels read)."""
+    def held(self, key_positions: torch.Tensor, query_positions: torch.Tensor) -> torch.Tensor:
+        """Broadcast mask: key p must stay in the cache for query q and later ones (visible, but the whole span)."""
+        if self.dilation == 1:
+            return self.visible(key_positions, query_positions)
+        return (key_positions <= query_positions) & (key_positions > query_positions - self.span)
+
+    def held_starts(self, lengths: torch.Tensor) -> torch.Tensor:
+        """span_start of each sequence, as int64 [B]."""
         lengths = lengths.long()
         if self.chunk is not None:
-            starts = torch.div((lengths - 1).clamp_min(0), self.chunk, rounding_mode="floor") * self.chunk
-        elif self.window is not None:
-            starts = (lengths - self.window).clamp_min(0)
-        else:
-            starts = torch.zeros_like(lengths)
+            return torch.div((lengths - 1).clamp_min(0), self.chunk, rounding_mode="floor") * self.chunk
+        if self.window is not None:
+            return (lengths - self.span).clamp_min(0)
+        return torch.zeros_like(lengths)
+
+    def span_starts(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Each sequence's first visible span position, as int32 [B] (what the decode kernels read): span_start, or
+        with dilation the first position of the span on the newest query's stride."""
+        starts = self.held_starts(lengths)
+        if self.dilation > 1:
+            starts = starts + (lengths.long() - 1 - starts) % self.dilation
         return starts.to(torch.int32)
 
     def rows_held(self, lengths: torch.Tensor) -> torch.Tensor:
         """tokens_held of each sequence (the live rows of its ring buffer)."""
         if self.keeps_all:
             return lengths
-        starts = self.span_starts(lengths).to(lengths.dtype)
+        starts = self.held_starts(lengths).to(lengths.dtype)
         return starts.clamp(max=self.sinks) + lengths - starts
 
 

@@ -101,6 +101,12 @@ class CacheSpec:
         tokens = self.token_bytes(dtype, kv_format) * self.tokens_held(seq_len)
         return tokens + (self.state_bytes(dtype) if seq_len > 0 else 0)
 
+    def read_bytes(self, seq_len: int, dtype: torch.dtype, kv_format: str = "auto") -> int:
+        """Cache bytes the newest query of a `seq_len`-token sequence reads in this layer: the keys it sees (fewer
+        than those held with a dilated window) and the state."""
+        tokens = self.token_bytes(dtype, kv_format) * self.retention.keys_seen(seq_len)
+        return tokens + (self.state_bytes(dtype) if seq_len > 0 else 0)
+
     def tokens_held(self, seq_len: int) -> int:
         """Tokens of a `seq_len`-token sequence the cache keeps (its retention's answer)."""
         return self.retention.tokens_held(seq_len)

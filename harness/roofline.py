@@ -133,7 +133,8 @@ def decode_step_cost(model, batch: int, context: int, dtype: torch.dtype | None 
     weights = active_elements(model)
     keys = context + 1
     write = sum(spec.token_bytes(dtype, kv_format) + spec.state_bytes(dtype) for spec in specs if spec.owns_memory)
-    attention = sum(attention_flops(own, read, read.tokens_held(keys)) for own, read in zip(specs, specs_read(specs)))
+    attention = sum(attention_flops(own, read, read.retention.keys_seen(keys))
+                    for own, read in zip(specs, specs_read(specs)))
     return StepCost(weight_bytes=round(weight_bytes(model, dtype) - unread_expert_bytes(model, dtype, batch,
                                                                                           experts_read)),
                     cache_read_bytes=zoo.cache_read_bytes(model, seq_len=keys, batch=batch, dtype=dtype,

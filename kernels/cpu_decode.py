@@ -78,7 +78,7 @@ def _library() -> ctypes.CDLL | None:
     lib.decode_attention.restype = ctypes.c_int
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.decode_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
-                                     ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i32, i32, i32, i32, i32, i32,
+                                     ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i32, i32, i32, i32, i32, i32,
                                      ctypes.c_float, i32, ptr, i64, i64, i32, i32, i32, i64, i32]
     lib.selective_state_update.restype = ctypes.c_int
     lib.selective_state_update.argtypes = ([ptr, i64, i64, i64, i64, i32] + [ptr, i64, i64, i64] * 2 + [ptr, i64, i64]
@@ -119,10 +119,11 @@ def _strides(x: torch.Tensor, layout: str) -> tuple[int, int, int]:
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, table: torch.Tensor,
                      seq_lens: torch.Tensor, layout: str, scale: float, value_dim: int, starts: torch.Tensor | None = None,
                      sinks: int = 0, max_keys: int = 0, splits: int = 0, k_scales: torch.Tensor | None = None,
-                     v_scales: torch.Tensor | None = None) -> torch.Tensor:
+                     v_scales: torch.Tensor | None = None, stride: int = 1, ring: int = 0) -> torch.Tensor:
     """q [B, H, Dk] -> [B, H, value_dim]: each sequence's query over keys 0..seq_lens[b]-1, or with starts over
     [0, min(sinks, starts[b])) and [starts[b], seq_lens[b]) (kernels/paged_attention.py); max_keys > 0 bounds how
-    many keys a query sees. table: int32 [B, blocks] ("blocks") or [B, 1] ("rows"). See the module doc for layouts.
+    many keys a query sees. stride > 1: every stride-th position of the span (a dilated window); ring > 0: position
+    p lives in row p % ring. table: int32 [B, blocks] ("blocks") or [B, 1] ("rows"). See the module doc for layouts.
     splits: key slices per (sequence, KV head), merged by log-sum-exp; 0 = enough to keep every thread busy."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown cache layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
@@ -155,7 +156,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
         values.data_ptr(), *_strides(values, layout),
         *scales_at(k_scales), *scales_at(value_scales),
         table.data_ptr(), table.stride(0), block_size,
-        seq_lens.data_ptr(), None if starts is None else starts.data_ptr(), sinks,
+        seq_lens.data_ptr(), None if starts is None else starts.data_ptr(), sinks, stride, ring,
         batch, heads, kv_heads, kv_per_task, dim_k, value_dim, scale,
         splits or _num_splits(batch * kv_heads // kv_per_task, max_keys, threads),
         out.data_ptr(), out.stride(0), out.stride(1), DTYPE_CODES[q.dtype], threads,
@@ -163,13 +164,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
     )
     if status:
         raise ValueError(f"decode_attention: sizes beyond the CPU kernel (query heads per KV head {heads // kv_heads} <= 128, "
-                         f"dims {dim_k}, {value_dim} <= 1024)")
+                         f"dims {dim_k}, {value_dim} <= 1024; stride {stride} >= 1 and 1 with sinks {sinks}, "
+                         f"ring {ring} >= 0)")
     return out
 
 
 @decode_attention.register_fake
 def _(q, k, v, table, seq_lens, layout, scale, value_dim, starts=None, sinks=0, max_keys=0, splits=0, k_scales=None,
-      v_scales=None):
+      v_scales=None, stride=1, ring=0):
     return q.new_empty(q.shape[0], q.shape[1], value_dim)
 
 
@@ -183,10 +185,10 @@ def fits(q: torch.Tensor, cache: torch.Tensor, kv_heads: int, value_dim: int, sc
 
 
 def paged_decode_attention_cpu(q, k_pool, v_pool, block_table, seq_lens, scale: float, starts=None, sinks: int = 0,
-                               max_keys: int | None = None, k_scales=None, v_scales=None):
+                               max_keys: int | None = None, k_scales=None, v_scales=None, stride: int = 1):
     """The paged kernel's contract (kernels/paged_attention.py) on the CPU kernel."""
     return decode_attention(q, k_pool, v_pool, block_table, seq_lens, "blocks", scale, v_pool.shape[-1], starts, sinks,
-                            max_keys or 0, k_scales=k_scales, v_scales=v_scales)
+                            max_keys or 0, k_scales=k_scales, v_scales=v_scales, stride=stride)
 
 
 def mla_decode_attention_cpu(q, latent_pool, block_table, seq_lens, scale: float, value_dim: int, latent_scales=None):
@@ -197,10 +199,12 @@ def mla_decode_attention_cpu(q, latent_pool, block_table, seq_lens, scale: float
 
 
 def contiguous_decode_attention_cpu(q, k, v, slots, seq_lens, scale: float, value_dim: int, k_scales=None,
-                                    v_scales=None):
-    """kernels/contiguous_attention.py's contract: k, v [slots, kv_heads, rows, dim], v None for a latent cache."""
+                                    v_scales=None, starts=None, stride: int = 1):
+    """kernels/contiguous_attention.py's contract: k, v [slots, kv_heads, rows, dim], v None for a latent cache; with
+    starts, a strided span whose position p lives in row p % rows."""
     return decode_attention(q, k, v, slots.to(torch.int32).unsqueeze(1), seq_lens, "rows", scale, value_dim,
-                            k_scales=k_scales, v_scales=v_scales)
+                            starts, k_scales=k_scales, v_scales=v_scales, stride=stride,
+                            ring=0 if starts is None else k.shape[2])
 
 
 def state_update_fits(state: torch.Tensor) -> bool:

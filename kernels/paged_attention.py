@@ -10,7 +10,8 @@ Which keys a query sees (the cache's retention policy, reduced to what a kernel 
 `sinks` positions and the span from starts[b] to seq_lens[b] - 1, i.e. positions
 [0, min(sinks, starts[b])) and [starts[b], seq_lens[b]); starts None = 0 (every key). A sliding
 window W has starts = seq_len - W, attention sinks add sinks = S, chunked attention starts its span at
-its chunk. Keys outside are never read: the engine returns blocks that leave the span to the pool and
+its chunk. stride r > 1 (a dilated window, no sinks) sees every r-th position of the span: starts[b],
+starts[b] + r, ..., seq_lens[b] - 1 (starts on the newest query's stride). Keys outside are never read: the engine returns blocks that leave the span to the pool and
 sets their table entries to -1. max_keys bounds the keys any query sees (the policy's capacity; None:
 the block table's), which sizes the Triton splits without a device sync.
 
@@ -42,7 +43,7 @@ _MAX_SPLITS = 16
 _PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep its memory pipe busy
 
 
-def _check_args(q, k_pool, v_pool, block_table, seq_lens, starts, sinks, max_keys) -> None:
+def _check_args(q, k_pool, v_pool, block_table, seq_lens, starts, sinks, max_keys, stride: int = 1) -> None:
     if q.dim() != 3 or k_pool.dim() != 4 or v_pool.dim() != 4:
         raise ValueError("expected q [B, H, D] and pools [num_blocks, block_size, KVH, D]")
     if k_pool.shape[:3] != v_pool.shape[:3]:
@@ -60,28 +61,33 @@ def _check_args(q, k_pool, v_pool, block_table, seq_lens, starts, sinks, max_key
         raise ValueError(f"sinks must be >= 0 positions, got {sinks}")
     if max_keys is not None and max_keys < 1:
         raise ValueError(f"max_keys must be at least 1 key, got {max_keys}")
+    if stride < 1 or (stride > 1 and (starts is None or sinks)):
+        raise ValueError(f"stride must be >= 1, and above 1 only with starts and no sinks; got stride={stride}, "
+                         f"sinks={sinks}, starts {'given' if starts is not None else 'None'}")
 
 
-def visible_positions(seq_lens, starts, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, L] positions each sequence reads, [B, L] which of them are real): its sinks, then its span."""
+def visible_positions(seq_lens, starts, sinks: int, stride: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, L] positions each sequence reads, [B, L] which of them are real): its sinks, then its span's every
+    stride-th position."""
     lengths = seq_lens.long()
     starts = torch.zeros_like(lengths) if starts is None else starts.long()
     sink_count = starts.clamp(max=sinks)
-    count = sink_count + lengths - starts
+    count = sink_count + torch.div(lengths - 1 - starts, stride, rounding_mode="floor") + 1
     index = torch.arange(int(count.max()), device=seq_lens.device)[None, :]
-    positions = torch.where(index < sink_count[:, None], index, index - sink_count[:, None] + starts[:, None])
+    positions = torch.where(index < sink_count[:, None], index,
+                            (index - sink_count[:, None]) * stride + starts[:, None])
     return positions, index < count[:, None]
 
 
 def paged_decode_attention_ref(
     q, k_pool, v_pool, block_table, seq_lens, scale: float, starts=None, sinks: int = 0, max_keys: int | None = None,
-    k_scales=None, v_scales=None,
+    k_scales=None, v_scales=None, stride: int = 1,
 ) -> torch.Tensor:
-    _check_args(q, k_pool, v_pool, block_table, seq_lens, starts, sinks, max_keys)
+    _check_args(q, k_pool, v_pool, block_table, seq_lens, starts, sinks, max_keys, stride)
     batch, num_heads, _ = q.shape
     block_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
     # each sequence gathers only the keys it sees: other table entries may already be -1
-    positions, valid = visible_positions(seq_lens, starts, sinks)
+    positions, valid = visible_positions(seq_lens, starts, sinks, stride)
     positions = torch.where(valid, positions, 0)
     pages = block_table.gather(1, positions // block_size).long()
     # invalid positions may map to unused table entries (-1): point them at block 0, masked below
@@ -102,7 +108,7 @@ def paged_decode_attention_ref(
 def _split_kernel(
     q_ptr, k_pool_ptr, v_pool_ptr, block_table_ptr, seq_lens_ptr, starts_ptr, partial_out_ptr, partial_lse_ptr,
     k_scales_ptr, v_scales_ptr,
-    scale, sinks, split_len,
+    scale, sinks, stride, split_len,
     stride_q_seq, stride_q_head, stride_q_dim,
     stride_k_block, stride_k_pos, stride_k_head, stride_k_dim,
     stride_v_block, stride_v_pos, stride_v_head, stride_v_dim,
@@ -118,10 +124,10 @@ def _split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     span_start = tl.load(starts_ptr + seq) if HAS_STARTS else 0
     sink_count = tl.minimum(span_start, sinks) if HAS_STARTS else 0
-    # the splits tile the visible keys alone, numbered 0.. (sinks first, then the span): blocks outside are never
-    # loaded (their table entries may be -1)
+    # the splits tile the visible keys alone, numbered 0.. (sinks first, then the span's every stride-th position):
+    # blocks outside are never loaded (their table entries may be -1)
     split_start = split * split_len
-    split_end = tl.minimum(split_start + split_len, sink_count + seq_len - span_start)
+    split_end = tl.minimum(split_start + split_len, sink_count + (seq_len - 1 - span_start) // stride + 1)
 
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
@@ -145,7 +151,7 @@ def _split_kernel(
     for step_start in range(split_start, split_end, KEYS_PER_STEP):
         index = step_start + tl.arange(0, KEYS_PER_STEP)
         pos_ok = index < split_end
-        positions = tl.where(index < sink_count, index, index - sink_count + span_start)
+        positions = tl.where(index < sink_count, index, (index - sink_count) * stride + span_start)
         block = tl.load(
             block_table_ptr + seq * stride_table_seq + (positions // BLOCK_SIZE) * stride_table_entry,
             mask=pos_ok, other=0,
@@ -230,9 +236,9 @@ def _default_num_splits(max_len: int, programs_per_split: int, device: torch.dev
 
 def paged_decode_attention_triton(
     q, k_pool, v_pool, block_table, seq_lens, scale: float, num_splits: int | None = None, starts=None,
-    sinks: int = 0, max_keys: int | None = None, k_scales=None, v_scales=None,
+    sinks: int = 0, max_keys: int | None = None, k_scales=None, v_scales=None, stride: int = 1,
 ) -> torch.Tensor:
-    _check_args(q, k_pool, v_pool, block_table, seq_lens, starts, sinks, max_keys)
+    _check_args(q, k_pool, v_pool, block_table, seq_lens, starts, sinks, max_keys, stride)
     split_kernel, merge_kernel = _jitted_kernels()
     batch, num_heads, dim_k = q.shape
     block_size, num_kv_heads, dim_v = v_pool.shape[1], v_pool.shape[2], v_pool.shape[3]
@@ -255,7 +261,7 @@ def paged_decode_attention_triton(
     split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_pool, v_pool, block_table, seq_lens, seq_lens if starts is None else starts, partial_out, partial_lse,
         k_scales if quantized else q, v_scales if quantized else q,  # unread without QUANTIZED
-        scale, sinks, split_len,
+        scale, sinks, stride, split_len,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *block_table.stride(),
         *(k_scales.stride()[:3] + v_scales.stride()[:3] if quantized else (0,) * 6),
         GROUP=group, GROUP_PAD=padded(group), DIM_K=dim_k, DIM_K_PAD=dim_k_pad,
@@ -272,11 +278,11 @@ def paged_decode_attention_triton(
 
 def paged_decode_attention(
     q, k_pool, v_pool, block_table, seq_lens, scale: float, starts=None, sinks: int = 0, max_keys: int | None = None,
-    k_scales=None, v_scales=None,
+    k_scales=None, v_scales=None, stride: int = 1,
 ) -> torch.Tensor:
-    """k_scales, v_scales: a one-byte (int8 / fp8) pool's row scales (None: float pools)."""
+    """k_scales, v_scales: a one-byte (int8 / fp8) pool's row scales (None: float pools). stride: a dilated span."""
     args = (q, k_pool, v_pool, block_table, seq_lens, scale)
-    scales = dict(k_scales=k_scales, v_scales=v_scales)
+    scales = dict(k_scales=k_scales, v_scales=v_scales, stride=stride)
     if use_triton(q, k_pool, v_pool, block_table, seq_lens):
         return paged_decode_attention_triton(*args, starts=starts, sinks=sinks, max_keys=max_keys, **scales)
     if use_cpu_kernel(q, k_pool, v_pool) and cpu_decode.fits(q, k_pool, k_pool.shape[2], v_pool.shape[3], k_scales):

@@ -75,9 +75,10 @@ def test_uncached_forward_matches_float64_reference(case):
     assert err <= RTOL, f"{case_id(case)}: uncached forward differs from the float64 reference by {err:.3g} (relative)"
 
 
-# ---- retention policies beyond the registry's sliding window (sinks, chunks) -----------------------------------------
+# ---- retention policies beyond the registry's sliding window (sinks, chunks, dilation) ------------------------------
 
-RETENTIONS = [{"window": 8}, {"window": 8, "sinks": 4}, {"window": 5, "sinks": 3}, {"chunk": 16}, {"chunk": 7}]
+RETENTIONS = [{"window": 8}, {"window": 8, "sinks": 4}, {"window": 5, "sinks": 3}, {"chunk": 16}, {"chunk": 7},
+              {"window": 4, "dilation": 3}, {"window": 6, "dilation": 2}]
 
 
 @pytest.mark.parametrize("retention", RETENTIONS, ids=lambda r: ",".join(f"{k}={v}" for k, v in r.items()))

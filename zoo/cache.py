@@ -23,9 +23,10 @@ def cache_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | None =
 def cache_read_bytes(model, seq_len: int, batch: int = 1, dtype: torch.dtype | None = None,
                      kv_format: str = "auto") -> int:
     """Cache bytes one decode step's attention reads: like cache_bytes, but a layer that shares another's cache
-    (cross-layer attention) reads it again, so it counts what it reads, not what it owns."""
+    (cross-layer attention) reads it again, so it counts what it reads, not what it owns; a dilated window reads
+    the keys its query sees, not every position it holds."""
     dtype = dtype or next(model.parameters()).dtype
-    return batch * sum(spec.bytes(seq_len, dtype, kv_format) for spec in specs_read(model.cache_specs()))
+    return batch * sum(spec.read_bytes(seq_len, dtype, kv_format) for spec in specs_read(model.cache_specs()))
 
 
 def parameter_bytes(model) -> int:

@@ -39,8 +39,8 @@ GGUF_TYPES = {
 }
 
 # attention settings llama.cpp's llama architecture cannot represent, at the values it can
-PLAIN_ATTENTION = {"window": None, "sinks": 0, "chunk": None, "kv_source": None, "bias": False, "causal": True,
-                   "qk_norm": None}
+PLAIN_ATTENTION = {"window": None, "sinks": 0, "chunk": None, "dilation": 1, "kv_source": None, "bias": False,
+                   "causal": True, "qk_norm": None}
 
 
 def check_exportable(config: ModelConfig) -> None:

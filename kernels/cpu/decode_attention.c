@@ -4,6 +4,8 @@
  *   base + block_table[b][n / block_size] * stride_block + (n % block_size) * stride_pos + kv_head * stride_head
  * so a paged pool is [blocks, block_size, kv_heads, dim] in any stride order (the engine's is head-major), a
  * contiguous cache is [slots, kv_heads, rows, dim] seen as one block per slot, and an MLA latent cache passes the same rows as keys and values (value = first dv columns).
+ * A strided span (a dilated window) reads every stride-th position, and a ring of `ring` rows keeps position n in
+ * row n % ring (ring 0: no ring).
  * Each (sequence, KV head, split of the keys) task loads every key and value row once for the whole group of query
  * heads that share it (GQA without repeating K/V), keeps an online softmax in fp32, and a second pass merges the
  * splits by their log-sum-exp (flash-decoding). Rows are converted to fp32 one at a time, so 16-bit caches are
@@ -49,6 +51,7 @@ typedef struct {
     int64_t ks_part; /* a key row's second scale, this far from its first (used past column k_split) */
     int k_split;     /* key columns under a row's first scale: dk, or the latent's width */
     int64_t block_size;
+    int64_t stride, ring; /* keys walked every stride-th position; a ring's rows (0: none) */
     int heads, kv_heads, kv_per_task, dk, dv, dtype;
     int fp8; /* rows are float8 e4m3 (1) or int8 (0) */
 } Cache;
@@ -68,10 +71,19 @@ static inline float fp8_e4m3(uint8_t b) {
     return exponent ? normal : small;
 }
 
-/* Element offsets of rows [first, first + n) of one KV head, walking the block table a block at a time (no
- * division per row: with 16-token blocks it was a fifth of a bf16 step). */
+/* Element offsets of the rows of positions first, first + stride, ... (n of them) of one KV head: consecutive
+ * positions walk the block table a block at a time (no division per row: with 16-token blocks it was a fifth of a
+ * bf16 step); a strided or ring span divides per row. */
 static void row_offsets(const Cache *c, int64_t stride_block, int64_t stride_pos, int64_t stride_head,
                         const int32_t *table_row, int kv_head, int64_t first, int n, int64_t *offsets) {
+    if (c->stride != 1 || c->ring) {
+        for (int t = 0; t < n; t++) {
+            int64_t position = first + t * c->stride, row = c->ring ? position % c->ring : position;
+            offsets[t] = table_row[row / c->block_size] * stride_block + (row % c->block_size) * stride_pos +
+                         kv_head * stride_head;
+        }
+        return;
+    }
     int64_t entry = first / c->block_size, in_block = first % c->block_size;
     int64_t base = table_row[entry] * stride_block + kv_head * stride_head;
     for (int t = 0; t < n; t++) {
@@ -144,7 +156,8 @@ static void reset_partial(int task_heads, int dv, float *out_task, float *max_ta
     }
 }
 
-/* Adds keys [start, end) of one sequence to the partial of the query heads of KV heads kv0 .. kv0 + kv_per_task
+/* Adds keys start, start + stride, ... before end of one sequence to the partial of the query heads of KV heads
+ * kv0 .. kv0 + kv_per_task
  * (q: [those heads][dk] fp32, pre-scaled): the unnormalised output out[heads][dv] (sum of exp(score - max) * value)
  * and each head's max and sum, kept by an online softmax. work: TILE * (dk + dv) floats for converting 16-bit rows. */
 static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int64_t start, int64_t end,
@@ -152,9 +165,13 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int6
     float scores[MAX_HEADS][TILE];
     const float *krows[TILE], *vrows[TILE];
     const int dk = c->dk, dv = c->dv, group = c->heads / c->kv_heads;
-    for (int64_t first = start; first < end; first += TILE) {
-        int n = (int)(end - first < TILE ? end - first : TILE);
-        if (first + TILE < end) prefetch_tile(c, table_row, kv0, first + TILE, (int)(end - first - TILE < TILE ? end - first - TILE : TILE));
+    const int64_t step = TILE * c->stride;
+    for (int64_t first = start; first < end; first += step) {
+        int n = (int)((end - first + c->stride - 1) / c->stride < TILE ? (end - first + c->stride - 1) / c->stride : TILE);
+        if (first + step < end) {
+            int64_t next = (end - first - step + c->stride - 1) / c->stride;
+            prefetch_tile(c, table_row, kv0, first + step, (int)(next < TILE ? next : TILE));
+        }
         for (int kv = kv0; kv < kv0 + c->kv_per_task; kv++) {  /* each KV head's group on this tile, in turn */
         const float *q = q_task + (int64_t)(kv - kv0) * group * dk;
         float *out = out_task + (int64_t)(kv - kv0) * group * dv;
@@ -230,15 +247,16 @@ int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int
                      const void *ks, int64_t ks_block, int64_t ks_pos, int64_t ks_head,
                      const void *vs, int64_t vs_block, int64_t vs_pos, int64_t vs_head,
                      const int32_t *table, int64_t table_stride, int64_t block_size, const int32_t *seq_lens,
-                     const int32_t *starts, int64_t sinks, int batch, int heads, int kv_heads, int kv_per_task, int dk, int dv,
+                     const int32_t *starts, int64_t sinks, int64_t stride, int64_t ring, int batch, int heads, int kv_heads, int kv_per_task, int dk, int dv,
                      float scale, int splits, void *out, int64_t out_b, int64_t out_h, int dtype, int threads,
                      int fp8_rows, int64_t ks_part, int k_split) {
     if (kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_HEADS || dk > MAX_DIM || dv > MAX_DIM ||
-        splits < 1 || kv_per_task < 1 || kv_heads % kv_per_task || k_split < 1 || k_split > dk)
+        splits < 1 || kv_per_task < 1 || kv_heads % kv_per_task || k_split < 1 || k_split > dk || stride < 1 ||
+        ring < 0 || (stride > 1 && sinks))
         return -1;
     int group = heads / kv_heads, chunks = kv_heads / kv_per_task, task_heads = group * kv_per_task;
     Cache c = {k, v, k_block, k_pos, k_head, v_block, v_pos, v_head, ks, vs, ks_block, ks_pos, ks_head, vs_block,
-               vs_pos, vs_head, ks_part, k_split, block_size, heads, kv_heads, kv_per_task, dk, dv, dtype, fp8_rows};
+               vs_pos, vs_head, ks_part, k_split, block_size, stride, ring, heads, kv_heads, kv_per_task, dk, dv, dtype, fp8_rows};
     /* task = (sequence, chunk of kv_per_task KV heads, split of the keys); partials [task][task_heads] */
     int64_t tasks = (int64_t)batch * chunks * splits, work_floats = (int64_t)TILE * (dk + dv);
     float *partial = malloc(sizeof(float) * (tasks * task_heads * (dv + 2) + (int64_t)batch * heads * dk));
@@ -258,9 +276,10 @@ int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < tasks; task++) {
         int split = (int)(task % splits), chunk = (int)(task / splits % chunks), b = (int)(task / splits / chunks);
-        /* the visible keys, numbered 0..count-1: the sinks [0, sink_count), then the span [span, len) */
+        /* the visible keys, numbered 0..count-1: the sinks [0, sink_count), then the span's positions span,
+         * span + stride, ... before len */
         int64_t len = seq_lens[b], span = starts ? starts[b] : 0, sink_count = sinks < span ? sinks : span;
-        int64_t count = sink_count + len - span, per_split = (count + splits - 1) / splits;
+        int64_t count = sink_count + (len > span ? (len - 1 - span) / stride + 1 : 0), per_split = (count + splits - 1) / splits;
         int64_t first = split * per_split, last = first + per_split < count ? first + per_split : count;
         float *m = partial_max + task * task_heads, *l = partial_sum + task * task_heads;
         float *o = partial + task * task_heads * dv, *work = workspace + omp_get_thread_num() * work_floats;
@@ -271,8 +290,8 @@ int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int
                          q_task, o, m, l, work);
         if (last > sink_count) /* the part in the span */
             attend_split(&c, table + b * table_stride, chunk * kv_per_task,
-                         span + (first > sink_count ? first : sink_count) - sink_count, span + last - sink_count,
-                         q_task, o, m, l, work);
+                         span + ((first > sink_count ? first : sink_count) - sink_count) * stride,
+                         span + (last - sink_count - 1) * stride + 1, q_task, o, m, l, work);
     }
 
     /* merge each head's splits by their log-sum-exp; split 0 always holds a key (seq_lens >= 1) */

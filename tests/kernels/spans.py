@@ -5,7 +5,8 @@ def visible_span(retention, seq_lens) -> dict:
     """The paged kernels' keyword arguments for a retention policy (None: every key)."""
     if retention is None or retention.keeps_all:
         return {}
-    return dict(starts=retention.span_starts(seq_lens), sinks=retention.sinks, max_keys=retention.capacity)
+    return dict(starts=retention.span_starts(seq_lens), sinks=retention.sinks, max_keys=retention.visible_capacity,
+                stride=retention.dilation)
 
 
 def sees(position: int, query: int, retention) -> bool:
@@ -16,4 +17,5 @@ def sees(position: int, query: int, retention) -> bool:
         return position // retention.chunk == query // retention.chunk
     if retention.window is None:
         return True
-    return query - position < retention.window or position < retention.sinks
+    back = query - position
+    return (back % retention.dilation == 0 and back // retention.dilation < retention.window) or position < retention.sinks

@@ -26,8 +26,9 @@ def query(batch, heads, dim, dtype, seed=0):
 @pytest.mark.parametrize("dtype", TOLERANCE)
 @pytest.mark.parametrize("layout", HEAD_LAYOUTS)
 @pytest.mark.parametrize("retention", [None, Retention(window=5), Retention(window=40), Retention(sinks=4, window=40),
-                                       Retention(sinks=35, window=5), Retention(chunk=48)],
-                         ids=["all", "window5", "window40", "sinks4", "sinks35", "chunk48"])
+                                       Retention(sinks=35, window=5), Retention(chunk=48),
+                                       Retention(window=20, dilation=3)],
+                         ids=["all", "window5", "window40", "sinks4", "sinks35", "chunk48", "dilated20x3"])
 @pytest.mark.parametrize("splits", [0, 1, 3])
 @pytest.mark.parametrize("storage", ["position-major", "head-major"])
 def test_paged_matches_reference(paged_cache, dtype, layout, retention, splits, storage):
@@ -38,7 +39,7 @@ def test_paged_matches_reference(paged_cache, dtype, layout, retention, splits, 
     args = (q, cache.k_pool, cache.v_pool, cache.block_table, cache.seq_lens)
     span = visible_span(retention, cache.seq_lens)
     actual = decode_attention(*args, "blocks", 0.125, 64, span.get("starts"), span.get("sinks", 0),
-                              span.get("max_keys") or 0, splits)
+                              span.get("max_keys") or 0, splits, stride=span.get("stride", 1))
     expected = paged_decode_attention_ref(*args, 0.125, **span)
     torch.testing.assert_close(actual, expected, **TOLERANCE[dtype])
     if dtype == torch.float32 and splits == 3:  # and the float64 loop, not only our other implementation
@@ -151,3 +152,33 @@ def test_a_missing_build_is_said_aloud(tmp_path, monkeypatch, compiler_script):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with pytest.warns(RuntimeWarning, match="references instead"):
         assert cpu_decode._library.__wrapped__() is None
+
+
+@pytest.mark.parametrize("dtype", TOLERANCE)
+@pytest.mark.parametrize("rows", [16, 400], ids=["ring", "unrolled"])
+def test_contiguous_strided_span_matches_the_float64_loop(dtype, rows):
+    """A dilated window (6 keys, every 3rd: a span of 16) in a contiguous cache: a ring of 16 rows holding position p
+    in row p % 16, or rows as long as the sequence; never-written rows hold NaN."""
+    retention, kv_heads, dim = Retention(window=6, dilation=3), 2, 32
+    lengths, slots = [5, 300, 16, 17], [2, 0, 3, 1]
+    g = torch.Generator().manual_seed(rows)
+    keys = [torch.randn(n, kv_heads, dim, generator=g, dtype=torch.float64) for n in lengths]
+    values = [torch.randn(n, kv_heads, dim, generator=g, dtype=torch.float64) for n in lengths]
+    k = torch.full((4, kv_heads, rows, dim), float("nan"), dtype=torch.float64)
+    v = k.clone()
+    for slot, n, sk, sv in zip(slots, lengths, keys, values):
+        for p in range(max(0, n - retention.span), n):  # what the engine's ring still holds
+            k[slot, :, p % rows], v[slot, :, p % rows] = sk[p], sv[p]
+    q = query(len(lengths), 4, dim, torch.float64, seed=5)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    args = (q.to(dtype), k.to(dtype), v.to(dtype), torch.tensor(slots), seq_lens, dim**-0.5, dim)
+    span = dict(starts=retention.span_starts(seq_lens), stride=3)
+    actual = contiguous_decode_attention(*args, **span)
+    torch.testing.assert_close(actual, contiguous_decode_attention_ref(*args, **span), **TOLERANCE[dtype])
+    for b, n in enumerate(lengths):  # the float64 loop over the positions the query sees
+        seen = [p for p in range(n) if (n - 1 - p) % 3 == 0 and (n - 1 - p) // 3 < 6]
+        for h in range(4):
+            kv = h // 2
+            scores = torch.stack([q[b, h] @ keys[b][p, kv] for p in seen]) * dim**-0.5
+            expected = torch.softmax(scores, 0) @ torch.stack([values[b][p, kv] for p in seen])
+            torch.testing.assert_close(actual[b, h].double(), expected, **TOLERANCE[dtype])

@@ -23,7 +23,8 @@ TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol
 RETENTIONS = {"window_inside_block": Retention(window=5), "window_one_block": Retention(window=16),
               "window_several_blocks": Retention(window=40), "window_past_seq_len": Retention(window=1000),
               "sinks": Retention(sinks=4, window=20), "sinks_past_block": Retention(sinks=19, window=5),
-              "chunk": Retention(chunk=32), "chunk_unaligned": Retention(chunk=20)}
+              "chunk": Retention(chunk=32), "chunk_unaligned": Retention(chunk=20),
+              "dilated": Retention(window=6, dilation=3), "dilated_past_blocks": Retention(window=20, dilation=5)}
 
 
 def naive_decode_attention(q, k_pool, v_pool, block_table, seq_lens, scale, retention=None):
@@ -143,7 +144,8 @@ def test_triton_windowed_head_layouts(force_triton, device, paged_cache, layout)
 
 @pytest.mark.parametrize("num_splits", [2, 5])
 @pytest.mark.parametrize("retention", [Retention(window=40), Retention(window=150), Retention(sinks=20, window=40),
-                                       Retention(chunk=100)], ids=["window40", "window150", "sinks", "chunk"])
+                                       Retention(chunk=100), Retention(window=40, dilation=4)],
+                         ids=["window40", "window150", "sinks", "chunk", "dilated"])
 def test_triton_bounded_long_sequences_in_splits(force_triton, device, paged_cache, retention, num_splits):
     # The 300-key sequence's span starts mid-block far from position 0: a split over [0, capacity) would
     # lie wholly before it and read -1 table entries. Window 150 spans two 128-key splits, window 40 one
@@ -155,7 +157,10 @@ def test_triton_bounded_long_sequences_in_splits(force_triton, device, paged_cac
 
 
 @pytest.mark.parametrize("bad, match", [(dict(sinks=-1), "sinks must be >= 0"), (dict(max_keys=0), "max_keys"),
-                                        (dict(starts=torch.zeros(2, dtype=torch.int32)), "starts")])
+                                        (dict(starts=torch.zeros(2, dtype=torch.int32)), "starts"),
+                                        (dict(stride=0), "stride must be >= 1"),
+                                        (dict(stride=2), "above 1 only with starts"),
+                                        (dict(stride=2, sinks=2, starts=torch.zeros(1, dtype=torch.int32)), "no sinks")])
 def test_bad_span_arguments_raise(paged_cache, bad, match):
     cache = paged_cache([5], 16, 1, 16, 16, torch.float32, "cpu")
     args = (make_query(1, 2, 16, torch.float32, "cpu"), cache.k_pool, cache.v_pool, cache.block_table, cache.seq_lens)
