@@ -57,8 +57,8 @@ def contiguous_decode_attention(q, k, v, slots, seq_lens, scale: float, value_di
     v_scales None with v None: a latent cache, whose values are its keys; its k_scales may be [..., 2], for the
     value_dim latent columns and the rest, cache/quantized_rows.py). starts, stride: a strided span (module doc)."""
     if use_cpu_kernel(q, k) and cpu_decode.fits(q, k, k.shape[1], value_dim, k_scales):
-        return cpu_decode.contiguous_decode_attention_cpu(q, k, v, slots, seq_lens, scale, value_dim, k_scales, v_scales,
-                                                          starts, stride)
+        return cpu_decode.contiguous_decode_attention_cpu(q, k, v, slots, seq_lens, scale, value_dim, k_scales,
+                                                          v_scales, starts, stride)
     rows = slots if slot_range is None else slot_range
     length = k.shape[2] if rows_read is None else rows_read
     keys = k[rows, :, :length]

@@ -78,7 +78,8 @@ def _library() -> ctypes.CDLL | None:
     lib.decode_attention.restype = ctypes.c_int
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.decode_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64,
-                                     ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i32, i32, i32, i32, i32, i32,
+                                     ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64,
+                                     i32, i32, i32, i32, i32, i32,
                                      ctypes.c_float, i32, ptr, i64, i64, i32, i32, i32, i64, i32]
     lib.selective_state_update.restype = ctypes.c_int
     lib.selective_state_update.argtypes = ([ptr, i64, i64, i64, i64, i32] + [ptr, i64, i64, i64] * 2 + [ptr, i64, i64]

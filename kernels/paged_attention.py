@@ -11,9 +11,10 @@ Which keys a query sees (the cache's retention policy, reduced to what a kernel 
 [0, min(sinks, starts[b])) and [starts[b], seq_lens[b]); starts None = 0 (every key). A sliding
 window W has starts = seq_len - W, attention sinks add sinks = S, chunked attention starts its span at
 its chunk. stride r > 1 (a dilated window, no sinks) sees every r-th position of the span: starts[b],
-starts[b] + r, ..., seq_lens[b] - 1 (starts on the newest query's stride). Keys outside are never read: the engine returns blocks that leave the span to the pool and
-sets their table entries to -1. max_keys bounds the keys any query sees (the policy's capacity; None:
-the block table's), which sizes the Triton splits without a device sync.
+starts[b] + r, ..., seq_lens[b] - 1 (starts on the newest query's stride). Keys outside are never
+read: the engine returns blocks that leave the span to the pool and sets their table entries to -1.
+max_keys bounds the keys any query sees (the policy's visible capacity; None: the block table's), which
+sizes the Triton splits without a device sync.
 
 One-byte pools (the engine's kv_dtype "int8" or "fp8", cache/quantized_rows.py): k_pool and v_pool hold int8 or
 float8 e4m3 rows and k_scales, v_scales [num_blocks, block_size, KVH, 1] one scale per row; a key is k * k_scale. The

@@ -11,6 +11,7 @@ import torch
 
 import zoo
 from harness import Engine
+from kernels import FORCE_TRITON_ENV
 from tests.test_model_size_bounds import Allocations
 from zoo.ffn.moe import MoE
 from zoo.model import model_bytes
@@ -396,3 +397,23 @@ def test_bad_per_layer_spellings_are_named():
         zoo.build("hybrid", preset="tiny", layers="gqa/moes")
     with pytest.raises(ValueError, match=r"unknown setting\(s\) \['n_experts'\] for 'gqa'"):
         zoo.build("gqa", preset="tiny", n_experts=4)
+
+
+@pytest.mark.parametrize("settings", CONFIGS[:8], ids=config_id)
+def test_the_tiled_cuda_path_equals_the_dense_reference(monkeypatch, settings):
+    """ARCHZOO_FORCE_TRITON=1 runs the CUDA path here (the Triton interpreter): eager and captured steps both tile."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+    settings = dict(settings)
+    tokens = settings.pop("tokens")
+    torch.manual_seed(0)
+    moe = spread(MoE(**settings), seed=len(CONFIGS)).eval()
+    x = torch.randn(tokens, settings["d_model"], generator=torch.Generator().manual_seed(1))
+    taken = []
+    tiled = MoE.tiled
+    monkeypatch.setattr(MoE, "tiled", lambda self, *a: taken.append("tiled") or tiled(self, *a))
+    with torch.no_grad():
+        eager, captured, want = moe(x), moe(x, CAPTURED), moe.reference(x)
+    assert taken == ["tiled", "tiled"]
+    assert (eager.double() - want).abs().max() <= 1e-5, "tiled path vs dense float64 reference"
+    assert torch.equal(eager, captured)

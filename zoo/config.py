@@ -22,7 +22,7 @@ MAX_EXPERTS = 2**12  # routed or shared experts per layer (DeepSeek-V3: 256 rout
 MIXER_PARAM_BOUNDS = {
     **dict.fromkeys(("n_heads", "n_kv_heads", "n_groups"), MAX_HEADS),
     **dict.fromkeys(("head_dim", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                     "feature_dim", "d_state", "dt_rank"), MAX_WIDTH),
+                     "feature_dim", "d_state", "dt_rank", "decay_low_rank", "a_low_rank", "gate_low_rank"), MAX_WIDTH),
     **dict.fromkeys(("expand", "expand_v", "d_conv"), MAX_FACTOR),
     "kv_source": MAX_LAYERS,
 }

@@ -11,6 +11,8 @@ from attention import Attention, LinearAttention, MLAttention
 from attention.attention import QK_NORMS
 from ssm import Mamba, Mamba2
 from ssm.gated_deltanet import EIGENVALUES, GatedDeltaNet
+from ssm.retnet import MultiScaleRetention
+from ssm.rwkv7 import RWKV7
 from zoo import checks
 from zoo.config import (FFN_PARAM_BOUNDS, MAX_D_MODEL, MAX_HEADS, MAX_LAYERS, MAX_MLP_HIDDEN, MAX_SEQ_LEN, MAX_VOCAB,
                          MIXER_PARAM_BOUNDS, FFNSpec, MixerSpec, ModelConfig, at_most)
@@ -102,7 +104,7 @@ class Architecture:
 
 
 def attention_params(settings: dict, kv_heads: int, *retention: str) -> dict:
-    """An attention layer's parameters, with the named retention settings (window, sinks, chunk) as given."""
+    """An attention layer's parameters, with the named retention settings (window, sinks, chunk, dilation) as given."""
     params = {"n_heads": settings["n_heads"], "n_kv_heads": kv_heads, **{name: settings[name] for name in retention}}
     if settings.get("head_dim") is not None:
         params["head_dim"] = settings["head_dim"]
@@ -280,6 +282,9 @@ SETTINGS: dict[str, Setting] = {
     "window": Setting(int, "keys each query sees, itself included", default=PRESET),
     "sinks": Setting(int, "first positions every query keeps seeing (StreamingLLM's attention sinks)", default=4),
     "chunk": Setting(int, "tokens per local-attention chunk; a query sees only its own chunk", default=PRESET),
+    "dilation": Setting(int, "a dilated window's stride: a query sees itself and every dilation-th key before it, "
+                        "window keys over (window - 1) * dilation + 1 positions, all of which the cache holds",
+                        default=2),
     "share": Setting(int, "consecutive layers that share one KV cache (must divide n_layers)", default=2),
     "layers": Setting(str, "hybrid pattern: comma-separated layer names, repeated to n_layers", default=ENTRY),
     "mixer": Setting(str, "the bidirectional architecture the diffusion LM is made of", choices=bidirectional_names,
@@ -296,9 +301,15 @@ SETTINGS: dict[str, Setting] = {
     "d_conv": Setting(int, "causal convolution width"),
     "expand": Setting(int, "inner width / d_model"),
     "n_groups": Setting(int, "Mamba-2 B/C groups"),
-    "expand_v": Setting(int, "Gated DeltaNet value width / key width per head"),
+    "expand_v": Setting(int, "value width / key width per head (Gated DeltaNet, RetNet)"),
     "eigenvalues": Setting(str, "Gated DeltaNet state-transition eigenvalues: positive (beta = sigmoid(b)) or signed "
                            "(beta = 2 sigmoid(b), Grazzi et al. 2024)", choices=lambda: EIGENVALUES),
+    "decay_low_rank": Setting(int, "RWKV-7 width of the decay's low-rank projection (default fla's: "
+                              "max(32, 2.5 sqrt(d_model) head_dim/64 rounded to 32))"),
+    "a_low_rank": Setting(int, "RWKV-7 width of the in-context learning rate's low-rank projection (default as "
+                          "decay_low_rank)"),
+    "gate_low_rank": Setting(int, "RWKV-7 width of the output gate's low-rank projection (default fla's: "
+                             "max(32, 5 sqrt(d_model) rounded to 32))"),
     "n_experts": Setting(int, "MoE routed experts per layer", owner="FFN"),
     "top_k": Setting(int, "MoE experts each token is routed to (at most n_experts)", owner="FFN"),
     "expert_hidden": Setting(int, "MoE hidden width of each expert (default mlp_hidden, as Mixtral's)", owner="FFN"),
@@ -312,6 +323,7 @@ SETTINGS: dict[str, Setting] = {
 }
 MOE_SETTINGS = ("n_experts", "top_k", "expert_hidden", "n_shared_experts", "router", "norm_topk_prob")
 QK = ("qk_norm",)  # what the GQA-family attention entries read besides their retention
+RWKV7_SETTINGS = ("decay_low_rank", "a_low_rank", "gate_low_rank")
 
 # The feed-forward kinds (FFNSpec.kind; "none" is a layer without one), one declaration each.
 FFNS: dict[str, FFN] = {ffn.kind: ffn for ffn in (
@@ -438,6 +450,29 @@ ARCHITECTURES: dict[str, Architecture] = {
         Pattern("mla/moe,gqa/swiglu,mamba2/moe,gdn/moe"), ("layers",), in_patterns=False, hybrid=True,
         compare_default=False, recall_default=False,
     ),
+    # after hybrid-moe for the same reason
+    "dilated": Architecture(
+        "dilated sliding-window GQA: each query sees itself and every `dilation`-th earlier key, `window` keys over "
+        "(window - 1) * dilation + 1 positions (Longformer's dilated windows, Beltagy et al. 2020); the cache holds "
+        "that whole span, the attention reads the window",
+        attention_layers(gqa_kv_heads, "window", "dilation"), ("window", "dilation", *QK), mixer=ATTENTION,
+        compare_default=False, recall_default=False, recall=windowed,
+    ),
+    # after hybrid-moe for the same reason
+    "retnet": Architecture(
+        "RetNet multi-scale retention (Sun et al. 2023): linear attention with RoPE and a fixed decay per head, "
+        "gamma_h = 1 - 2^(-5-h); RMSNorm-swish-gated output (fla's layer); a constant n_heads*dk*dv state per layer",
+        mixer_layers("retnet", ("head_dim", "expand_v"), n_heads=True), ("expand_v",),
+        mixer=Mixer("retnet", MultiScaleRetention), compare_default=False, recall_default=False,
+    ),
+    # after hybrid-moe for the same reason
+    "rwkv7": Architecture(
+        "RWKV-7 Goose (Peng et al. 2025): token shift, per-channel decay and a delta-rule-like rank-one state edit "
+        "with a vector in-context learning rate (fla's layer, without the cross-layer value residual); a constant "
+        "d_model + n_heads*dk*dv state per layer",
+        mixer_layers("rwkv7", ("head_dim", *RWKV7_SETTINGS), n_heads=True), RWKV7_SETTINGS,
+        mixer=Mixer("rwkv7", RWKV7), compare_default=False, recall_default=False,
+    ),
 }
 
 
@@ -514,6 +549,7 @@ def details(name: str) -> dict:
         "ffn": FFNS[arch.ffn].cls.__name__ if arch.ffn else "the model-wide mlp (swiglu unless set)",
         "causal": arch.causal,
         "settings": {setting: SETTINGS[setting].describe(setting) for setting in settings_of(arch)},
+        "model-wide settings it reads (the preset's unless given; probed at the tiny preset)": global_reads(name),
         "recall defaults at d_model 64, 1 head, L 64": arch.recall(64, 1, 64),
         "recall learning rate": arch.recall_lr,
         "recall depths (layers)": ", ".join(map(str, arch.recall_layers)) + (f": {arch.recall_note}" if arch.recall_note else ""),
@@ -522,6 +558,33 @@ def details(name: str) -> dict:
         "hybrid layer": arch.in_patterns,
         "HF class": arch.hf_class or "none",
     }
+
+
+# Model-wide settings an entry may take from the preset or the user without declaring them, each with values valid
+# at the tiny preset (4 heads, 2 KV heads for gqa): `zoo describe` shows which of them change an entry's model.
+GLOBAL_PROBES = {"n_heads": (2,), "n_kv_heads": (1, 2), "gqa_kv_heads": (1,), "head_dim": (8,), "window": (5,),
+                 "mlp": ("gelu",), "mlp_hidden": (40,)}
+
+
+def global_reads(name: str) -> dict[str, str]:
+    """The model-wide settings this entry's layers depend on, found by changing each at the tiny preset: what it
+    does with them (its layers or feed-forwards change, or it refuses another value because the entry fixes it).
+    A setting the entry does not accept at all (a window where nothing is windowed) is left out."""
+    from zoo.model import model_bytes  # zoo.model imports this module
+
+    base = make_config(name, preset="tiny")
+    reads = {}
+    for setting, probes in GLOBAL_PROBES.items():
+        for probe in probes:
+            try:
+                changed = make_config(name, preset="tiny", **{setting: probe})
+            except ValueError as error:
+                if not str(error).startswith("unknown setting"):
+                    reads[setting] = f"fixed by the entry ({error})"
+                break
+            if (changed.layers, changed.ffns) != (base.layers, base.ffns) or model_bytes(changed) != model_bytes(base):
+                reads[setting] = "read: it sizes or shapes this entry's layers"
+    return reads
 
 
 def check_architecture(name: str) -> str:

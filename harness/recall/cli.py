@@ -6,6 +6,7 @@ from harness.recall.report import markdown_table, write_report
 from harness.recall.suite import RecallSettings, best_over_lr, run_recall
 from harness.results import settings_dict
 from harness.results import write_atomic
+from harness.train.cli import add_moe_weight_options
 
 # A preset is a list of sweeps (one per sequence length) written to one results folder.
 PRESETS = {
@@ -68,6 +69,7 @@ def add_parser(sub, int_list, name_list) -> None:
                                                "core up to 2 on CPU; 1 on CUDA)")
     r.add_argument("--seeds", type=int_list, help=f"comma-separated seeds for training data, weights and shuffling; the "
                                                   f"report shows their mean and range (default: {','.join(map(str, d.seeds))})")
+    add_moe_weight_options(r, d.moe_balance_weight, d.moe_z_weight)
     r.add_argument("--out", help=f"output folder (default: {d.out})")
     add_ray_option(r)
     r.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -76,7 +78,7 @@ def add_parser(sub, int_list, name_list) -> None:
 
 OPTION_FIELDS = ("archs", "seq_len", "kv_pairs", "held_out_kv_pairs", "d_models", "state_d_models", "lrs", "vocab_size",
                  "train_examples", "test_examples", "min_steps", "max_steps", "batch_size", "device", "workers", "seeds",
-                 "ray")
+                 "ray", "moe_balance_weight", "moe_z_weight")
 
 
 def cmd_recall(args) -> None:

@@ -14,16 +14,19 @@ from tqdm import tqdm
 
 import zoo
 from harness.recall.data import MQARSetting, make_splits
-from harness.recall.train import (RECIPE_LAYERS, TrainConfig, build_recall_model, convergence, model_identity,
-                                  train_recall, training_loss)
+from harness.recall.train import (RECIPE_LAYERS, ROUTING_FIELD, TrainConfig, build_recall_model, convergence,
+                                  model_identity, recall_model_config, train_recall, training_loss)
 from harness.results import ResultStore, check_output_folder
+from harness.train.moe_losses import BALANCE_WEIGHT, Z_WEIGHT, check_weights, has_moe_layers
 from zoo import checks
 
 # The fields that identify a run: a re-run skips rows that match on all of them.
 RUN_KEY = ("arch", "n_layers", "d_model", "lr", "seq_len", "kv_pairs", "held_out_kv_pairs", "vocab_size",
-           "train_examples", "min_steps", "max_steps", "seed")
-# what rows written before a field existed were run with: the recipe's depth, no held-out N, no plateau stop
-KEY_DEFAULTS = {"n_layers": RECIPE_LAYERS, "held_out_kv_pairs": "", "min_steps": None}
+           "train_examples", "min_steps", "max_steps", "seed", "moe_balance_weight", "moe_z_weight")
+# what rows written before a field existed were run with: the recipe's depth, no held-out N, no plateau stop, no MoE
+# auxiliary losses (None, as a run whose model has no MoE layers records them: the weights did not apply)
+KEY_DEFAULTS = {"n_layers": RECIPE_LAYERS, "held_out_kv_pairs": "", "min_steps": None, "moe_balance_weight": None,
+                "moe_z_weight": None}
 
 
 @dataclass
@@ -44,6 +47,9 @@ class RecallSettings:
     max_steps: int = 1500
     batch_size: int = 64
     seeds: list[int] = field(default_factory=lambda: [0])  # several: the report shows their mean and range
+    # the MoE auxiliary losses' weights (harness/train/moe_losses.py); a model without MoE layers ignores them
+    moe_balance_weight: float = BALANCE_WEIGHT
+    moe_z_weight: float = Z_WEIGHT
     device: str = "cpu"
     workers: int | None = None  # runs trained at once; None = one per CPU core up to 2 on CPU, 1 on CUDA
     out: Path = Path("results/recall")
@@ -75,6 +81,7 @@ class RecallSettings:
         checks.optional_integer("min_steps", self.min_steps, minimum=1)
         checks.integer_list("seeds", self.seeds, minimum=0, maximum=2**64 - 1)  # what torch.manual_seed takes
         checks.device("device", self.device)
+        check_weights(self.moe_balance_weight, self.moe_z_weight)
         if self.ray is not None and (not isinstance(self.ray, str) or not self.ray):
             raise ValueError(f"ray must be a cluster address, 'auto' or 'local', got {self.ray!r}")
         if self.ray is not None and importlib.util.find_spec("ray") is None:
@@ -85,9 +92,18 @@ class RecallSettings:
         common = {"seq_len": self.seq_len, "kv_pairs": ",".join(map(str, self.kv_pairs)),
                   "held_out_kv_pairs": ",".join(map(str, self.held_out_kv_pairs)), "vocab_size": self.vocab_size,
                   "train_examples": self.train_examples, "min_steps": self.min_steps, "max_steps": self.max_steps}
-        return [{"arch": a, "n_layers": layers, "d_model": d, "lr": lr, **common, "seed": seed}
+        return [{"arch": a, "n_layers": layers, "d_model": d, "lr": lr, **common, "seed": seed,
+                 **self.moe_weights(a, layers, d)}
                 for a in self.archs for layers in zoo.registry.recall_layers(a) for d in self.widths(a)
                 for lr in self.lrs or [zoo.registry.recall_lr(a)] for seed in self.seeds]
+
+    def moe_weights(self, arch: str, n_layers: int, d_model: int) -> dict:
+        """The MoE weights a run applies: the settings' where its model has MoE layers, else None (not applying)."""
+        config = recall_model_config(TrainConfig(arch, d_model=d_model, n_layers=n_layers), self.vocab_size,
+                                     self.seq_len)
+        applies = has_moe_layers(config)
+        return {"moe_balance_weight": self.moe_balance_weight if applies else None,
+                "moe_z_weight": self.moe_z_weight if applies else None}
 
     def widths(self, arch: str) -> list[int]:
         extra = self.state_d_models if has_fixed_state(arch) else []
@@ -164,7 +180,8 @@ def train_config(run: dict, settings: RecallSettings) -> TrainConfig:
     trained = tuple(f"L={settings.seq_len},N={n}" for n in settings.kv_pairs)
     return TrainConfig(arch=run["arch"], n_layers=run["n_layers"], d_model=run["d_model"], lr=run["lr"],
                        batch_size=settings.batch_size, min_steps=settings.min_steps, max_steps=settings.max_steps,
-                       seed=run["seed"], device=settings.device, vocab_size=settings.vocab_size, trained_sets=trained)
+                       seed=run["seed"], device=settings.device, vocab_size=settings.vocab_size, trained_sets=trained,
+                       moe_balance_weight=settings.moe_balance_weight, moe_z_weight=settings.moe_z_weight)
 
 
 def test_kv_pairs(settings: RecallSettings) -> list[int]:
@@ -204,6 +221,7 @@ def train_run(run: dict, settings: RecallSettings, data, report) -> dict:
         "chance": result["chance"],
         "wall_s": result["wall_s"],
         "history": result["history"],
+        **({ROUTING_FIELD: result[ROUTING_FIELD]} if ROUTING_FIELD in result else {}),
     }
 
 

@@ -19,6 +19,10 @@ why each run ended. Held-out settings (test sets of an N never trained on) are s
 For CPU speed the vocabulary head (8192 wide) runs only at labelled positions: the hidden states
 come from `model.hidden_states` (the forward without the head), then `model.head` on the gathered rows.
 
+A model with MoE layers also trains on the MoE auxiliary losses (load balancing and router z-loss, weighted by
+moe_balance_weight and moe_z_weight; harness/train/moe_losses.py); its loss and accuracies stay the task's, and each
+evaluation point carries the routing statistics of the steps before it ("moe_routing").
+
 A masked diffusion LM (non-causal) sees the whole sequence, so the next-token recipe would hand it the answers.
 It trains with its own objective instead (LLaDA's, on the answers only, as LLaDA fine-tunes on responses: the
 key-value pairs and query keys stay visible) and is evaluated by masking every answer and predicting them all in
@@ -37,6 +41,7 @@ import torch.nn.functional as F
 import zoo
 from harness.diffusion import masked_diffusion_loss
 from harness.recall.data import IGNORE_INDEX, accuracy
+from harness.train.moe_losses import BALANCE_WEIGHT, Z_WEIGHT, MoETraining, check_weights
 
 
 RECIPE_LAYERS = 2  # Zoology's MQAR recipe; deeper runs where an entry's recall_layers asks
@@ -58,7 +63,9 @@ PLATEAU_LOSS_DROP = 0.1
 # a causal model's training loss is the next-token cross-entropy at the labelled positions, comparable with a uniform
 # guess's; a diffusion LM's is LLaDA's 1/t-weighted loss, which is not, so its points keep it under another name
 LOSS_FIELD, DIFFUSION_LOSS_FIELD = "loss", "diffusion_loss"
-POINT_FIELDS = ("step", LOSS_FIELD, DIFFUSION_LOSS_FIELD)  # a history point's fields that are not an accuracy
+ROUTING_FIELD = "moe_routing"  # an MoE model's routing statistics (harness/train/moe_losses.py)
+# a history point's fields that are not an accuracy
+POINT_FIELDS = ("step", LOSS_FIELD, DIFFUSION_LOSS_FIELD, ROUTING_FIELD)
 
 
 def point_accuracy(point: dict) -> float:
@@ -140,6 +147,8 @@ class TrainConfig:
     overrides: dict | None = None  # extra zoo.build settings (replace the per-architecture defaults)
     trained_sets: tuple[str, ...] | None = None  # test sets of trained settings (early stop); None: all of them
     chance: float | None = None  # a uniform guess's test accuracy; None: from the training labels' values (MQAR)
+    moe_balance_weight: float = BALANCE_WEIGHT  # the MoE auxiliary losses' weights; a model without MoE ignores them
+    moe_z_weight: float = Z_WEIGHT
 
 
 def recall_model_config(config: TrainConfig, vocab_size: int, seq_len: int) -> zoo.ModelConfig:
@@ -240,8 +249,10 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
     Returns accuracy (mean per-example accuracy over the test sets), token_accuracy, per_setting
     ({name: {"accuracy", "token_accuracy"}}), steps, solved, convergence (see convergence()), wall_s, state_bytes,
     parameters, history (the learning curve: accuracy per test set at every evaluation); with keep_model, also the
-    trained model (what a later measurement of the same weights, e.g. quantized, starts from).
+    trained model (what a later measurement of the same weights, e.g. quantized, starts from). A model with MoE layers
+    also gets moe_routing (the last evaluation point's) and the weights applied; None weights: no MoE layers.
     """
+    check_weights(config.moe_balance_weight, config.moe_z_weight)
     start_time = time.perf_counter()
     device = config.device
     train_inputs, train_labels = train_data
@@ -259,6 +270,7 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
     model = build_recall_model(config, vocab_size, seq_len).to(device)
     mask_generator = torch.Generator(device).manual_seed(config.seed + 1)  # a diffusion LM's masking draws
     model.train()
+    moe = MoETraining.for_model(model, config.moe_balance_weight, config.moe_z_weight)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config))
     generator = torch.Generator().manual_seed(config.seed)
@@ -267,6 +279,7 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
     chance = config.chance if config.chance is not None else label_chance(train_labels)
     order, cursor = torch.randperm(n, generator=generator), 0
     history, results, step, solved, window_losses = [], {}, 0, False, []
+    moe_report = moe.report()  # the weights applied; with routing statistics once a step has run
 
     def run_eval(final: bool = False):
         """During training the trained settings' test sets (the learning curve); at the end every set."""
@@ -275,8 +288,12 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
         if not final or not history or history[-1]["step"] != step:
             field = LOSS_FIELD if zoo.is_causal(config.arch) else DIFFUSION_LOSS_FIELD
             loss = {field: sum(window_losses) / len(window_losses)} if window_losses else {}
-            history.append({"step": step, **loss, **{name: r["accuracy"] for name, r in res.items()
-                                                     if config.trained_sets is None or name in config.trained_sets}})
+            report = moe.report()  # routing statistics only where steps ran since the last point
+            moe_report.update(report)
+            routing = {ROUTING_FIELD: report[ROUTING_FIELD]} if ROUTING_FIELD in report else {}
+            history.append({"step": step, **loss, **routing, **{name: r["accuracy"] for name, r in res.items()
+                                                                if config.trained_sets is None
+                                                                or name in config.trained_sets}})
             window_losses.clear()
         return res
 
@@ -288,7 +305,7 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
         x, y = train_inputs[idx].to(device), train_labels[idx].to(device)
         loss = training_loss(model, x, y, mask_generator)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss + moe.step_loss(model)).backward()
         optimizer.step()
         scheduler.step()
         step += 1
@@ -322,6 +339,7 @@ def train_recall(config: TrainConfig, train_data, test_sets, progress: Callable[
         "state_bytes": zoo.cache_bytes(model, seq_len=seq_len, dtype=torch.float32),
         "parameters": sum(p.numel() for p in model.parameters()),
         "history": history,
+        **moe_report,
         **({"model": model.eval()} if keep_model else {}),
     }
 

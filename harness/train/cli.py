@@ -34,6 +34,16 @@ def optional_number(unit: str):
     return parse
 
 
+def add_moe_weight_options(parser, balance_weight: float, z_weight: float) -> None:
+    """--moe-balance-weight and --moe-z-weight, as zoo train and zoo recall take them."""
+    parser.add_argument("--moe-balance-weight", type=float, default=balance_weight, metavar="W",
+                        help="weight of the Switch Transformer load-balancing loss added to the training loss of a "
+                             "model with MoE layers; 0 turns it off, a model without MoE layers ignores it "
+                             f"(default: {balance_weight:g})")
+    parser.add_argument("--moe-z-weight", type=float, default=z_weight, metavar="W",
+                        help=f"weight of the ST-MoE router z-loss, likewise (default: {z_weight:g})")
+
+
 def add_parser(sub) -> None:
     t = sub.add_parser("train", help="train an architecture as a byte-level LM on local text (resumable; validation "
                                      "bits per byte beside a unigram baseline)",
@@ -70,6 +80,7 @@ def add_parser(sub) -> None:
                    f"(default: {d.autocast})")
     t.add_argument("--device", default=d.device, help=f"torch device, e.g. cpu or cuda (default: {d.device})")
     t.add_argument("--seed", type=int, default=d.seed, help=f"seed for weights, batches and masking (default: {d.seed})")
+    add_moe_weight_options(t, d.moe_balance_weight, d.moe_z_weight)
     t.add_argument("--out", help="output folder; an existing checkpoint there is continued (default: "
                                  "results/train/ARCH-PRESET)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -82,5 +93,6 @@ def cmd_train(args) -> None:
                              batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
                              minutes=args.minutes, max_steps=args.max_steps, eval_every=args.eval_every,
                              eval_windows=args.eval_windows, autocast=args.autocast, device=args.device,
-                             seed=args.seed, out=Path(args.out) if args.out else None)
+                             seed=args.seed, moe_balance_weight=args.moe_balance_weight,
+                             moe_z_weight=args.moe_z_weight, out=Path(args.out) if args.out else None)
     print(summary_line(run_train(settings, show_progress=not args.quiet)))

@@ -10,6 +10,7 @@ from harness.results import check_output_folder, settings_dict
 from harness.train.checkpoint import read_train_state
 from harness.train.corpus import check_corpus_path
 from harness.train.memory import check_training_bytes
+from harness.train.moe_losses import BALANCE_WEIGHT, Z_WEIGHT, check_weights, has_moe_layers
 from zoo import checks
 
 AUTOCAST = ("auto", "on", "off")
@@ -21,6 +22,9 @@ BYTE_VOCAB = 256  # token ids are raw bytes
 # faster on the project's 2-core EPYC (small preset, gqa and mamba); at the tiny preset (d_model 64) it ranged from
 # 0.67x to 1.3x by architecture, 0.92x for the CPU default (benchmarks/train_autocast.py; BENCHMARKS.md)
 AUTOCAST_MIN_WIDTH = 512
+# what a checkpoint written before the MoE auxiliary losses existed trained with
+OLDER_CHECKPOINTS = {"moe_balance_weight": 0.0, "moe_z_weight": 0.0}
+MOE_WEIGHTS = tuple(OLDER_CHECKPOINTS)  # settings that change nothing for a model without MoE layers
 
 
 @dataclass
@@ -40,6 +44,9 @@ class TrainSettings:
     autocast: str = "auto"  # bf16 autocast: "on", "off", or "auto" (see autocast_enabled)
     device: str = "cpu"
     seed: int = 0  # weights, batches and a diffusion LM's masking draws
+    # MoE auxiliary losses' weights (harness/train/moe_losses.py); 0 turns one off; no MoE layers: not applying
+    moe_balance_weight: float = BALANCE_WEIGHT
+    moe_z_weight: float = Z_WEIGHT
     out: Path | None = None  # default: results/train/ARCH-PRESET
 
     def __post_init__(self):
@@ -80,11 +87,12 @@ class TrainSettings:
         checks.integer("eval_windows", self.eval_windows, minimum=1)
         checks.choice("autocast", self.autocast, AUTOCAST)
         checks.integer("seed", self.seed, minimum=0, maximum=2**63 - 1)  # torch.manual_seed and numpy both take it
+        check_weights(self.moe_balance_weight, self.moe_z_weight)
         check_corpus_path(self.corpus)
         check_output_folder(self.out)
         saved = read_train_state(self.out)
         if saved is not None:
-            self.check_resume(saved["settings"])
+            self.check_resume(saved["settings"], config)
         return config
 
     def autocast_enabled(self, config: zoo.ModelConfig) -> bool:
@@ -96,19 +104,22 @@ class TrainSettings:
             return True
         return config.d_model >= AUTOCAST_MIN_WIDTH and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
-    def fixed(self) -> dict:
-        """The settings a resumed run must share with its checkpoint, as they are recorded."""
-        return {name: value for name, value in self.record().items() if name not in RESUMABLE_CHANGES}
+    def fixed(self, config: zoo.ModelConfig) -> dict:
+        """The settings a resumed run must share with its checkpoint, as they are recorded (the MoE weights only for
+        a model with MoE layers)."""
+        free = RESUMABLE_CHANGES + (() if has_moe_layers(config) else MOE_WEIGHTS)
+        return {name: value for name, value in self.record().items() if name not in free}
 
     def record(self) -> dict:
         """The settings as JSON values, the corpus as an absolute path (how a checkpoint records them)."""
         return {**settings_dict(self), "corpus": None if self.corpus is None else str(Path(self.corpus).resolve())}
 
-    def check_resume(self, saved: dict) -> None:
+    def check_resume(self, saved: dict, config: zoo.ModelConfig) -> None:
         """OUT already holds a checkpoint: these settings may continue it only if they train the same model on the
         same data the same way (budgets, evaluation cadence, device and autocast may change)."""
-        differ = [f"{name} {saved.get(name)!r} (checkpoint) vs {value!r} (now)" for name, value in self.fixed().items()
-                  if saved.get(name) != value]
+        saved = {**OLDER_CHECKPOINTS, **saved}
+        differ = [f"{name} {saved.get(name)!r} (checkpoint) vs {value!r} (now)"
+                  for name, value in self.fixed(config).items() if saved.get(name) != value]
         if differ:
             raise ValueError(f"{self.out} holds a checkpoint trained with other settings: {'; '.join(differ)}. "
                              f"Pass the checkpoint's settings to continue it (only {', '.join(RESUMABLE_CHANGES)} may "

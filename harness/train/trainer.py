@@ -4,9 +4,10 @@ AdamW (betas 0.9/0.95; weight decay 0.1 on the weights of linear and embedding l
 state-space parameters), linear warmup then cosine decay to 10% of the peak rate over whichever budget ends first
 (harness/train/schedule.py), gradients clipped to norm 1.0, optional bf16 autocast. Validation every eval_every
 steps and at the end on a fixed set of windows; each evaluation writes a checkpoint (harness/train/checkpoint.py)
-and rewrites results.jsonl. Running the same settings with the same OUT continues from the newest checkpoint:
-batches and masking draws are seeded by (seed, step), so the continued run takes the steps an uninterrupted one
-would.
+and rewrites results.jsonl. A model with MoE layers also trains on the MoE auxiliary losses, and each evaluation
+reports its routing (harness/train/moe_losses.py). Running the same settings with the same OUT continues from the
+newest checkpoint: batches and masking draws are seeded by (seed, step), so the continued run takes the steps an
+uninterrupted one would.
 """
 import json
 import os
@@ -24,6 +25,7 @@ from harness.train import objective
 from harness.train.baseline import unigram_bpb
 from harness.train.checkpoint import LINK, checkpoint_folder, read_optimizer_state, read_train_state, save_checkpoint
 from harness.train.corpus import Corpus, check_window_fits, load_corpus, training_batch, validation_windows
+from harness.train.moe_losses import MoETraining, routing_line
 from harness.train.schedule import lr_factor, progress
 from harness.train.settings import TrainSettings
 
@@ -42,6 +44,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     corpus: Corpus
     state: dict
+    moe: MoETraining  # the auxiliary losses' weights and the routing statistics since the last evaluation
 
     def fraction_done(self) -> float:
         """Progress through the budget, in [0, 1]."""
@@ -83,7 +86,8 @@ def start_run(settings: TrainSettings) -> Run:
     optimizer = make_optimizer(model.train(), settings.lr)
     if saved is not None:
         optimizer.load_state_dict(read_optimizer_state(checkpoint_folder(settings.out), settings.device))
-    return Run(settings, model, optimizer, corpus, {**state, "settings": settings.record()})  # budgets given now
+    moe = MoETraining.for_model(model, settings.moe_balance_weight, settings.moe_z_weight)
+    return Run(settings, model, optimizer, corpus, {**state, "settings": settings.record()}, moe)  # budgets given now
 
 
 def check_same_corpus(saved: dict, corpus: Corpus) -> None:
@@ -96,7 +100,8 @@ def check_same_corpus(saved: dict, corpus: Corpus) -> None:
 
 
 def train_step(run: Run, lr: float, use_autocast: bool) -> float:
-    """One optimizer step at rate lr on the batch of the run's current step; returns its loss in nats per token."""
+    """One optimizer step at rate lr on the batch of the run's current step, on the task loss plus any MoE
+    auxiliary losses; returns the task loss in nats per token."""
     settings, step = run.settings, run.state["step"]
     batch = training_batch(run.corpus, settings.seed, step, settings.batch_size, settings.context + 1)
     generator = None if run.model.config.causal else objective.masking_generator(settings.seed, step, settings.device)
@@ -105,7 +110,7 @@ def train_step(run: Run, lr: float, use_autocast: bool) -> float:
     with objective.autocast(settings.device, use_autocast):
         loss = objective.loss(run.model, batch.to(settings.device), generator)
     run.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    (loss + run.moe.step_loss(run.model)).backward()
     nn.utils.clip_grad_norm_(run.model.parameters(), CLIP_NORM)
     run.optimizer.step()
     return float(loss.detach())
@@ -113,12 +118,13 @@ def train_step(run: Run, lr: float, use_autocast: bool) -> float:
 
 def evaluate(run: Run, windows: torch.Tensor, lr: float, losses: list[float]) -> dict:
     """Score the fixed validation windows and record the evaluation in the run's history (losses: the training
-    losses since the last evaluation, in bits per byte)."""
+    task losses since the last evaluation, in bits per byte; with them, the MoE weights and routing statistics)."""
     state = run.state
     row = {"step": state["step"], "tokens": state["tokens"], "trained_s": state["trained_s"], "lr": lr,
            "train_loss_bpb": sum(losses) / len(losses),
            "val_bpb": objective.validation_bpb(run.model, windows, run.settings.batch_size),
-           "val_metric": state["metric"], "unigram_bpb": state["unigram_bpb"], "budget_end": run.fraction_done() >= 1.0}
+           "val_metric": state["metric"], "unigram_bpb": state["unigram_bpb"], "budget_end": run.fraction_done() >= 1.0,
+           **run.moe.report()}
     state["history"].append(row)
     return row
 
@@ -162,7 +168,8 @@ def run_train(settings: TrainSettings, show_progress: bool = True) -> dict:
             save_checkpoint(settings.out, run.model, run.optimizer, state)
             write_results(state, settings.out)
             bar.write(f"step {row['step']:,}: {figure_name(row['val_metric'])} {row['val_bpb']:.3f} (unigram "
-                      f"{row['unigram_bpb']:.3f}), train loss {row['train_loss_bpb']:.3f} bpb, lr {lr:.2e}")
+                      f"{row['unigram_bpb']:.3f}), train loss {row['train_loss_bpb']:.3f} bpb, lr {lr:.2e}"
+                      f"{routing_line(row)}")
             losses = []
         tok_s = (state["tokens"] - tokens_before) / max(state["trained_s"] - trained_before, 1e-9)
         bar.update(round(100 * run.fraction_done(), 1) - bar.n)

@@ -167,7 +167,8 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int6
     const int dk = c->dk, dv = c->dv, group = c->heads / c->kv_heads;
     const int64_t step = TILE * c->stride;
     for (int64_t first = start; first < end; first += step) {
-        int n = (int)((end - first + c->stride - 1) / c->stride < TILE ? (end - first + c->stride - 1) / c->stride : TILE);
+        int64_t left = (end - first + c->stride - 1) / c->stride; /* keys from `first` on */
+        int n = (int)(left < TILE ? left : TILE);
         if (first + step < end) {
             int64_t next = (end - first - step + c->stride - 1) / c->stride;
             prefetch_tile(c, table_row, kv0, first + step, (int)(next < TILE ? next : TILE));
@@ -247,7 +248,8 @@ int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int
                      const void *ks, int64_t ks_block, int64_t ks_pos, int64_t ks_head,
                      const void *vs, int64_t vs_block, int64_t vs_pos, int64_t vs_head,
                      const int32_t *table, int64_t table_stride, int64_t block_size, const int32_t *seq_lens,
-                     const int32_t *starts, int64_t sinks, int64_t stride, int64_t ring, int batch, int heads, int kv_heads, int kv_per_task, int dk, int dv,
+                     const int32_t *starts, int64_t sinks, int64_t stride, int64_t ring, int batch, int heads,
+                     int kv_heads, int kv_per_task, int dk, int dv,
                      float scale, int splits, void *out, int64_t out_b, int64_t out_h, int dtype, int threads,
                      int fp8_rows, int64_t ks_part, int k_split) {
     if (kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_HEADS || dk > MAX_DIM || dv > MAX_DIM ||
@@ -256,7 +258,8 @@ int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int
         return -1;
     int group = heads / kv_heads, chunks = kv_heads / kv_per_task, task_heads = group * kv_per_task;
     Cache c = {k, v, k_block, k_pos, k_head, v_block, v_pos, v_head, ks, vs, ks_block, ks_pos, ks_head, vs_block,
-               vs_pos, vs_head, ks_part, k_split, block_size, stride, ring, heads, kv_heads, kv_per_task, dk, dv, dtype, fp8_rows};
+               vs_pos, vs_head, ks_part, k_split, block_size, stride, ring, heads, kv_heads, kv_per_task, dk, dv,
+               dtype, fp8_rows};
     /* task = (sequence, chunk of kv_per_task KV heads, split of the keys); partials [task][task_heads] */
     int64_t tasks = (int64_t)batch * chunks * splits, work_floats = (int64_t)TILE * (dk + dv);
     float *partial = malloc(sizeof(float) * (tasks * task_heads * (dv + 2) + (int64_t)batch * heads * dk));
@@ -279,7 +282,8 @@ int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int
         /* the visible keys, numbered 0..count-1: the sinks [0, sink_count), then the span's positions span,
          * span + stride, ... before len */
         int64_t len = seq_lens[b], span = starts ? starts[b] : 0, sink_count = sinks < span ? sinks : span;
-        int64_t count = sink_count + (len > span ? (len - 1 - span) / stride + 1 : 0), per_split = (count + splits - 1) / splits;
+        int64_t count = sink_count + (len > span ? (len - 1 - span) / stride + 1 : 0);
+        int64_t per_split = (count + splits - 1) / splits;
         int64_t first = split * per_split, last = first + per_split < count ? first + per_split : count;
         float *m = partial_max + task * task_heads, *l = partial_sum + task * task_heads;
         float *o = partial + task * task_heads * dv, *work = workspace + omp_get_thread_num() * work_floats;

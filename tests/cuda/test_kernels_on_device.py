@@ -1,8 +1,9 @@
 """Every Triton kernel against its PyTorch reference on the device, in fp32, fp16 and bf16, on the kernel suites'
 inputs (tests/kernels: their builders, shapes and fp32 / fp16 tolerances): paged decode attention over GQA groups,
 windows and sinks, MLA decode, the paged KV write, Mamba-1 and Mamba-2 state updates, the linear-attention step and
-chunked prefill, the gated delta step, the dequantizing GEMV and one-byte KV decode. The suites' own bf16 tests at
-model-sized shapes, which skip without CUDA, are collected here too."""
+chunked prefill, the gated delta, retention and RWKV-7 steps, the MoE grouped matmul, the dequantizing GEMV and
+one-byte KV decode. The suites' own bf16 tests at model-sized shapes, which skip without CUDA, are collected here
+too."""
 import pytest
 import torch
 
@@ -11,7 +12,10 @@ import test_linear_attention_kernels as linear_suite
 import test_mla_attention as mla_suite
 import test_paged_attention as paged_suite
 import test_paged_write as write_suite
+import test_grouped_matmul as grouped_suite
 import test_quantized_kernels as quantized_suite
+import test_retention_decay as retention_suite
+import test_rwkv7_kernels as rwkv7_suite
 import test_selective_state_update as ssu_suite
 from cache import Retention
 from cache.quantized_rows import quantize_rows
@@ -22,7 +26,10 @@ from kernels import (
     write_paged_kv_triton,
 )
 from kernels.gated_delta import gated_delta_step_ref, gated_delta_step_triton
+from kernels.grouped_matmul import grouped_matmul_ref, grouped_matmul_triton
 from kernels.quantized_matmul import int4_dequantize, int8_matmul_ref, quantized_gemv_triton
+from kernels.retention_decay import retention_decay_step_ref, retention_decay_step_triton
+from kernels.rwkv7 import rwkv7_step_ref, rwkv7_step_triton
 from spans import visible_span
 from ssm.gated_deltanet import l2_normalize
 from zoo.quantize import quantize_int4, quantize_int8
@@ -34,6 +41,10 @@ from test_linear_attention_kernels import (  # noqa: F401
 )
 from test_mla_attention import test_triton_bf16_on_gpu as test_mla_bf16_model_shapes  # noqa: F401
 from test_paged_attention import test_triton_bf16_on_gpu as test_paged_attention_bf16_model_shapes  # noqa: F401
+from test_retention_decay import (  # noqa: F401
+    test_triton_step_bf16_on_gpu as test_retention_decay_bf16_model_shapes,
+)
+from test_rwkv7_kernels import test_triton_step_bf16_on_gpu as test_rwkv7_bf16_model_shapes  # noqa: F401
 from test_selective_state_update import test_triton_bf16_on_gpu as test_ssu_bf16_model_shapes  # noqa: F401
 
 # bf16 keeps 8 mantissa bits: O(1) outputs rounded once are 2^-8 apart; the suites' bf16 GPU tests allow this too
@@ -41,7 +52,8 @@ BF16 = dict(atol=2e-2, rtol=2e-2)
 # (head layout, retention) pairs: every GQA group shape unbounded, the bounded policies on a grouped layout
 ATTENTION_CASES = {"mha": ("mha", None), "gqa": ("gqa", None), "mqa": ("mqa", None),
                    "gqa-window": ("gqa", Retention(window=40)), "gqa-sinks": ("gqa", Retention(sinks=4, window=20)),
-                   "mqa-window": ("mqa", Retention(window=16))}
+                   "mqa-window": ("mqa", Retention(window=16)),
+                   "gqa-dilated": ("gqa", Retention(window=12, dilation=3))}
 
 
 def tolerance(suite, dtype: torch.dtype) -> dict:
@@ -131,6 +143,42 @@ def test_gated_delta_step(device, kernel_dtype):
     ref_out = gated_delta_suite.steps(gated_delta_step_ref, q, k, v, g, beta, ref_state)
     torch.testing.assert_close(out, ref_out, **tolerance(gated_delta_suite, kernel_dtype))
     torch.testing.assert_close(state, ref_state, **gated_delta_suite.STATE_TOLERANCE)
+
+
+def test_retention_decay_step(device, kernel_dtype):
+    """Four tokens, dk 128 and dv 72 (several value tiles), on every other row of an fp32 state pool."""
+    q, k, v, g = retention_suite.make_inputs(3, 2, 4, 128, 72, kernel_dtype, device, seed=5)
+    pool = retention_suite.make_state(6, 2, 128, 72, device=device)
+    state = pool[1::2]
+    ref_state = state.clone()
+    out = retention_suite.steps(retention_decay_step_triton, q, k, v, g, state)
+    ref_out = retention_suite.steps(retention_decay_step_ref, q, k, v, g, ref_state)
+    torch.testing.assert_close(out, ref_out, **tolerance(retention_suite, kernel_dtype))
+    torch.testing.assert_close(state, ref_state, **retention_suite.STATE_TOLERANCE)
+
+
+def test_rwkv7_step(device, kernel_dtype):
+    """Four tokens, dk 128 and dv 72 (several value tiles), on every other row of an fp32 state pool."""
+    inputs = rwkv7_suite.make_inputs(3, 2, 4, 128, 72, kernel_dtype, device, seed=5)
+    pool = rwkv7_suite.make_state(6, 2, 128, 72, device=device)
+    state = pool[1::2]
+    ref_state = state.clone()
+    out = rwkv7_suite.steps(rwkv7_step_triton, *inputs, state)
+    ref_out = rwkv7_suite.steps(rwkv7_step_ref, *inputs, ref_state)
+    torch.testing.assert_close(out, ref_out, **tolerance(rwkv7_suite, kernel_dtype))
+    torch.testing.assert_close(state, ref_state, **rwkv7_suite.STATE_TOLERANCE)
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_moe_grouped_matmul(device, kernel_dtype, tokens):
+    """A decode-sized and a prefill-sized batch routed top 2 of 8 experts, skewed so some experts are empty."""
+    experts, source = grouped_suite.routed(tokens, 8, 2, seed=tokens, skew=True)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 256, generator=g).to(device, kernel_dtype)
+    weight = (torch.randn(8, 320, 256, generator=g) / 16).to(device, kernel_dtype)
+    experts, source = experts.to(device), source.to(device)
+    torch.testing.assert_close(grouped_matmul_triton(x, weight, experts, source),
+                               grouped_matmul_ref(x, weight, experts, source), **tolerance(grouped_suite, kernel_dtype))
 
 
 @pytest.mark.parametrize("rows", [1, 16])

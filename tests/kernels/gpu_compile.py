@@ -33,7 +33,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
-from kernels import gated_delta, linear_attention, mla_attention, paged_attention, paged_write, quantized_matmul
+from kernels import (gated_delta, grouped_matmul, linear_attention, mla_attention, paged_attention, paged_write,
+                     quantized_matmul, retention_decay)
+from kernels import rwkv7
 
 ssu = importlib.import_module("kernels.selective_state_update")  # the package exports a function of that name
 
@@ -116,15 +118,16 @@ def compile_launches(launches, cc: int, folder: Path) -> list[tuple[str, dict]]:
     return results
 
 
-def paged_case(dtype, span=False, head_dim=128, heads=(32, 8)):
-    """span: the bounded-retention launch (per-sequence span starts, 4 sinks, 128 keys at most)."""
+def paged_case(dtype, span=False, head_dim=128, heads=(32, 8), stride=1):
+    """span: the bounded-retention launch (per-sequence span starts, 4 sinks, 128 keys at most); stride > 1: a
+    dilated window's (no sinks)."""
     def call():
         blocks, block_size = 64, 16
         q = torch.empty(4, heads[0], head_dim, dtype=dtype)
         pool = torch.empty(blocks, heads[1], block_size, head_dim, dtype=dtype).transpose(1, 2)  # the engine's layout
         table = torch.zeros(4, 16, dtype=torch.int32)
         lengths = torch.full((4,), 200, dtype=torch.int32)
-        bounds = dict(starts=lengths - 124, sinks=4, max_keys=128) if span else {}
+        bounds = dict(starts=lengths - 124, sinks=4 if stride == 1 else 0, max_keys=128, stride=stride) if span else {}
         paged_attention.paged_decode_attention_triton(q, pool, pool, table, lengths, 0.1, **bounds)
     return paged_attention, call
 
@@ -221,9 +224,36 @@ def gated_delta_step_case(dtype):
     return gated_delta, call
 
 
+def retention_decay_step_case(dtype):
+    def call():  # RetNet-1.3B's layers: 8 heads, dk 256, dv 512 (expand_v 2), fp32 state
+        q, v = torch.empty(4, 8, 256, dtype=dtype), torch.empty(4, 8, 512, dtype=dtype)
+        g = torch.empty(4, 8)
+        state = torch.empty(4, 8, 256, 512)
+        retention_decay.retention_decay_step_triton(q, q, v, g, state)
+    return retention_decay, call
+
+
+def rwkv7_step_case(dtype):
+    def call():  # RWKV-7 World 2.9B's layers: 40 heads, dk = dv = 64, fp32 state
+        key = torch.empty(4, 40, 64, dtype=dtype)
+        state = torch.empty(4, 40, 64, 64)
+        rwkv7.rwkv7_step_triton(key, key, key, key, key, key, state)
+    return rwkv7, call
+
+
+def grouped_matmul_case(dtype):
+    def call():  # Mixtral-8x7B's experts' gate/up projection: 4096 -> 14336, 8 experts, 16 tokens routed top 2
+        x = torch.empty(16, 4096, dtype=dtype)
+        weight = torch.empty(1, 1, 1, dtype=dtype).expand(8, 14336, 4096)  # strides, not memory: nothing runs
+        experts = torch.arange(32) % 8
+        grouped_matmul.grouped_matmul_triton(x, weight, experts, torch.arange(16).repeat_interleave(2))
+    return grouped_matmul, call
+
+
 CASES = {
     "paged": lambda dtype: paged_case(dtype),
     "paged-span": lambda dtype: paged_case(dtype, span=True),
+    "paged-dilated": lambda dtype: paged_case(dtype, span=True, stride=4),
     "paged-head64-mha": lambda dtype: paged_case(dtype, head_dim=64, heads=(12, 12)),
     "paged-int8-kv": paged_int8_case,
     "paged-fp8-kv": lambda dtype: paged_int8_case(dtype, torch.float8_e4m3fn),
@@ -239,6 +269,9 @@ CASES = {
     "linear-step": linear_step_case,
     "linear-chunked": linear_chunked_case,
     "gated-delta-step": gated_delta_step_case,
+    "rwkv7-step": rwkv7_step_case,
+    "retention-decay-step": retention_decay_step_case,
+    "moe-grouped-matmul": grouped_matmul_case,
 }
 # float8 e4m3 is native from sm_89 (Ada, Hopper) on; Triton refuses it below, and the engine refuses kv_dtype="fp8" there
 FP8_CASES = ("paged-fp8-kv", "mla-fp8")

@@ -18,4 +18,5 @@ def sees(position: int, query: int, retention) -> bool:
     if retention.window is None:
         return True
     back = query - position
-    return (back % retention.dilation == 0 and back // retention.dilation < retention.window) or position < retention.sinks
+    seen = back % retention.dilation == 0 and back // retention.dilation < retention.window
+    return seen or position < retention.sinks

@@ -160,7 +160,8 @@ def test_triton_bounded_long_sequences_in_splits(force_triton, device, paged_cac
                                         (dict(starts=torch.zeros(2, dtype=torch.int32)), "starts"),
                                         (dict(stride=0), "stride must be >= 1"),
                                         (dict(stride=2), "above 1 only with starts"),
-                                        (dict(stride=2, sinks=2, starts=torch.zeros(1, dtype=torch.int32)), "no sinks")])
+                                        (dict(stride=2, sinks=2, starts=torch.zeros(1, dtype=torch.int32)),
+                                         "no sinks")])
 def test_bad_span_arguments_raise(paged_cache, bad, match):
     cache = paged_cache([5], 16, 1, 16, 16, torch.float32, "cpu")
     args = (make_query(1, 2, 16, torch.float32, "cpu"), cache.k_pool, cache.v_pool, cache.block_table, cache.seq_lens)

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.grouped_matmul import grouped_matmul
+
 INIT_STD = 0.02  # the model's normal init (zoo.model.init_weights covers nn.Linear only)
 
 
@@ -25,6 +27,11 @@ class ExpertLinear(nn.Module):
     def gathered(self, ids: torch.Tensor) -> torch.Tensor:
         """The weights of experts `ids` [n] as [n, out, in]: only those experts are read."""
         return self.weight.index_select(0, ids)
+
+    def grouped(self, x: torch.Tensor, ids: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
+        """Row m -> expert ids[m] applied to x[source[m]] (x[m] without source): [M, out], each routed expert's
+        weight tiles read once per tile of its rows (kernels/grouped_matmul.py)."""
+        return grouped_matmul(x, self.weight, ids, source)
 
 
 class Experts(nn.Module):
@@ -50,3 +57,14 @@ class Experts(nn.Module):
         x = x[:, :, None]
         hidden = F.silu(torch.bmm(self.gate_proj.gathered(ids), x)) * torch.bmm(self.up_proj.gathered(ids), x)
         return torch.bmm(self.down_proj.gathered(ids), hidden)[:, :, 0]
+
+    @property
+    def tiles(self) -> bool:
+        """Whether grouped() can run: float stacks (a quantized stack has no dense weight to tile)."""
+        return all(isinstance(p, ExpertLinear) for p in (self.gate_proj, self.up_proj, self.down_proj))
+
+    def grouped(self, ids: torch.Tensor, x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """Expert ids[m] on token x[source[m]], for every (token, expert) pair m by grouped matmuls (ids, source
+        [M], x [tokens, d_model]): fixed shapes, each routed expert's weights read once per tile of its pairs."""
+        hidden = F.silu(self.gate_proj.grouped(x, ids, source)) * self.up_proj.grouped(x, ids, source)
+        return self.down_proj.grouped(hidden, ids)

@@ -22,14 +22,24 @@ Two fast paths, the same sum:
   tokens * top_k passes n_experts it reads experts more than once). Run eagerly on the CPU, index_select copies each
   pair's weights before the bmm: benchmarks/moe_paths.py measured it 1.0-2.0x faster than all experts at one token
   but 12x slower at 16 (8 experts, top 2), where grouping was 1.5x faster; it is for fixed-shape steps only.
-`reference` is a dense float64 loop over all experts, written without either path's code.
+On CUDA both give way to a third, tiled: the pairs aligned by expert into 16-row tiles and run by a Triton grouped
+matmul (kernels/grouped_matmul.py), each routed expert's weight tiles read once per tile of its pairs, with shapes
+fixed by the token count, so eager, compiled and captured steps all take it (float experts; a quantized stack keeps
+the two paths above).
+`reference` is a dense float64 loop over all experts, written without any path's code.
+
+In training mode `route` also keeps the last forward's router logits and choice in `last_routing` (a
+zoo.ffn.routing_losses.Routing), which the trainers take after the forward for the auxiliary losses and the routing
+statistics; in eval mode (validation, the engine, a compiled or captured step) it keeps nothing.
 """
 import torch
 from torch import nn
 
+from kernels import use_triton
 from zoo import checks
 from zoo.ffn.experts import Experts
 from zoo.ffn.router import Router
+from zoo.ffn.routing_losses import Routing
 from zoo.ffn.swiglu import SwiGLU
 
 ROUTERS = ("softmax", "sigmoid")
@@ -69,6 +79,8 @@ class MoE(nn.Module):
         # host read per step, so a captured step records too), read once after a measurement
         self.register_buffer("decode_steps", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("decode_reads", torch.zeros(n_experts, dtype=torch.int64), persistent=False)
+        # the last training forward's routing, until a trainer takes it (None in eval mode: inference keeps nothing)
+        self.last_routing: Routing | None = None
 
     @staticmethod
     def module_bytes(dtype: torch.dtype, d_model: int, hidden: int, n_experts: int = 8, top_k: int = 2,
@@ -88,7 +100,8 @@ class MoE(nn.Module):
         return (self.n_experts - self.top_k) * 3 * self.d_model * self.expert_hidden
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, d_model] -> expert ids [N, top_k] and their fp32 weights [N, top_k]."""
+        """x [N, d_model] -> expert ids [N, top_k] and their fp32 weights [N, top_k]; in training mode the logits and
+        ids are also kept in last_routing for the auxiliary losses."""
         logits = self.gate(x)
         if self.scoring == "softmax":
             weights, ids = logits.softmax(-1).topk(self.top_k, dim=-1)
@@ -98,6 +111,8 @@ class MoE(nn.Module):
             weights = scores.gather(-1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.training:
+            self.last_routing = Routing(logits, ids, self.scoring)
         return ids, weights
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
@@ -105,7 +120,10 @@ class MoE(nn.Module):
         ids, weights = self.route(rows)
         self.count(ids, batch is not None and batch.is_decode)
         fixed_shapes = torch.compiler.is_compiling() or (batch is not None and batch.captured)
-        y = self.gathered(rows, ids, weights) if fixed_shapes else self.grouped(rows, ids, weights)
+        if use_triton(rows) and self.experts.tiles:  # CUDA: the tiled grouped matmul, fixed shapes eager or captured
+            y = self.tiled(rows, ids, weights)
+        else:
+            y = self.gathered(rows, ids, weights) if fixed_shapes else self.grouped(rows, ids, weights)
         if self.shared_experts is not None:
             shared = self.shared_experts(rows)
             y = y + (shared if self.shared_expert_gate is None
@@ -134,6 +152,13 @@ class MoE(nn.Module):
                 start += count
         routed = torch.cat(outputs) * weights.flatten()[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, routed)
+
+    def tiled(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each (token, expert) pair by the Triton grouped matmul; weighted sum over a token's top_k."""
+        n, k = ids.shape
+        source = torch.arange(n, device=x.device).repeat_interleave(k)  # each pair's token
+        out = self.experts.grouped(ids.flatten(), x, source).view(n, k, -1)
+        return (out * weights[..., None].to(x.dtype)).sum(1)
 
     def gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) pair through its gathered expert weights; weighted sum over a token's top_k."""
