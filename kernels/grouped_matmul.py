@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .dispatch import jit_kernels, use_triton
-from .tiles import cdiv
+from .tiles import cdiv, padded
 
 tl = None  # triton.language, bound by dispatch.jit_kernels on the first Triton call
 
@@ -56,7 +56,9 @@ def align_by_expert(experts: torch.Tensor, n_experts: int, block_m: int = BLOCK_
     size = cdiv(rows + n_experts * (block_m - 1), block_m) * block_m
     experts = experts.long()
     order = torch.argsort(experts, stable=True)
-    counts = torch.bincount(experts, minlength=n_experts)
+    # not bincount, whose output size is read from the data on the host
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=experts.device).index_add_(0, experts,
+                                                                                          torch.ones_like(experts))
     padded_counts = (counts + block_m - 1) // block_m * block_m
     padded_ends = padded_counts.cumsum(0)
     sorted_experts = experts[order]
@@ -106,16 +108,20 @@ def _jitted_kernel():
     return jit_kernels(globals(), _grouped_kernel)[0]
 
 
-def grouped_matmul_triton(x, weight, experts, source=None, block_n: int = 64, block_k: int = 32) -> torch.Tensor:
+def grouped_matmul_triton(x, weight, experts, source=None, block_n: int | None = None,
+                          block_k: int = 32) -> torch.Tensor:
+    """block_n: output columns a program computes (default: all of them up to 128)."""
     _check_args(x, weight, experts, source)
     kernel = _jitted_kernel()
     n_experts, n_out, k = weight.shape
+    block_n = block_n or min(128, padded(n_out))
     padded_rows, tile_experts = align_by_expert(experts, n_experts)
     out = torch.empty(experts.shape[0], n_out, dtype=x.dtype, device=x.device)
     kernel[(tile_experts.shape[0], cdiv(n_out, block_n))](
         x, weight, out, padded_rows, tile_experts, experts if source is None else source, k, n_out,
         *x.stride(), *weight.stride(), *out.stride(),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SOURCE=source is not None, num_warps=4,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SOURCE=source is not None,
+        num_warps=4 if block_n <= 64 else 8,  # 128 columns at 8 warps: ~150 registers a thread, no spills
     )
     return out
 

@@ -156,7 +156,7 @@ class MoE(nn.Module):
     def tiled(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each (token, expert) pair by the Triton grouped matmul; weighted sum over a token's top_k."""
         n, k = ids.shape
-        source = torch.arange(n, device=x.device).repeat_interleave(k)  # each pair's token
+        source = torch.arange(n * k, device=x.device) // k  # each pair's token (repeat_interleave reads the host)
         out = self.experts.grouped(ids.flatten(), x, source).view(n, k, -1)
         return (out * weights[..., None].to(x.dtype)).sum(1)
 
