@@ -11,7 +11,7 @@ The MoE trains with the Switch load-balancing loss and the router z-loss at thei
 --moe-balance-weight / --moe-z-weight); its routing statistics at the end are recorded. Rows go to OUT/results.jsonl
 as each run finishes (a re-run skips finished runs); the table is printed and written to OUT/table.md.
 
-    python benchmarks/moe_quality.py                                 # tiny preset, 600 LM steps, 600 MQAR steps
+    python benchmarks/moe_quality.py                                 # tiny preset, 600 LM steps, 1500 MQAR steps
     python benchmarks/moe_quality.py --lm-steps 20 --mqar-steps 20 --out /tmp/moe_quality    # a smoke run
 """
 import argparse
@@ -42,8 +42,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny", help="language-model size (default: tiny)")
     p.add_argument("--lm-steps", type=int, default=600, help="zoo train steps per model (default: 600)")
-    p.add_argument("--mqar-steps", type=int, default=600, help="MQAR steps per model (default: 600)")
-    p.add_argument("--mqar-examples", type=int, default=16000, help="MQAR training examples per N (default: 16000)")
+    p.add_argument("--mqar-steps", type=int, default=1500,
+                   help="MQAR steps per model (default: 1500, zoo recall's CPU default)")
+    p.add_argument("--mqar-examples", type=int, default=32000, help="MQAR training examples per N (default: 32000)")
     p.add_argument("--mqar-test-examples", type=int, default=500, help="MQAR test examples per N (default: 500)")
     p.add_argument("--eval-windows", type=int, default=256,
                    help="validation windows the bits per byte are measured on (default: zoo train's 256)")
@@ -124,7 +125,9 @@ def run(args) -> list[dict]:
             store.append({**key, **row})
             print(f"{model} {task}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items()
                                                    if isinstance(v, float)), flush=True)
-    return [r for r in store.rows if r["preset"] == args.preset and r["seed"] == args.seed]
+    steps = {"lm": args.lm_steps, "mqar": args.mqar_steps}
+    return [r for r in store.rows if r["preset"] == args.preset and r["seed"] == args.seed
+            and r["steps"] == steps[r["task"]]]
 
 
 def merged(rows: list[dict]) -> list[dict]:
