@@ -109,12 +109,13 @@ def _jitted_kernel():
 
 
 def grouped_matmul_triton(x, weight, experts, source=None, block_n: int | None = None,
-                          block_k: int = 32) -> torch.Tensor:
-    """block_n: output columns a program computes (default: all of them up to 128)."""
+                          block_k: int | None = None) -> torch.Tensor:
+    """block_n, block_k: output columns a program computes (default: all of them up to 128) and input columns a
+    step multiplies (default 32: 64 costs ~230 registers a thread at 128 columns)."""
     _check_args(x, weight, experts, source)
     kernel = _jitted_kernel()
     n_experts, n_out, k = weight.shape
-    block_n = block_n or min(128, padded(n_out))
+    block_n, block_k = block_n or min(128, padded(n_out)), block_k or 32
     padded_rows, tile_experts = align_by_expert(experts, n_experts)
     out = torch.empty(experts.shape[0], n_out, dtype=x.dtype, device=x.device)
     kernel[(tile_experts.shape[0], cdiv(n_out, block_n))](
