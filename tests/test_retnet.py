@@ -1,20 +1,15 @@
 """RetNet's multi-scale retention mixer: the fast forward equals the float64 step-by-step reference() and the paper's
-parallel form; the cached mixer (StateSlots: prefill, multi-token continuations, decode steps, checkpointed steps,
-right-padded batched prefill) equals the uncached one; batch rows are independent; gradients flow through the chunked
-form; the state is n_heads * dk * dv fp32 elements; bad settings are refused by name, before pricing too."""
-import dataclasses
-
+parallel form; the state is n_heads * dk * dv fp32 elements; bad settings are refused by name, before pricing too.
+The cache contract every state mixer owes (cached = uncached, batch rows, padding, checkpoints, gradients) is
+tests/test_state_mixers.py."""
 import pytest
 import torch
 
 from cache.state_slots import StateSlots
-from kernels import FORCE_TRITON_ENV, triton_available
 from ssm.retnet import MultiScaleRetention, log_decays
-from batches import run_cached, slot_batch  # tests/ is on sys.path under pytest
 from helpers import spread_weights  # tests/ is on sys.path under pytest
 
 ATOL = 1e-5  # outputs are O(1); fp32 against float64
-CACHED_ATOL = 1e-4  # the chunked and the step-by-step fp32 forms round differently
 
 
 def make_mixer(seed=0, **kwargs):
@@ -25,10 +20,6 @@ def make_mixer(seed=0, **kwargs):
 
 def max_err(got, want) -> float:
     return (got - want).abs().max().item()
-
-
-def new_cache(mixer, max_batch):
-    return StateSlots(mixer.cache_spec(), max_batch=max_batch, dtype=torch.float32, device="cpu")
 
 
 def test_decays_are_the_papers():
@@ -71,113 +62,6 @@ def test_forward_equals_the_papers_parallel_form():
     assert max_err(got, want) <= 1e-10
 
 
-@pytest.mark.parametrize("forced", ["0", "1"], ids=["reference-step", "triton-step"])
-def test_cached_prefill_then_decode_equals_uncached(monkeypatch, forced):
-    if forced == "1" and not triton_available():
-        pytest.skip("triton not installed")
-    monkeypatch.setenv(FORCE_TRITON_ENV, forced)  # "1": decode steps run the Triton kernel (interpreter on CPU)
-    mixer = make_mixer()
-    x = torch.randn(2, 30, 32)
-    with torch.no_grad():
-        full = mixer(x)
-        # prefill 13 (two chunks, the second short), single tokens, a 7-token continuation, single tokens
-        cached = run_cached(mixer, new_cache(mixer, 2), x, [13, 1, 1, 1, 7] + [1] * 7)
-    assert max_err(cached, full) <= CACHED_ATOL, f"cached differs from uncached by {max_err(cached, full):.3g}"
-
-
-def test_prefill_in_two_calls_equals_one():
-    """The second call continues the chunked form from the first's state, chunk boundaries misaligned with the
-    split; outputs and the states left in the cache agree."""
-    mixer = make_mixer()
-    x = torch.randn(2, 21, 32)
-    with torch.no_grad():
-        one_cache, two_cache = new_cache(mixer, 2), new_cache(mixer, 2)
-        one = run_cached(mixer, one_cache, x, [21])
-        two = run_cached(mixer, two_cache, x, [11, 10])
-    assert max_err(two, one) <= CACHED_ATOL
-    assert max_err(two_cache.tensors["retention"], one_cache.tensors["retention"]) <= CACHED_ATOL
-
-
-def test_prefill_overwrites_a_finished_sequences_state():
-    """A slot's previous owner leaves its state behind; a prefill must start from zeros regardless."""
-    mixer = make_mixer()
-    x = torch.randn(1, 12, 32)
-    with torch.no_grad():
-        cache = new_cache(mixer, 1)
-        run_cached(mixer, cache, torch.randn(1, 6, 32), [6])
-        cached = run_cached(mixer, cache, x, [5] + [1] * 7)
-        full = mixer(x)
-    assert max_err(cached, full) <= CACHED_ATOL
-
-
-def test_batch_rows_are_independent():
-    """Three sequences of equal length prefilled together in non-consecutive slots of a larger pool, then decoded
-    together, equal each run alone."""
-    mixer = make_mixer()
-    x = torch.randn(3, 16, 32)
-    with torch.no_grad():
-        cache = new_cache(mixer, 5)
-        batched = run_cached(mixer, cache, x, [10, 1, 1, 3, 1], slots=[4, 0, 2])
-        for row in range(3):
-            alone = run_cached(mixer, new_cache(mixer, 1), x[row : row + 1], [10] + [1] * 6)
-            assert max_err(batched[row : row + 1], alone) <= CACHED_ATOL, f"row {row} depends on its batch"
-    assert cache.tensors["retention"][[1, 3]].abs().max() == 0, "unused slots were written"
-
-
-@torch.no_grad()
-def test_right_padded_prefill_stops_each_state_at_its_row():
-    """A batched prefill of unequal prompts, right-padded with garbage: each row's outputs and the state it leaves
-    (checked by decoding on) equal its prompt run alone."""
-    mixer = make_mixer()
-    lengths = [3, 11, 6]
-    seqs = [torch.randn(1, n + 4, 32) for n in lengths]
-    x = torch.full((3, max(lengths), 32), 100.0)  # garbage past each row's end
-    for row, (s, n) in enumerate(zip(seqs, lengths)):
-        x[row, :n] = s[0, :n]
-    cache = new_cache(mixer, 3)
-    positions = torch.arange(max(lengths)).expand(3, -1)
-    batch = dataclasses.replace(slot_batch(positions, True, lengths=lengths), padded=True)
-    out = mixer(x, positions, cache, batch)
-    for step in range(4):
-        positions = torch.tensor([[n + step] for n in lengths])
-        token = torch.cat([s[:, n + step : n + step + 1] for s, n in zip(seqs, lengths)])
-        decoded = mixer(token, positions, cache, slot_batch(positions, False))
-        for row, (s, n) in enumerate(zip(seqs, lengths)):
-            alone = mixer(s)
-            assert max_err(decoded[row, 0], alone[0, n + step]) <= CACHED_ATOL, f"row {row} step {step}"
-            if step == 0:
-                assert max_err(out[row, :n], alone[0, :n]) <= CACHED_ATOL, f"row {row} prefill"
-
-
-@torch.no_grad()
-def test_checkpointed_steps_keep_the_state_after_every_token():
-    """A step with checkpoints (speculative verification) gives the plain outputs, and rolling back to any token
-    leaves the state a prefill of that prefix would."""
-    mixer = make_mixer()
-    x = torch.randn(2, 12, 32)
-    full = mixer(x)
-    cache = new_cache(mixer, 2)
-    run_cached(mixer, cache, x, [7])
-    positions = torch.arange(7, 12).expand(2, 5)
-    batch = dataclasses.replace(slot_batch(positions, False), checkpoints=True)
-    out = mixer(x[:, 7:], positions, cache, batch)
-    assert max_err(out, full[:, 7:]) <= CACHED_ATOL
-    for keep in (8, 10, 12):
-        cache.rollback({0: keep, 1: keep})
-        prefix_cache = new_cache(mixer, 2)
-        run_cached(mixer, prefix_cache, x[:, :keep], [keep])
-        assert max_err(cache.tensors["retention"], prefix_cache.tensors["retention"]) <= CACHED_ATOL, keep
-
-
-def test_gradients_flow_through_the_chunked_form():
-    mixer = make_mixer().train()
-    x = torch.randn(2, 19, 32, requires_grad=True)
-    mixer(x).square().sum().backward()
-    for name, param in [("x", x), *mixer.named_parameters()]:
-        assert param.grad is not None and torch.isfinite(param.grad).all(), f"{name}: no finite gradient"
-        assert param.grad.abs().max() > 0, f"{name}: zero gradient"
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_state_is_heads_times_dk_dv(dtype):
     mixer = MultiScaleRetention(d_model=32, layer_idx=0, n_heads=4, head_dim=6, expand_v=2)
@@ -199,16 +83,6 @@ def test_module_bytes_equals_the_built_module(dtype):
     buffers = sum(b.nbytes for b in mixer.buffers())
     assert buffers == 3 * 4  # dk / 2 frequencies
     assert MultiScaleRetention.module_bytes(dtype, **settings) == parameters + buffers
-
-
-def test_bf16_model_runs_and_caches():
-    mixer = make_mixer().to(torch.bfloat16)
-    x = torch.randn(1, 12, 32, dtype=torch.bfloat16)
-    with torch.no_grad():
-        full = mixer(x)
-        cached = run_cached(mixer, new_cache(mixer, 1), x, [9, 1, 1, 1])
-    assert full.dtype == cached.dtype == torch.bfloat16
-    assert max_err(cached.float(), full.float()) <= 0.05  # bf16 projections; the states stay fp32
 
 
 BAD_SETTINGS = [
