@@ -19,6 +19,7 @@ from harness.recall import cli as recall_cli
 from harness.results import settings_dict, write_atomic
 from harness.sampling import SamplingParams
 from harness.speculative import PROMPT_LOOKUP, SpeculativeConfig
+from harness.serve import cli as serve_cli
 from harness.serve_bench import ServeBenchSettings, run_serve_bench
 from harness.serve_bench import markdown_table as serve_table
 from harness.serve_charts import write_serve_charts
@@ -371,6 +372,7 @@ def parser() -> argparse.ArgumentParser:
 
     add_export_parser(sub)
     train_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
     recall_cli.add_parser(sub, int_list, name_list)
     probe_cli.add_parser(sub, int_list, name_list)
     return p

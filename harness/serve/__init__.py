@@ -1,0 +1,1 @@
+"""`zoo serve`: an OpenAI-compatible HTTP server over the engine (needs the `serve` extra: fastapi, uvicorn)."""
