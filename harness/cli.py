@@ -160,6 +160,9 @@ def shared_prefix(text: str) -> tuple[int, int, int]:
 SERVE_BENCH_CONFLICTS = (
     ("concurrency", "request_rates", "a closed loop of N requests in flight replaces the Poisson arrivals"),
     ("shared_prefix", "input_len", "each prompt is PREFIX_LEN + SUFFIX_LEN tokens"),
+    *((("url", engine_option, "the server runs its own model and engine")
+       for engine_option in ("archs", "admission", "max_num_batched_tokens", "prefix_caching", "max_batch",
+                             "num_blocks"))),
 )
 
 
@@ -183,14 +186,17 @@ def cmd_serve_bench(args) -> None:
     d = ServeBenchSettings()
     num_prefixes, prefix_len, suffix_len = args.shared_prefix or (0, d.prefix_len, d.suffix_len)
     settings = ServeBenchSettings(
-        archs=args.archs, preset=args.preset,
+        archs=d.archs if args.archs is None else args.archs, preset=args.preset, url=args.url,
         request_rates=d.request_rates if args.request_rates is None else args.request_rates,
         concurrency=args.concurrency, num_requests=args.num_requests,
         input_len=d.input_len if args.input_len is None else args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, num_prefixes=num_prefixes, prefix_len=prefix_len, suffix_len=suffix_len,
-        ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms, admission=args.admission,
-        max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=args.prefix_caching,
-        max_batch=args.max_batch, num_blocks=args.num_blocks, seed=args.seed, out=Path(args.out))
+        ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
+        admission=d.admission if args.admission is None else args.admission,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefix_caching=d.prefix_caching if args.prefix_caching is None else args.prefix_caching,
+        max_batch=d.max_batch if args.max_batch is None else args.max_batch, num_blocks=args.num_blocks,
+        seed=args.seed, out=Path(args.out))
     settings.validate()  # a bad value is named as such before a combination of good ones is refused
     check_serve_bench_conflicts(args)
     rows = run_serve_bench(settings, show_progress=not args.quiet)
@@ -430,7 +436,10 @@ def add_serve_bench_parser(sub) -> None:
                                    "architecture x load cell finishes (a re-run skips finished cells); prints a table "
                                    "and writes OUT/table.md and latency and throughput charts.")
     d = ServeBenchSettings()
-    s.add_argument("--archs", type=name_list, default=d.archs, help=f"comma-separated architectures (default: {','.join(d.archs)}; see `zoo list`)")
+    s.add_argument("--archs", type=name_list, help=f"comma-separated architectures (default: {','.join(d.archs)}; "
+                                                   f"see `zoo list`)")
+    s.add_argument("--url", help="measure this OpenAI-compatible server (e.g. http://127.0.0.1:8000, `zoo serve` or "
+                                 "vLLM) with the same workload, over HTTP, instead of the engine in process")
     s.add_argument("--preset", default=d.preset, choices=list(zoo.PRESETS), help=f"model size (default: {d.preset})")
     s.add_argument("--request-rates", type=recall_cli.float_list,
                    help="comma-separated Poisson arrival rates in requests/s, not with --concurrency (default: "
@@ -450,12 +459,12 @@ def add_serve_bench_parser(sub) -> None:
                    f"most this ('none': no TTFT SLO; default: {d.ttft_slo_ms:g})")
     s.add_argument("--tpot-slo-ms", type=train_cli.optional_number("milliseconds"), default=d.tpot_slo_ms, help=f"... and TPOT at most this ('none': "
                    f"no TPOT SLO; default: {d.tpot_slo_ms:g})")
-    s.add_argument("--admission", default=d.admission, choices=list(ADMISSIONS), help=f"engine admission (default: {d.admission})")
+    s.add_argument("--admission", choices=list(ADMISSIONS), help=f"engine admission (default: {d.admission})")
     s.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step: chunked prefill (default: off, "
                                                               "whole prompts)")
-    s.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
+    s.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
                    help="share cached prompt blocks between requests (default: on; off for recurrent-state models)")
-    s.add_argument("--max-batch", type=int, default=d.max_batch, help=f"engine batch slots (default: {d.max_batch})")
+    s.add_argument("--max-batch", type=int, help=f"engine batch slots (default: {d.max_batch})")
     s.add_argument("--num-blocks", type=int, help="paged pool blocks per cache group (default: room for max-batch "
                                                   "worst-case requests)")
     s.add_argument("--seed", type=int, default=d.seed, help=f"seed for weights, workload and arrivals (default: {d.seed})")

@@ -6,6 +6,7 @@ The synthetic workload (vLLM's "random" dataset, and its prefix-repetition one):
 uniform integers in [len * (1 - range_ratio), len * (1 + range_ratio)], token ids uniform over the vocabulary. With
 num_prefixes > 0, each prompt is one of num_prefixes random system prompts of prefix_len tokens (picked at random)
 followed by its own suffix_len random tokens. Every draw is seeded, so every cell serves the same requests."""
+import asyncio
 import random
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from harness.engine import Engine
 from harness.metrics import serving_metrics
 from harness.results import ResultStore, check_output_folder
 from harness.sampling import SamplingParams
+from harness.serve_bench_http import run_cell, served_model
 from harness.table import table
 from zoo import checks
 
@@ -28,7 +30,8 @@ from zoo import checks
 # goodput is counted against them.
 CELL_KEY = ("arch", "preset", "request_rate", "concurrency", "num_requests", "input_len", "output_len", "range_ratio",
             "num_prefixes", "prefix_len", "suffix_len", "ttft_slo_ms", "tpot_slo_ms", "admission",
-            "max_num_batched_tokens", "prefix_caching", "max_batch", "num_blocks", "seed")
+            "max_num_batched_tokens", "prefix_caching", "max_batch", "num_blocks", "seed", "backend")
+IN_PROCESS = "engine"  # a row's backend: the engine in this process, or the URL of the server measured
 WARMUP_PROMPT_LEN = 8  # shorter than a cache block, so the warm-up leaves nothing in the prefix cache
 
 
@@ -54,12 +57,18 @@ class ServeBenchSettings:
     num_blocks: int | None = None  # None: room for max_batch worst-case requests
     seed: int = 0
     out: Path = Path("results/serve_bench")
+    # an OpenAI-compatible server to measure instead of the engine in process (harness/serve_bench_http.py): the
+    # model it serves is the one architecture; the engine's own settings above are the server's business
+    url: str | None = None
 
     def validate(self) -> None:
         """Every bad setting is reported, naming the value and what is allowed, before any model is built."""
-        if not self.archs:
+        if self.url is not None and not (isinstance(self.url, str) and self.url.startswith(("http://", "https://"))):
+            raise ValueError(f"url must be an http:// or https:// address of an OpenAI-compatible server, got "
+                             f"{self.url!r}")
+        if self.url is None and not self.archs:
             raise ValueError(f"no architectures to serve (archs is empty); allowed: {', '.join(causal_archs())}")
-        for arch in self.archs:
+        for arch in () if self.url else self.archs:
             if not zoo.is_causal(arch):  # also rejects unknown names, listing every architecture
                 raise ValueError(f"{arch!r} is a masked diffusion LM, which the engine cannot serve; allowed: "
                                  f"{', '.join(causal_archs())}")
@@ -130,7 +139,11 @@ class ServeBenchSettings:
         }
         loads = ([{"request_rate": None, "concurrency": n} for n in self.concurrency] if self.concurrency is not None
                  else [{"request_rate": float(r), "concurrency": None} for r in self.request_rates])
-        return [{"arch": arch, **load, **common} for arch in self.archs for load in loads]
+        if self.url is not None:  # one model, the server's; its engine settings are not ours to record
+            common.update(admission=None, max_num_batched_tokens=None, prefix_caching=None, max_batch=None,
+                          num_blocks=None, backend=self.url)
+            return [{"arch": self.archs[0], **load, **common} for load in loads]
+        return [{"arch": arch, **load, **common, "backend": IN_PROCESS} for arch in self.archs for load in loads]
 
 
 def causal_archs() -> list[str]:
@@ -256,10 +269,23 @@ def measure_cell(model, cell: dict, requests: list[Request], max_seq_len: int) -
     }
 
 
+def measure_http_cell(cell: dict, requests: list[Request]) -> dict:
+    """The cell's load sent to the server at cell["backend"] (harness/serve_bench_http.py)."""
+    arrivals = None if cell["concurrency"] is not None else poisson_arrivals(len(requests), cell["request_rate"],
+                                                                              cell["seed"])
+    outputs, duration = asyncio.run(run_cell(cell["backend"], cell["arch"], requests, arrivals, cell["concurrency"]))
+    errors = sorted({o.error for o in outputs if o.error})
+    return {**cell, **serving_metrics(outputs, duration, cell["ttft_slo_ms"], cell["tpot_slo_ms"]),
+            "duration": duration, "preemptions": None, "prefix_cache_hit_rate": None, "prefix_caching_off": None,
+            "errors": errors[:3]}
+
+
 def run_serve_bench(settings: ServeBenchSettings, show_progress: bool = True) -> list[dict]:
     """Measure every cell not already in results.jsonl; returns all rows of this settings' cells."""
     settings.validate()
-    store = ResultStore(settings.out / "results.jsonl", CELL_KEY)
+    if settings.url is not None:
+        settings.archs = [served_model(settings.url)]  # the name its requests ask for
+    store = ResultStore(settings.out / "results.jsonl", CELL_KEY, defaults={"backend": IN_PROCESS})
     todo = [c for c in settings.cells() if not store.done(c)]
     requests = workload(settings, zoo.PRESETS[settings.preset].vocab_size)
     max_seq_len = settings.max_prompt_len + settings.max_output_len
@@ -268,6 +294,9 @@ def run_serve_bench(settings: ServeBenchSettings, show_progress: bool = True) ->
     for cell in bar:
         load = f"{cell['request_rate']} req/s" if cell["concurrency"] is None else f"concurrency {cell['concurrency']}"
         bar.set_postfix_str(f"{cell['arch']} {load}")
+        if settings.url is not None:
+            store.append(measure_http_cell(cell, requests))
+            continue
         if cell["arch"] != model_arch:
             model_arch, model = cell["arch"], build_model(cell["arch"], settings)
         store.append(measure_cell(model, cell, requests, max_seq_len))

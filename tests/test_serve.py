@@ -17,6 +17,7 @@ import zoo
 from harness import Engine, SamplingParams
 from harness.serve.app import ServeSettings, create_app
 from harness.serve.chat import render_chat
+from harness.serve_bench import ServeBenchSettings, markdown_table as serve_table, run_serve_bench, workload
 from helpers import random_model  # tests/ is on sys.path under pytest
 
 TOKENIZER = zoo.ByteTokenizer()
@@ -319,3 +320,23 @@ def test_200_concurrent_streams_with_10_percent_disconnects(server, model):
     wait_for_idle(server.engine)
     (manager,) = server.engine.block_managers
     assert manager.used == 0
+
+
+def test_serve_bench_measures_a_server_over_http(tmp_path):
+    """`zoo serve-bench --url`: the in-process workload sent to `zoo serve`; every request completes with its drawn
+    length, latencies are measured from the stream, the row is keyed by the server's address, and the table
+    renders it."""
+    tiny = random_model("gqa")  # the tiny preset's vocabulary, which the workload draws from
+    remote = Server(Engine(tiny, max_batch=4, max_seq_len=64, kv_cache="paged"))
+    try:
+        settings = ServeBenchSettings(url=remote.url, preset="tiny", request_rates=[40.0], num_requests=6,
+                                      input_len=12, output_len=4, range_ratio=0.5, out=tmp_path)
+        (row,) = run_serve_bench(settings, show_progress=False)
+        assert row["backend"] == remote.url and row["arch"] == MODEL and row["completed"] == 6 and not row["errors"]
+        lengths = [r.output_len for r in workload(settings, zoo.PRESETS["tiny"].vocab_size)]
+        assert row["total_output_tokens"] == sum(lengths)
+        assert 0 < row["median_ttft_ms"] <= row["median_e2el_ms"] and row["mean_itl_ms"] > 0
+        assert "gqa-test" in serve_table([row], settings.archs)
+        assert run_serve_bench(settings, show_progress=False) == [row]  # resumed, not measured again
+    finally:
+        remote.stop()

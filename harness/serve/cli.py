@@ -6,6 +6,7 @@ import torch
 
 import zoo
 from harness.compare import DTYPES
+from harness.block_manager import ADMISSIONS
 from harness.engine import Engine
 from zoo import checkpoint, checks
 from zoo.weights import check_weights_file, load_weights
@@ -27,6 +28,9 @@ def add_parser(sub) -> None:
     s.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default: 16)")
     s.add_argument("--max-seq-len", type=int, default=None, help="prompt + output tokens (default: the model's)")
     s.add_argument("--prefix-caching", action="store_true", help="share cached prompt prefixes (paged only)")
+    s.add_argument("--admission", default="reserve", choices=list(ADMISSIONS),
+                   help="paged admission: reserve a request's worst case, or optimistic with preemption (vLLM's; "
+                        "default: reserve)")
     s.add_argument("--host", default=LOCALHOST, help=f"address to bind (default: {LOCALHOST}, this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/ routes")
@@ -67,7 +71,7 @@ def cmd_serve(args) -> None:
     settings = ServeSettings(args.model_name or model.config.name, args.api_key, args.max_body_bytes,
                              args.request_timeout, args.max_waiting)
     engine = Engine(model.eval(), max_batch=args.max_batch, max_seq_len=args.max_seq_len, kv_cache=args.kv_cache,
-                    prefix_caching=args.prefix_caching)
+                    prefix_caching=args.prefix_caching, admission=args.admission)
     print(f"zoo serve: {settings.model_name} on http://{args.host}:{args.port}/v1 ({engine.kv_cache} cache, "
           f"max batch {args.max_batch}, max_seq_len {engine.max_seq_len})", flush=True)
     uvicorn.run(create_app(engine, settings), host=args.host, port=args.port, log_level="warning")
