@@ -1,6 +1,7 @@
 """`zoo serve`: an OpenAI-compatible HTTP server over one Engine (FastAPI; run by uvicorn). Routes: POST
 /v1/completions, POST /v1/chat/completions (both streamed as server-sent events when asked), GET /v1/models,
-GET /health, GET /metrics (Prometheus text, vLLM's names).
+GET /health, GET /metrics (Prometheus text, vLLM's names), and vLLM's tokenizer routes (GET /tokenizer_info, POST
+/tokenize, POST /detokenize) for clients such as lm-evaluation-harness that count tokens remotely.
 
 One engine thread (harness/serve/loop.py) runs every request; handlers only parse, hand over and relay. A client
 that disconnects has its requests aborted before the next engine step; a full waiting queue answers 429; a body
@@ -22,6 +23,7 @@ from harness.engine import Engine
 from harness.serve.loop import EngineLoop, Token
 from harness.serve.prometheus import ServerMetrics
 from harness.serve.protocol import APIError, check_model, chat_job, completion_job, parse_body
+from harness.serve import tokenizer_routes
 from harness.serve.run import Run
 from zoo import ByteTokenizer, checks
 
@@ -167,6 +169,19 @@ def create_app(engine: Engine, settings: ServeSettings) -> FastAPI:
     async def chat_completions(request: Request):
         body = await read_json(request)
         return await serve(request, chat_job(body, tokenizer.encode, vocab, eos))
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info():
+        return tokenizer_routes.tokenizer_info(tokenizer, engine.max_seq_len)
+
+    @app.post("/tokenize")
+    async def post_tokenize(request: Request):
+        body = parse_body(await request.body())
+        return tokenizer_routes.tokenize(body, tokenizer, engine.max_seq_len)
+
+    @app.post("/detokenize")
+    async def post_detokenize(request: Request):
+        return tokenizer_routes.detokenize(parse_body(await request.body()), vocab)
 
     @app.get("/v1/models")
     async def models():
