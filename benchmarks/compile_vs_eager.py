@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import zoo
-from harness.cache_pool import LAYOUTS
+from harness.engine.cache_pool import LAYOUTS
 from harness.decode_probe import decode_probe
 from harness.results import ResultStore
 from roofline import DTYPES, ints, names, validate  # the same axes, checked the same way

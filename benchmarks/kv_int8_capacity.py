@@ -1,8 +1,8 @@
 """Sequences a 2 GiB cache budget holds at context 4096, bf16 cache against int8 (a scale per token and KV head; two
 per MLA latent row, for the latent and its rotary part), for every architecture with a per-token cache, at the
 small preset in bf16: analytic (budget // bytes a sequence holds) and as the engine sizes it
-(harness.cache_pool.size_cache: the contiguous rows it would allocate, and the paged blocks per group it splits the
-budget into). Arithmetic only: nothing is allocated.
+(harness.engine.cache_pool.size_cache: the contiguous rows it would allocate, and the paged blocks per group it
+splits the budget into). Arithmetic only: nothing is allocated.
 
     python benchmarks/kv_int8_capacity.py
 """
@@ -11,7 +11,7 @@ import argparse
 import torch
 
 import zoo
-from harness.cache_pool import size_cache
+from harness.engine.cache_pool import size_cache
 
 
 def main() -> None:

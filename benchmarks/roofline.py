@@ -20,7 +20,7 @@ import torch
 
 import zoo
 from harness import roofline
-from harness.cache_pool import LAYOUTS
+from harness.engine.cache_pool import LAYOUTS
 from harness.charts import floor_bars, plt
 from harness.decode_probe import HEADROOM, decode_probe
 from harness.results import ResultStore

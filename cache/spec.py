@@ -147,8 +147,8 @@ class CacheBatch:
     # no slot mapping is -1 (a graph-captured decode step, whose padding rows write spare blocks): a write needs no
     # selection of the kept tokens, which would read the mapping on the host
     every_token_kept: bool = False
-    # a step replayed from a graph (harness/decode_graphs.py): no layer may read a device value on the host or size a
-    # tensor by one (an MoE layer gathers its routed experts' weights instead of grouping its tokens by expert)
+    # a step replayed from a graph (harness/engine/decode_graphs.py): no layer may read a device value on the host
+    # or size a tensor by one (an MoE layer gathers its routed experts' weights instead of grouping its tokens by expert)
     captured: bool = False
 
     def __post_init__(self):

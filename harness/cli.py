@@ -8,7 +8,7 @@ import torch
 
 import zoo
 from zoo import checkpoint, checks
-from harness.block_manager import ADMISSIONS
+from harness.engine.block_manager import ADMISSIONS
 from harness.charts import write_charts
 from harness.diffusion import DiffusionSampler
 from harness.compare import DTYPES, MEASURES, CompareSettings, run_compare
@@ -17,8 +17,8 @@ from harness.engine import Engine
 from harness.probe import cli as probe_cli
 from harness.recall import cli as recall_cli
 from harness.results import settings_dict, write_atomic
-from harness.sampling import SamplingParams
-from harness.speculative import PROMPT_LOOKUP, SpeculativeConfig
+from harness.engine.sampling import SamplingParams
+from harness.engine.speculative import PROMPT_LOOKUP, SpeculativeConfig
 from harness.serve import cli as serve_cli
 from harness.serve_bench import ServeBenchSettings, run_serve_bench
 from harness.serve_bench import markdown_table as serve_table

@@ -4,6 +4,8 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
+from itertools import groupby
 from pathlib import Path
 
 import torch
@@ -13,15 +15,15 @@ import zoo
 from harness.compare_diffusion import (CACHE_MODES, default_block_length, default_steps, measure_diffusion_cell,
                                        prompts_for)
 from harness import roofline
-from harness.cache_pool import LAYOUTS
+from harness.engine.cache_pool import LAYOUTS
 from harness.compare_device import DeviceDefaults, device_defaults, is_cuda, skip_reason
 from harness.decode_probe import DecodeProbe, fill_random
-from harness.decode_stats import DecodeStats
+from harness.engine.decode_stats import DecodeStats
 from harness.engine import Engine
 from harness.metrics import summarize
 from harness.quant_calibration import Calibration, awq_quantize
 from harness.results import ResultStore, check_output_folder
-from harness.sampling import SamplingParams
+from harness.engine.sampling import SamplingParams
 from harness.train.trained import TrainedModel, read_trained, validation_set
 from zoo import checks
 from zoo.quantize import WEIGHT_SCHEMES
@@ -457,6 +459,16 @@ def measure_cells(cells: list[dict], settings: CompareSettings, trained: dict[st
             yield {**measure_cell(model, cell, rates, settings.seed), **quality}
 
 
+def measure_model_cells(cells: list[dict], settings: CompareSettings, trained: dict[str, TrainedModel]
+                        ) -> Iterator[dict | str]:
+    """One model's cells as a Ray task runs them: each row, then a line on whether the machine's read rate moved
+    while they ran (none on CUDA)."""
+    rates = rates_for(cells, settings)
+    yield from measure_cells(cells, settings, trained, rates)
+    if text := disturbance_text(rates, settings):
+        yield f"{' quant '.join(model_of(cells[0]))} cells: {text}"
+
+
 def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[dict]:
     """Measure every cell not already in results.jsonl; returns all rows of this settings' cells. With weights,
     each architecture's rows also carry its validation figure, measured once per model. A cell whose cache would
@@ -470,7 +482,9 @@ def run_compare(settings: CompareSettings, show_progress: bool = True) -> list[d
         if settings.ray is not None:
             from harness.compare_ray import measure_on_ray  # Ray is an optional extra
 
-            measure_on_ray(todo, settings, trained, store, bar)
+            groups = [list(cells) for _, cells in groupby(todo, key=model_of)]
+            measure_on_ray(groups, partial(measure_model_cells, settings=settings, trained=trained), settings.ray,
+                           settings.device, store, bar)
         else:
             rates = rates_for(todo, settings)
             for row in measure_cells(todo, settings, trained, rates, lambda c: bar.set_postfix_str(cell_label(c))):

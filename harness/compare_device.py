@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.cache_pool import pool_bytes, size_cache
+from harness.engine.cache_pool import pool_bytes, size_cache
 
 # device memory a cell keeps free beyond its cache: a step's activations, the graph pool, allocator slack
 WORKING_BYTES = 4 * 2**30
@@ -45,7 +45,7 @@ def device_defaults(device) -> DeviceDefaults:
 
 
 def cell_cache_bytes(model, cell: dict) -> int:
-    """What the cell's engine will allocate for caches, sized as the engine sizes them (harness/cache_pool.py:
+    """What the cell's engine will allocate for caches, sized as the engine sizes them (harness/engine/cache_pool.py:
     size_cache, pool_bytes), with the spare slot and blocks CUDA graphs pad a batch into."""
     specs, dtype = model.cache_specs(), next(model.parameters()).dtype
     max_seq_len = cell["context"] + cell["new_tokens"]

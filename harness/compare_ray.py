@@ -6,24 +6,22 @@ cell finishes; the driver alone writes results.jsonl, a row as it arrives, so a 
 in flight and a re-run continues where it stopped, as the local path does.
 Ray is the optional extra `.[ray]`; it is imported only here, only when asked for."""
 import socket
-from itertools import groupby
+from collections.abc import Callable, Iterator
 
 import torch
 
-from harness.compare import CompareSettings, disturbance_text, measure_cells, model_of, rates_for
 from harness.compare_device import is_cuda
 from harness.results import ResultStore
-from harness.train.trained import TrainedModel
+
+# measure(cells) -> each cell's row, and any line of text to print (harness.compare.measure_model_cells)
+Measure = Callable[[list[dict]], Iterator[dict | str]]
 
 
-def measure_task(cells: list[dict], settings: CompareSettings, trained: dict[str, TrainedModel], threads: int):
-    """One model's cells on a Ray worker, with the threads of the CPUs it holds: their rows, then a line on
-    whether the machine's read rate moved while they ran ("" on CUDA)."""
+def measure_task(measure: Measure, cells: list[dict], threads: int) -> Iterator[dict | str]:
+    """One model's cells on a Ray worker, with the threads of the CPUs it holds; a line of text names the worker."""
     torch.set_num_threads(threads)
-    rates = rates_for(cells, settings)
-    yield from measure_cells(cells, settings, trained, rates)
-    if text := disturbance_text(rates, settings):
-        yield f"{socket.gethostname()}, {' quant '.join(model_of(cells[0]))} cells: {text}"
+    for item in measure(cells):
+        yield f"{socket.gethostname()}, {item}" if isinstance(item, str) else item
 
 
 def connect(address: str) -> None:
@@ -51,15 +49,17 @@ def task_resources(device: str) -> dict:
     return {"num_gpus": 1, "num_cpus": min(int(r.get("CPU", 0) // r["GPU"]) for r in gpu_nodes)}
 
 
-def measure_on_ray(todo: list[dict], settings: CompareSettings, trained: dict[str, TrainedModel],
-                   store: ResultStore, bar) -> None:
+def measure_on_ray(groups: list[list[dict]], measure: Measure, address: str, device: str, store: ResultStore,
+                   bar) -> None:
+    """Each group of cells (one model's) as a streaming Ray task running measure(cells); rows are written here as
+    they arrive. measure is passed in, so this module imports nothing of `zoo compare`'s."""
     import ray
 
-    connect(settings.ray)
-    resources = task_resources(settings.device)
+    connect(address)
+    resources = task_resources(device)
     task = ray.remote(measure_task).options(num_returns="streaming", **resources)
     threads = max(1, resources["num_cpus"])
-    pending = [task.remote(list(cells), settings, trained, threads) for _, cells in groupby(todo, key=model_of)]
+    pending = [task.remote(measure, cells, threads) for cells in groups]
     try:
         while pending:
             ready, _ = ray.wait(pending, num_returns=1)

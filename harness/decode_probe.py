@@ -9,8 +9,8 @@ import torch
 
 from harness.engine import Engine
 from harness.metrics import sync
-from harness.sampling import SamplingParams
-from harness.sequence import Sequence
+from harness.engine.sampling import SamplingParams
+from harness.engine.sequence import Sequence
 
 HEADROOM = 16  # max_seq_len beyond the context: room for the decoded token (and a few more, as an engine would have)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import zoo
 from harness.engine import Engine
-from harness.sampling import SamplingParams
+from harness.engine.sampling import SamplingParams
 from harness.train.corpus import load_corpus, training_batch
 
 

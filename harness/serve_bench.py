@@ -17,11 +17,11 @@ import torch
 from tqdm import tqdm
 
 import zoo
-from harness.block_manager import ADMISSIONS
+from harness.engine.block_manager import ADMISSIONS
 from harness.engine import Engine
 from harness.metrics import serving_metrics
 from harness.results import ResultStore, check_output_folder
-from harness.sampling import SamplingParams
+from harness.engine.sampling import SamplingParams
 from harness.serve_bench_http import run_cell, served_model
 from harness.table import table
 from zoo import checks

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from harness.metrics import RequestMetrics
+from harness.engine.request_metrics import RequestMetrics
 
 
 @dataclass

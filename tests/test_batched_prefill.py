@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from harness import Engine
-from harness.model_runner import BATCH_TOKENS, PADDING_WASTE, prefill_batches
-from harness.sequence import Sequence
+from harness.engine.model_runner import BATCH_TOKENS, PADDING_WASTE, prefill_batches
+from harness.engine.sequence import Sequence
 from helpers import greedy, make_prompts, random_model
 
 

@@ -13,7 +13,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from cache import FULL, Retention
-from harness.block_manager import BlockManager
+from harness.engine.block_manager import BlockManager
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12

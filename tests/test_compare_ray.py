@@ -59,7 +59,8 @@ def test_ray_resumes_where_the_driver_stopped(tmp_path, local_ray, local_rows, m
 
     sent = []
     real_measure = compare_ray.measure_on_ray
-    monkeypatch.setattr(compare_ray, "measure_on_ray", lambda todo, *a: sent.extend(todo) or real_measure(todo, *a))
+    monkeypatch.setattr(compare_ray, "measure_on_ray",
+                        lambda groups, *a: sent.extend(c for g in groups for c in g) or real_measure(groups, *a))
     rows = run_compare(tiny_settings(tmp_path, ray="local"), show_progress=False)
     assert len(sent) == 5 and not set(untimed(sent)) & set(untimed(kept))
     assert untimed(rows) == local_rows and all(row in rows for row in kept)  # kept rows untouched, timings too

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from harness import Engine
-from harness.decode_graphs import batch_buckets
+from harness.engine.decode_graphs import batch_buckets
 from kernels import FORCE_TRITON_ENV
 from zoo.registry import architectures, is_causal
 from helpers import assert_not_constant, assert_same_output, greedy, make_prompts, random_model

@@ -8,7 +8,7 @@ from attention import Attention
 from cache import CacheBatch, CacheSpec, ContiguousKV, PagedKV
 from attention.rope import apply_rope
 from harness import Engine
-from harness.cache_pool import CachePool
+from harness.engine.cache_pool import CachePool
 from zoo import MixerSpec, ModelConfig
 from helpers import assert_not_constant, make_prompts, random_model  # tests/ is on sys.path under pytest
 

@@ -8,7 +8,8 @@ import pytest
 
 import zoo
 from harness import Engine, SamplingParams, summarize
-from harness.metrics import RequestMetrics, percentile
+from harness.engine.request_metrics import RequestMetrics
+from harness.metrics import percentile
 from helpers import random_model  # tests/ is on sys.path under pytest
 
 LAYOUTS = ("contiguous", "paged")
@@ -198,7 +199,7 @@ def test_percentile_matches_numpy():
 @pytest.mark.parametrize("arch", ["gqa", "swa", "mla", "cla", "hybrid-1in6", "mamba"])
 def test_the_pool_size_checked_before_allocating_is_the_size_allocated(arch, kv_cache):
     """The bytes an Engine checks against the device's memory are exactly the bytes its pool then allocates."""
-    from harness.cache_pool import pool_bytes, size_cache
+    from harness.engine.cache_pool import pool_bytes, size_cache
 
     model = zoo.build(arch, preset="tiny")
     engine = Engine(model, max_batch=3, max_seq_len=40, kv_cache=kv_cache, block_size=8)

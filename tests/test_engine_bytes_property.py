@@ -13,9 +13,9 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-import harness.engine
 import zoo
 from harness import Engine
+from harness.engine import llm_engine
 
 # gqa, latent, state only, a sliding window, sinks, chunks, a cross-layer share and a hybrid of attention and state
 ARCHS = ["gqa", "mla", "mamba2", "swa", "sink", "chunked", "cla", "hybrid-1in6"]
@@ -62,7 +62,7 @@ def engine_sizes(draw) -> tuple[str, dict, int]:
 @given(case=engine_sizes())
 def test_the_estimate_refuses_before_work_or_is_what_the_engine_allocates(models, case):
     arch, kwargs, limit = case
-    with memory_limit(limit), mock.patch.object(harness.engine, "CachePool", wraps=harness.engine.CachePool) as pool:
+    with memory_limit(limit), mock.patch.object(llm_engine, "CachePool", wraps=llm_engine.CachePool) as pool:
         try:
             engine = Engine(models[arch], **kwargs)
         except ValueError as error:

@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
-import harness.decode_stats
-import harness.engine
+import harness.engine.decode_stats
+import harness.engine.llm_engine
 from harness import Engine, SamplingParams
 from helpers import make_prompts, random_model  # tests/ is on sys.path under pytest
 
@@ -40,14 +40,14 @@ def test_a_request_failing_mid_step_ends_alone(model, kv_cache, monkeypatch):
     bad = 7
     params = [greedy(6 + i % 3) for i in range(21)]
     params[bad] = SamplingParams(max_new_tokens=8, temperature=1.0, seed=99)  # only it reaches the sampler
-    real_sample = harness.engine.sample_token
+    real_sample = harness.engine.llm_engine.sample_token
 
     def sampler_that_fails_on_the_third_token(logits, p, history, generator):
         if p.seed == 99 and len(history) == len(prompts[bad]) + 2:
             raise RuntimeError("injected sampler failure")
         return real_sample(logits, p, history, generator)
 
-    monkeypatch.setattr(harness.engine, "sample_token", sampler_that_fails_on_the_third_token)
+    monkeypatch.setattr(harness.engine.llm_engine, "sample_token", sampler_that_fails_on_the_third_token)
     engine = Engine(model, max_batch=21, max_seq_len=64, kv_cache=kv_cache, block_size=4)  # all 21 run at once
     outputs = engine.generate(prompts, params)
     assert [o.request_id for o in outputs] == list(range(21))
@@ -203,7 +203,7 @@ def test_a_second_thread_is_refused_while_a_step_runs(model, monkeypatch):
 
 
 def test_decode_statistics_are_bounded(model, monkeypatch):
-    monkeypatch.setattr(harness.decode_stats, "STATS_WINDOW", 8)
+    monkeypatch.setattr(harness.engine.decode_stats, "STATS_WINDOW", 8)
     engine = Engine(model, max_batch=2, max_seq_len=64)
     engine.generate([[1, 2], [3, 4, 5]], greedy(21))
     stats = engine.decode_stats

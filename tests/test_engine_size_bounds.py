@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-import harness.engine
+import harness.engine.llm_engine
 import zoo
 from harness import BeamSearchParams, Engine, SamplingParams, SpeculativeConfig
-from harness.block_manager import HOST_BYTES_PER_BLOCK
-from harness.cache_pool import MAX_BLOCK_SIZE
-from harness.sampling import MAX_STOP_TOKEN_IDS
-from harness.scheduler import HOST_BYTES_PER_SLOT
-from harness.speculative.config import MAX_SPECULATIVE_TOKENS
+from harness.engine.block_manager import HOST_BYTES_PER_BLOCK
+from harness.engine.cache_pool import MAX_BLOCK_SIZE
+from harness.engine.sampling import MAX_STOP_TOKEN_IDS
+from harness.engine.scheduler import HOST_BYTES_PER_SLOT
+from harness.engine.speculative.config import MAX_SPECULATIVE_TOKENS
 from zoo import checks
 
 LIMIT = 64 * 2**20  # ZOO_MEMORY_LIMIT for the refusals: 64 MiB
@@ -33,7 +33,7 @@ def nothing_built(monkeypatch):
         raise AssertionError("refused too late: the engine began allocating")
 
     for name in ("CachePool", "Scheduler", "BlockManager"):
-        monkeypatch.setattr(harness.engine, name, forbidden)
+        monkeypatch.setattr(harness.engine.llm_engine, name, forbidden)
 
 
 def rss_bytes() -> int:

@@ -15,7 +15,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  run_state_machine_as_test)
 
 from harness import Engine, SamplingParams
-from harness.sequence import Status
+from harness.engine.sequence import Status
 from helpers import make_prompts, random_model  # tests/ is on sys.path under pytest
 
 ARCHS = ["gqa", "hybrid", "mamba"]  # one cache group; a sliding-window group beside a global one; state slots only

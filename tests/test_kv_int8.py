@@ -121,13 +121,13 @@ def test_bad_kv_settings_are_errors_before_work():
 
 def test_fp8_on_a_gpu_without_e4m3_is_an_error(monkeypatch):
     """An A100 (sm_80) has no float8 e4m3 for the Triton kernels: the engine says so instead of running them."""
-    import harness.engine_checks
-    monkeypatch.setattr(harness.engine_checks, "fp8_kernels_missing", lambda device: True)
+    import harness.engine.checks
+    monkeypatch.setattr(harness.engine.checks, "fp8_kernels_missing", lambda device: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match=r"kv_dtype='fp8' on CUDA needs compute capability 8.9.*\(8, 0\).*int8"):
         Engine(random_model("gqa"), kv_dtype="fp8")
     monkeypatch.undo()
-    assert not harness.engine_checks.fp8_kernels_missing(torch.device("cpu"))
+    assert not harness.engine.checks.fp8_kernels_missing(torch.device("cpu"))
 
 
 def test_compare_puts_int8_caches_beside_float_ones(tmp_path):

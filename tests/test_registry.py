@@ -154,7 +154,7 @@ def test_decode_weight_bytes_leave_out_only_an_untied_embedding():
 def test_describe_names_the_model_wide_settings_an_entry_reads():
     """Found by changing each at the tiny preset: attention heads matter to gqa, not to mamba; mqa fixes its KV
     heads; a windowed entry reads the preset's window; every entry with the model-wide mlp reads its width."""
-    reads = {name: zoo.registry.global_reads(name) for name in ("gqa", "mqa", "mamba", "swa", "moe")}
+    reads = {name: zoo.entry_details.global_reads(name) for name in ("gqa", "mqa", "mamba", "swa", "moe")}
     assert {"n_heads", "n_kv_heads", "gqa_kv_heads", "mlp", "mlp_hidden"} <= set(reads["gqa"])
     assert reads["mqa"]["n_kv_heads"].startswith("fixed by the entry") and "n_kv_heads=1" in reads["mqa"]["n_kv_heads"]
     assert "n_heads" not in reads["mamba"] and "window" not in reads["mamba"] and "mlp" in reads["mamba"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness import Engine, SamplingParams
-from harness.sampling import sample_token
+from harness.engine.sampling import sample_token
 from helpers import make_prompts, random_model  # tests/ is on sys.path under pytest
 
 VOCAB = 512  # the tiny preset's

@@ -6,7 +6,7 @@ import torch
 
 import zoo
 from harness import Engine, SamplingParams
-from harness.sampling import apply_repetition_penalty, sample_token, top_k_filter, top_p_filter
+from harness.engine.sampling import apply_repetition_penalty, sample_token, top_k_filter, top_p_filter
 
 
 def logits_of(probs) -> torch.Tensor:

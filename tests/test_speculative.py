@@ -129,7 +129,7 @@ def test_every_proposal_refused_still_gains_a_token_per_step():
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
-    from harness.speculative.proposers import PromptLookup
+    from harness.engine.speculative.proposers import PromptLookup
     lookup = PromptLookup(longest=3, shortest=1)
     assert lookup.lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3) == [7, 5, 1]  # the latest of two 3-gram matches
     assert lookup.lookup([4, 2, 3, 9, 1, 8, 3], 2) == [9, 1]  # no 3- or 2-gram match: the 1-gram [3]

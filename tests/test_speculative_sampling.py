@@ -10,8 +10,8 @@ import torch
 
 import zoo
 from harness import Engine, SamplingParams, SpeculativeConfig
-from harness.sampling import token_distribution
-from harness.speculative import rejection
+from harness.engine.sampling import token_distribution
+from harness.engine.speculative import rejection
 from helpers import spread_weights
 
 VOCAB = 5

@@ -9,7 +9,8 @@ from zoo.presets import PRESETS
 from zoo.build import build
 from zoo.checkpoint import load, save
 from zoo.quantize import QuantizeConfig, quantize, quantize_layers
-from zoo.registry import architectures, compare_defaults, describe, details, is_causal, make_config
+from zoo.entry_details import details
+from zoo.registry import architectures, compare_defaults, describe, is_causal, make_config
 from zoo.tokenizer import ByteTokenizer
 
 __all__ = [

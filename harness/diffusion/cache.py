@@ -4,7 +4,7 @@ import torch
 
 import zoo
 from cache import CacheBatch
-from harness.cache_pool import CachePool
+from harness.engine.cache_pool import CachePool
 
 CACHES = (None, "prefix", "dual")
 

@@ -4,7 +4,6 @@ so a killed driver loses only the runs in flight and a re-run continues where it
 Ray is the optional extra `.[ray]`; it is imported only here, only when asked for."""
 import torch
 
-from harness.recall.suite import train_run
 from harness.results import ResultStore
 
 
@@ -24,8 +23,9 @@ def connect(address: str) -> None:
         ray.init(address=None if address == "local" else address, include_dashboard=False, log_to_driver=False)
 
 
-def train_on_ray(todo: list[dict], settings, data: dict, store: ResultStore, bar, train_fn=train_run) -> None:
-    """train_fn(run, settings, data[run["seed"]], report) -> row: train_run, or `zoo probe`'s."""
+def train_on_ray(todo: list[dict], settings, data: dict, store: ResultStore, bar, train_fn) -> None:
+    """train_fn(run, settings, data[run["seed"]], report) -> row: `zoo recall`'s train_run, or `zoo probe`'s
+    (passed in, so this module imports neither suite)."""
     import ray
 
     connect(settings.ray)

@@ -130,7 +130,7 @@ def run_recall(settings: RecallSettings, show_progress: bool = True) -> list[dic
         if settings.ray is not None:
             from harness.recall.ray_runner import train_on_ray  # Ray is an optional extra
 
-            train_on_ray(todo, settings, data, store, bar)
+            train_on_ray(todo, settings, data, store, bar, train_fn=train_run)
         elif settings.workers == 1:
             for run in todo:
                 store.append(train_run(run, settings, data[run["seed"]], lambda text: bar.set_postfix_str(text)))

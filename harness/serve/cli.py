@@ -6,7 +6,7 @@ import torch
 
 import zoo
 from harness.compare import DTYPES
-from harness.block_manager import ADMISSIONS
+from harness.engine.block_manager import ADMISSIONS
 from harness.engine import Engine
 from zoo import checkpoint, checks
 from zoo.weights import check_weights_file, load_weights

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from harness.engine import Engine
-from harness.sampling import SamplingParams
+from harness.engine.sampling import SamplingParams
 from harness.serve.prometheus import ServerMetrics
 
 

@@ -13,7 +13,7 @@ max_tokens or max_completion_tokens, logprobs (bool) with top_logprobs (0-20), a
 import json
 from dataclasses import dataclass, field
 
-from harness.sampling import SamplingParams
+from harness.engine.sampling import SamplingParams
 from harness.serve.chat import CHAT_ROLES, render_chat
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit

@@ -3,11 +3,11 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.block_manager import BlockManager
-from harness.cache_pool import CachePool, size_cache
-from harness.model_runner import ModelRunner
-from harness.sampling import processed_logits, token_distribution
-from harness.sequence import Sequence
+from harness.engine.block_manager import BlockManager
+from harness.engine.cache_pool import CachePool, size_cache
+from harness.engine.model_runner import ModelRunner
+from harness.engine.sampling import processed_logits, token_distribution
+from harness.engine.sequence import Sequence
 
 
 @dataclass

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
-from harness.sequence import Sequence
+from harness.engine.sampling import MAX_STOP_TOKEN_IDS, SamplingParams
+from harness.engine.sequence import Sequence
 from zoo import checks
 
 NO_HOPE = -1.0e9  # the score transformers gives an impossible candidate

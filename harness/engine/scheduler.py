@@ -5,8 +5,8 @@ oldest running request is never the one preempted while others run, so it always
 import math
 from collections import deque
 
-from harness.block_manager import BlockManager
-from harness.sequence import Sequence, Status
+from harness.engine.block_manager import BlockManager
+from harness.engine.sequence import Sequence, Status
 
 # Host bytes a batch slot costs the scheduler from the start: its free-list entry (a deque slot and a distinct int
 # object); tracemalloc measures 40.2 B a slot on CPython 3.11

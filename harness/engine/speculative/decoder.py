@@ -6,11 +6,11 @@ there (cache.CacheBatch.checkpoints)."""
 import time
 from dataclasses import asdict, dataclass
 
-from harness.model_runner import ModelRunner
-from harness.sequence import Sequence
-from harness.speculative.config import PROMPT_LOOKUP, SpeculativeConfig
-from harness.speculative.proposers import DraftModel, PromptLookup
-from harness.speculative.rejection import verify
+from harness.engine.model_runner import ModelRunner
+from harness.engine.sequence import Sequence
+from harness.engine.speculative.config import PROMPT_LOOKUP, SpeculativeConfig
+from harness.engine.speculative.proposers import DraftModel, PromptLookup
+from harness.engine.speculative.rejection import verify
 
 
 @dataclass

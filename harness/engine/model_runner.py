@@ -2,17 +2,17 @@
 import torch
 
 from cache import CacheBatch
-from harness.block_manager import BlockManager
-from harness.cache_pool import CachePool
-from harness.decode_graphs import DecodeGraphs, StepRows
-from harness.sequence import Sequence
+from harness.engine.block_manager import BlockManager
+from harness.engine.cache_pool import CachePool
+from harness.engine.decode_graphs import DecodeGraphs, StepRows
+from harness.engine.sequence import Sequence
 
 
 class ModelRunner:
     def __init__(self, model, pool: CachePool, block_managers: list[BlockManager], device, max_seq_len: int,
                  compile_decode: bool = False, graph_mode: str | None = None):
         """graph_mode: None runs the decode step as it comes; "capture" replays it from a CUDA graph per batch-size
-        bucket, "static" runs the same padded step on the same buffers eagerly (harness/decode_graphs.py)."""
+        bucket, "static" runs the same padded step on the same buffers eagerly (harness/engine/decode_graphs.py)."""
         self.model = model
         self.pool = pool
         self.block_managers = block_managers

@@ -9,14 +9,14 @@ keeping a watermark free for the running requests to grow into; when a decode st
 scheduler preempts a running request and recomputes it later.
 
 Blocks are shared by reference. With prefix caching, a request's first full blocks may be ones another request
-filled with the same tokens (harness/prefix_cache.py), and released full blocks stay cached until evicted. A fork
+filled with the same tokens (harness/engine/prefix_cache.py), and released full blocks stay cached until evicted. A fork
 (beam search) shares every block of its parent; a step that writes into a block someone else also holds copies it
 first (copy-on-write): the manager lists the (source, destination) pairs for the runner to copy before the forward.
 """
 from collections import deque
 
 from cache import FULL, Retention
-from harness.prefix_cache import PrefixCache, extend_digests
+from harness.engine.prefix_cache import PrefixCache, extend_digests
 
 ADMISSIONS = ("reserve", "optimistic")
 # Host bytes a block costs its manager from the start: a free-list entry (a deque slot and a distinct int object) and

@@ -7,16 +7,16 @@ from collections.abc import Iterator
 import torch
 
 import zoo
-from harness.beam_search import BeamOutput, BeamSearch, BeamSearchParams
-from harness.block_manager import BlockManager
-from harness.cache_pool import CachePool, size_cache
-from harness.decode_stats import DecodeStats
-from harness.engine_checks import check_options, check_pool, check_speculative, resolve_graph_mode, sized_by
-from harness.model_runner import ModelRunner, prefill_batches
-from harness.sampling import SamplingParams, sample_token
-from harness.scheduler import Scheduler
-from harness.sequence import RequestOutput, Sequence, Status, TokenEvent
-from harness.speculative import SpeculativeConfig, SpeculativeDecoder
+from harness.engine.beam_search import BeamOutput, BeamSearch, BeamSearchParams
+from harness.engine.block_manager import BlockManager
+from harness.engine.cache_pool import CachePool, size_cache
+from harness.engine.checks import check_options, check_pool, check_speculative, resolve_graph_mode, sized_by
+from harness.engine.decode_stats import DecodeStats
+from harness.engine.model_runner import ModelRunner, prefill_batches
+from harness.engine.sampling import SamplingParams, sample_token
+from harness.engine.scheduler import Scheduler
+from harness.engine.sequence import RequestOutput, Sequence, Status, TokenEvent
+from harness.engine.speculative import SpeculativeConfig, SpeculativeDecoder
 from zoo import checks
 from zoo.tokenizer import ByteTokenizer
 
@@ -82,8 +82,8 @@ class Engine:
         latents) stored one byte an element with a scale per token and KV head, about half the bytes of bf16;
         recurrent state keeps its declared dtype.
         cuda_graphs: capture the decode step in a CUDA graph per batch-size bucket (1, 2, 4, 8, 16, 32, ... up to
-        max_batch) on its first use, pad each batch to its bucket and replay (harness/decode_graphs.py), so a step
-        costs its kernels, not their launches. None: on for a CUDA model where the engine allows it (else off, and
+        max_batch) on its first use, pad each batch to its bucket and replay (harness/engine/decode_graphs.py), so a
+        step costs its kernels, not their launches. None: on for a CUDA model where the engine allows it (else off, and
         `cuda_graphs_off` says why); True: on, or a ValueError saying why not; False: off. "static": the same padded
         step on the same buffers, run eagerly on any device (what the CPU tests check of capture's needs).
         Prefill, chunked prefill and speculative verification run eagerly; compile=True keeps graphs off.

@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.metrics import RequestMetrics
-from harness.sampling import SamplingParams
+from harness.engine.request_metrics import RequestMetrics
+from harness.engine.sampling import SamplingParams
 
 
 class Status(enum.Enum):
@@ -27,7 +27,7 @@ class Sequence:
     num_cached: int = 0  # tokens whose keys/values (or state) are in the cache
     preemptions: int = 0  # times its cache was taken back and recomputed (optimistic admission)
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was last admitted
-    digests: list[bytes] = field(default_factory=list)  # prefix-cache name of each full block (harness/prefix_cache.py)
+    digests: list[bytes] = field(default_factory=list)  # prefix-cache name of each full block (engine/prefix_cache.py)
     lookahead: int = 0  # speculative decoding: proposed tokens a verification may cache beyond the kept ones
     finish_reason: str = ""
     error: str = ""  # why the request failed (finish_reason "error")

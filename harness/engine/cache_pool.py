@@ -42,7 +42,7 @@ class CachePool:
         """num_blocks: pool size of each cache group (paged layout). kv_format: how per-token caches store rows
         (cache.KV_FORMATS). spares: one more slot row (index max_batch) and one more block per paged group (index
         num_blocks[g]) that no sequence owns, where the padding rows of a graph-captured decode step write
-        (harness/decode_graphs.py); not counted in nbytes."""
+        (harness/engine/decode_graphs.py); not counted in nbytes."""
         self.specs, self.layout, self.block_size = specs, layout, block_size
         self.dtype, self.kv_format = dtype, kv_format
         self.max_batch, self.num_blocks = max_batch, list(num_blocks)

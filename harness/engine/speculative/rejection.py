@@ -4,13 +4,13 @@ et al. 2023), under which the emitted tokens are distributed exactly as sampling
 For each proposed token x_i, in order: accept it with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection
 emit a token drawn from norm(max(0, p_i - q_i)) instead, and stop; if every proposal passes, emit a bonus token drawn
 from p at the position after the last one. p and q are the target's and the draft's distributions after the same
-repetition penalty, temperature, top-k and top-p (harness.sampling.token_distribution) given the same history; a
+repetition penalty, temperature, top-k and top-p (harness.engine.sampling.token_distribution) given the same history; a
 proposer without a model (prompt lookup) is a q that puts all its mass on its token. Greedy: keep proposals while
 each equals the target's argmax, then emit the argmax.
 """
 import torch
 
-from harness.sampling import SamplingParams, processed_logits, sample_token, token_distribution
+from harness.engine.sampling import SamplingParams, processed_logits, sample_token, token_distribution
 
 
 def verify(target_logits: torch.Tensor, proposed: list[int], draft_probs: torch.Tensor | None, params: SamplingParams,

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 import torch
 
 from cache import KV_FORMATS
-from harness.block_manager import ADMISSIONS, HOST_BYTES_PER_BLOCK, MAX_BLOCKS
-from harness.cache_pool import LAYOUTS, MAX_BLOCK_SIZE, pool_bytes, size_cache
-from harness.scheduler import HOST_BYTES_PER_SLOT, MAX_BATCH
-from harness.speculative import SpeculativeConfig
+from harness.engine.block_manager import ADMISSIONS, HOST_BYTES_PER_BLOCK, MAX_BLOCKS
+from harness.engine.cache_pool import LAYOUTS, MAX_BLOCK_SIZE, pool_bytes, size_cache
+from harness.engine.scheduler import HOST_BYTES_PER_SLOT, MAX_BATCH
+from harness.engine.speculative import SpeculativeConfig
 import zoo
 from zoo import checks, resources
 
@@ -192,14 +192,14 @@ def footprint(specs, dtype, kv_cache: str, max_batch: int, cache_len: int, block
 
 
 def graph_input_bytes(rows: int, table_widths: list[int]) -> int:
-    """Bytes of the decode graphs' static input buffers (harness/decode_graphs.py StaticInputs): per row a token,
+    """Bytes of the decode graphs' static input buffers (harness/engine/decode_graphs.py StaticInputs): per row a token,
     position and slot (int64), a length (int32), and per cache group a block table row (int32) and a slot (int64)."""
     return rows * (3 * 8 + 4 + sum(4 * width + 8 for width in table_widths))
 
 
 def draft_bytes(speculative, kv_cache: str, max_batch: int, cache_len: int, block_size: int) -> tuple[int, int]:
-    """(device, host) bytes of a draft model's own cache, sized as harness/speculative/proposers.py DraftModel sizes
-    it: room for every slot's worst case. (0, 0) without a draft model."""
+    """(device, host) bytes of a draft model's own cache, sized as harness/engine/speculative/proposers.py DraftModel
+    sizes it: room for every slot's worst case. (0, 0) without a draft model."""
     if speculative is None or isinstance(speculative.draft, str):
         return 0, 0
     draft, step_tokens = speculative.draft, speculative.num_speculative_tokens + 1
