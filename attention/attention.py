@@ -74,19 +74,26 @@ class Attention(nn.Module):
         causal: bool = True,
         qk_norm: str | None = None,
         norm_eps: float = 1e-5,
+        score: str | None = None,
+        budget: int | None = None,
     ):
         """window: each query sees the newest `window` keys, itself included (HF Mistral's sliding_window).
         sinks: with a window, the first `sinks` positions stay visible to every query (StreamingLLM's attention sinks).
         chunk: each query sees only the keys of its own `chunk`-aligned chunk (Llama 4's chunked local attention).
         dilation: with a window, each query sees every dilation-th key, W of them over (W-1)·dilation + 1 positions
         (a dilated sliding window); the cache holds the whole span.
+        score, budget: scored retention (cache/eviction.py): a sequence keeps the first `sinks` and newest `window`
+        tokens and the `budget` others with the best score, "h2o" (accumulated attention) or "tova" (the newest
+        query's); a prefill attends over its whole prompt first. Needs the engine's cache (an uncached forward keeps
+        everything).
         kv_source: index of an earlier layer whose keys and values this layer reads instead of computing its own.
         causal: False lets every query see the whole sequence (a masked diffusion LM): every key kept, no kv_source.
         qk_norm: RMSNorm (eps norm_eps) on queries and keys after projection, before RoPE: None, "head" (Qwen3's,
         over each head) or "all" (OLMoE's, over all heads' concatenated width); a kv_source layer norms only q."""
         super().__init__()
         n_kv_heads, head_dim = head_sizes(d_model, n_heads, n_kv_heads, head_dim)
-        self.retention = Retention(sinks=sinks, window=window, chunk=chunk, dilation=dilation)  # checks the four
+        self.retention = Retention(sinks=sinks, window=window, chunk=chunk, dilation=dilation, score=score,
+                                   budget=budget)  # checks them together
         if kv_source is not None and not 0 <= kv_source < layer_idx:
             raise ValueError(f"layer {layer_idx} can share keys and values only with an earlier layer, got kv_source={kv_source}")
         if kv_source is not None and not self.retention.keeps_all:
@@ -152,6 +159,9 @@ class Attention(nn.Module):
             k = self.normed_heads(self.k_proj(x), "k_norm", self.n_kv_heads)
             v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
             k = apply_rope(k, cos, sin)
+            if cache is not None and self.retention.scored:  # what stays depends on this step's attention
+                out = cache.attend_scored(q, k, v, batch, self.scale)
+                return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
             if cache is not None:
                 cache.write(k, v, batch)
             if batch is None or batch.is_prefill:

@@ -9,6 +9,8 @@ kernels/ or cache/. Inputs are [B, T, d_model] at positions 0 .. T-1 (an uncache
                                                   q/k RMSNorm per head or over all heads (Qwen3, OLMoE)
     mla_reference(mixer, x)                       DeepSeek-V2 MLA, the uncached (non-absorbed) form
     linear_attention_reference(mixer, x)          Katharopoulos et al. linear attention, a loop over t
+    evicting_attention_reference(mixer, x, P)     scored retention (H2O, TOVA): a P-token prefill, then a token a
+                                                  step, keeping what kept_by_score says
 """
 import math
 
@@ -135,9 +137,72 @@ def attention_reference(mixer, x: torch.Tensor, kv_from=None) -> torch.Tensor:
     k = rope(qk_normed(kv_mixer, "k_norm", project(kv_mixer.k_proj, kv_x), n_kv_heads), base)
     v = heads(project(kv_mixer.v_proj, kv_x), n_kv_heads)
     assert q.shape[-1] == k.shape[-1] == head_dim
-    mask = visibility_mask(x.shape[1], mixer.causal, mixer.window, mixer.sinks, mixer.chunk, mixer.dilation)
+    if mixer.retention.scored:  # uncached, a scored layer keeps everything (evicting_attention_reference: cached)
+        mask = visibility_mask(x.shape[1], mixer.causal)
+    else:
+        mask = visibility_mask(x.shape[1], mixer.causal, mixer.window, mixer.sinks, mixer.chunk, mixer.dilation)
     out = softmax_attention(q, k, v, mask, head_dim**-0.5, n_heads // n_kv_heads)
     return project(mixer.o_proj, merge_heads(out))
+
+
+def kept_by_score(retention, scores: list[float], positions: list[int], length: int) -> set[int]:
+    """The positions a sequence of `length` tokens keeps of its held ones (with their scores) under scored
+    retention: all while they fit sinks + window + budget; else the first `sinks` positions, the newest `window`,
+    and the `budget`-many others with the highest scores, the newer first among equal ones."""
+    capacity = retention.sinks + (retention.window or 0) + retention.budget
+    if len(positions) <= capacity:
+        return set(positions)
+    safe = {p for p in positions if p < retention.sinks or p >= length - (retention.window or 0)}
+    others = sorted(((s, p) for s, p in zip(scores, positions) if p not in safe), reverse=True)
+    return safe | {p for _, p in others[:max(0, capacity - len(safe))]}
+
+
+def evicting_attention_reference(mixer, x: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, list[list[set]]]:
+    """A scored-retention layer (cache/eviction.py) fed x [B, T, d_model] as an engine feeds it: the first
+    prompt_len tokens as one prefill, then one token a step, in float64 and plain Python over positions.
+
+    The prefill's queries see the whole prompt (causal); its keys are scored by the prompt's queries (H2O: the
+    attention each received from all of them, summed over heads; TOVA: the last query's) and the retention keeps
+    its capacity of them. Each later query at t sees the kept set and itself; the scores then take its weights
+    (H2O adds them, TOVA replaces them) and the set keeps its capacity again (kept_by_score).
+    Returns the output [B, T, d_model] and, per sequence, the kept set after the prefill and after each step."""
+    retention = mixer.retention
+    x = x.detach().to(F64)
+    q = rope(qk_normed(mixer, "q_norm", project(mixer.q_proj, x), mixer.n_heads), mixer.rope_base)
+    k = rope(qk_normed(mixer, "k_norm", project(mixer.k_proj, x), mixer.n_kv_heads), mixer.rope_base)
+    v = heads(project(mixer.v_proj, x), mixer.n_kv_heads)
+    group, scale = mixer.n_heads // mixer.n_kv_heads, mixer.head_dim**-0.5
+    out = torch.zeros(q.shape[0], mixer.n_heads, x.shape[1], v.shape[-1], dtype=F64)
+    kept_sets = []
+    for b in range(x.shape[0]):
+
+        def weights(t: int, keys: list[int]) -> torch.Tensor:  # [H, len(keys)] query t's softmax over those keys
+            logits = torch.stack([q[b, h, t] @ k[b, h // group, keys].T for h in range(mixer.n_heads)]) * scale
+            return torch.softmax(logits, dim=-1)
+
+        def attend(t: int, keys: list[int]) -> torch.Tensor:
+            w = weights(t, keys)
+            return torch.stack([w[h] @ v[b, h // group, keys] for h in range(mixer.n_heads)])
+
+        scores = dict.fromkeys(range(prompt_len), 0.0)
+        for t in range(prompt_len):
+            out[b, :, t] = attend(t, list(range(t + 1)))
+            if retention.score == "h2o" or t == prompt_len - 1:
+                for p, w in zip(range(t + 1), weights(t, list(range(t + 1))).sum(dim=0).tolist()):
+                    scores[p] += w
+        held = kept_by_score(retention, list(scores.values()), list(scores), prompt_len)
+        steps = [held]
+        for t in range(prompt_len, x.shape[1]):
+            keys = sorted(held) + [t]
+            out[b, :, t] = attend(t, keys)
+            step_weights = weights(t, keys).sum(dim=0).tolist()
+            scores = {p: (scores.get(p, 0.0) if retention.score == "h2o" else 0.0) + w
+                      for p, w in zip(keys, step_weights)}
+            held = kept_by_score(retention, [scores[p] for p in keys], keys, t + 1)
+            scores = {p: scores[p] for p in held}
+            steps.append(held)
+        kept_sets.append(steps)
+    return project(mixer.o_proj, merge_heads(out)), kept_sets
 
 
 def mla_reference(mixer, x: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,10 @@
 writes, and one step's batch layout. The ground floor under the mixers (attention/, ssm/) and the engine."""
 from cache.layouts import HandoffKV, ContiguousKV, PagedKV
 from cache.retention import FULL, Retention
+from cache.scored_kv import ScoredKV
 from cache.quantized_rows import QuantizedRows
 from cache.spec import KV_FORMATS, CacheBatch, CacheSpec, specs_read
 from cache.state_slots import StateSlots
 
 __all__ = ["FULL", "KV_FORMATS", "CacheBatch", "CacheSpec", "HandoffKV", "ContiguousKV", "QuantizedRows", "PagedKV", "Retention",
-           "StateSlots", "specs_read"]
+           "ScoredKV", "StateSlots", "specs_read"]

@@ -14,6 +14,14 @@ one span ending at q":
 so a kernel needs only `sinks`, the stride (`dilation`) and each sequence's first visible span position
 (`span_starts`), never the kind of policy.
 
+Scored retention keeps by importance instead of position (cache/eviction.py): a sequence holds at most
+`sinks + window + budget` tokens, the first `sinks` and the newest `window` always, the other `budget` chosen by a
+score its layer accumulates from its attention weights (`score`: "h2o", the attention each key has received,
+Zhang et al. 2023; "tova", the newest query's, Oren et al. 2024). A prefill attends over its whole prompt and then
+keeps that many; a decode query sees what is held plus itself, after which the lowest-scored unprotected token
+leaves. Held rows are packed at the front of a sequence's buffer or blocks (a freed row takes the next new token),
+so a kernel reads the first `tokens_held` rows as it reads a ring's, and no position question applies.
+
 Held is not visible: the cache must hold every position a later query will see, which with dilation is the whole
 span ((W-1)r + 1 positions) though a query sees only W of them. `span_start`, `tokens_held`, `dropped`,
 `capacity`, `rows`, `row` and `peak_blocks` answer for what is held (cache bytes, the ring buffer, block freeing);
@@ -24,6 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+# Scores that pick a scored retention's kept tokens: H2O's accumulated attention, TOVA's newest-query attention
+SCORES = ("h2o", "tova")
+
 
 @dataclass(frozen=True)
 class Retention:
@@ -31,8 +42,13 @@ class Retention:
     window: int | None = None
     chunk: int | None = None
     dilation: int = 1
+    score: str | None = None  # scored retention: which attention-derived score picks the kept tokens
+    budget: int | None = None  # scored retention: tokens kept by score beside the sinks and the recent window
 
     def __post_init__(self):
+        if self.score is not None or self.budget is not None:
+            self.check_scored()
+            return
         for name in ("window", "chunk", "dilation"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -49,35 +65,72 @@ class Retention:
                              f"window and no sinks or chunk (got window={self.window}, sinks={self.sinks}, "
                              f"chunk={self.chunk})")
 
+    def check_scored(self) -> None:
+        if self.score is None:
+            raise ValueError(f"a budget ({self.budget!r}) keeps tokens by score: give score, one of "
+                             f"{', '.join(SCORES)}")
+        if self.score not in SCORES:
+            raise ValueError(f"unknown retention score {self.score!r}; allowed: {', '.join(SCORES)}")
+        if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget < 1:
+            raise ValueError(f"scored retention ({self.score}) keeps `budget` tokens by score beside the sinks and the "
+                             f"recent window: give an integer >= 1, got budget={self.budget!r}")
+        if not isinstance(self.sinks, int) or isinstance(self.sinks, bool) or self.sinks < 0:
+            raise ValueError(f"retention sinks must be an integer >= 0, got {self.sinks!r}")
+        if self.window is not None and (not isinstance(self.window, int) or isinstance(self.window, bool)
+                                        or self.window < 1):
+            raise ValueError(f"retention window must be an integer >= 1 or None, got {self.window!r}")
+        if self.chunk is not None or self.dilation != 1:
+            raise ValueError(f"scored retention ({self.score}) keeps sinks, a recent window and scored tokens: give no "
+                             f"chunk or dilation (got chunk={self.chunk}, dilation={self.dilation})")
+
+    @property
+    def scored(self) -> bool:
+        return self.score is not None
+
+    @property
+    def recent(self) -> int:
+        """Scored retention: the newest tokens always kept (the window; 0 without one)."""
+        return self.window or 0
+
     @property
     def keeps_all(self) -> bool:
-        return self.window is None and self.chunk is None
+        return self.window is None and self.chunk is None and not self.scored
 
     @property
     def span(self) -> int | None:
         """Positions the span of one query covers: the chunk, or the window's (W-1)·r + 1; None: unbounded."""
         if self.chunk is not None:
             return self.chunk
-        return None if self.window is None else (self.window - 1) * self.dilation + 1
+        return None if self.window is None or self.scored else (self.window - 1) * self.dilation + 1
 
     @property
     def capacity(self) -> int | None:
-        """Most positions the cache holds for one sequence (what a rolling buffer's rows are); None: unbounded."""
+        """Most positions the cache holds for one sequence after a step; None: unbounded."""
+        if self.scored:
+            return self.sinks + self.recent + self.budget
         return self.span if self.chunk is not None or self.span is None else self.sinks + self.span
 
     @property
     def visible_capacity(self) -> int | None:
         """Most keys any query sees (sinks + W, the chunk); None: unbounded. Below capacity with dilation."""
+        if self.scored:
+            return self.capacity + 1  # what is held, and the new token before one leaves
         if self.chunk is not None:
             return self.chunk
         return None if self.window is None else self.sinks + self.window
 
     @property
     def all_visible_up_to(self) -> int | None:
-        """Longest sequence in which every query sees every earlier key (plain causal attention); None: any."""
+        """Longest prefill in which every query sees every earlier key (plain causal attention); None: any. A scored
+        prefill attends over its whole prompt and evicts after."""
+        if self.scored:
+            return None
         return self.capacity if self.dilation == 1 else 1
 
     def describe(self) -> str:
+        if self.scored:
+            kept = [f"{self.sinks} sinks"] * bool(self.sinks) + [f"window {self.window}"] * bool(self.window)
+            return " + ".join(kept + [f"{self.score} budget {self.budget}"])
         if self.chunk is not None:
             return f"chunk {self.chunk}"
         if self.window is None:
@@ -90,6 +143,8 @@ class Retention:
 
     def span_start(self, length: int) -> int:
         """First position of the span the newest query (at length - 1) covers: the cache holds it and what follows."""
+        if self.scored:
+            raise ValueError(f"{self.describe()} keeps tokens by score: it has no positional span")
         if self.chunk is not None:
             return max(0, length - 1) // self.chunk * self.chunk
         return 0 if self.window is None else max(0, length - self.span)
@@ -98,13 +153,18 @@ class Retention:
         """Positions the cache of a `length`-token sequence must hold for its newest and later queries (0 for none)."""
         if length <= 0:
             return 0
+        if self.scored:
+            return min(length, self.capacity)
         start = self.span_start(length)
         return min(self.sinks, start) + length - start
 
     def keys_seen(self, length: int) -> int:
-        """Keys the newest query of a `length`-token sequence sees (tokens_held without dilation)."""
+        """Keys the newest query of a `length`-token sequence sees (tokens_held without dilation; a scored decode
+        query sees one more, itself, before a token leaves)."""
         if length <= 0:
             return 0
+        if self.scored:
+            return min(length, self.capacity + 1)
         start = self.span_start(length)
         return min(self.sinks, start) + (length - 1 - start) // self.dilation + 1
 
@@ -114,7 +174,10 @@ class Retention:
         return min(self.sinks, start), start
 
     def rows(self, max_len: int) -> int:
-        """Rows of a contiguous buffer for sequences of up to `max_len` tokens: a ring when fewer than max_len."""
+        """Rows of a contiguous buffer for sequences of up to `max_len` tokens: a ring when fewer than max_len (a
+        scored buffer has a spare row, where a decode step's new token waits while its scores pick who leaves)."""
+        if self.scored:
+            return min(max_len, self.capacity + 1)
         return max_len if self.capacity is None else min(max_len, self.capacity)
 
     def row(self, positions):
@@ -139,6 +202,8 @@ class Retention:
         whole = -(-max_length // block_size)
         if self.keeps_all:
             return whole
+        if self.scored:  # packed rows: those held, and the step's new ones before its evictions
+            return -(-min(max_length, self.capacity + step_tokens) // block_size)
         if self.chunk is not None and self.chunk % block_size == 0 and step_tokens == 1:
             span_blocks = self.chunk // block_size  # chunks start on block boundaries
         else:
@@ -152,6 +217,8 @@ class Retention:
 
     def causal_pairs(self, tokens: int) -> int:
         """(query, key) pairs a causal prefill of `tokens` tokens computes: the sum of keys_seen(q + 1)."""
+        if self.scored:
+            return tokens * (tokens + 1) // 2
         if self.chunk is not None:
             full, rest = divmod(tokens, self.chunk)
             return full * self.chunk * (self.chunk + 1) // 2 + rest * (rest + 1) // 2
@@ -171,6 +238,8 @@ class Retention:
         """Broadcast mask: key p is visible from query q (causal, p >= 0 marks a real key, then the policy)."""
         keys, queries = key_positions, query_positions
         visible = (keys <= queries) & (keys >= 0)
+        if self.scored:  # a scored prefill's queries see the whole prompt; what later queries see is the layer's
+            return visible
         if self.chunk is not None:
             return visible & (torch.div(keys, self.chunk, rounding_mode="floor")
                               == torch.div(queries, self.chunk, rounding_mode="floor"))
@@ -208,6 +277,8 @@ class Retention:
         """tokens_held of each sequence (the live rows of its ring buffer)."""
         if self.keeps_all:
             return lengths
+        if self.scored:
+            return lengths.clamp(max=self.capacity)
         starts = self.held_starts(lengths).to(lengths.dtype)
         return starts.clamp(max=self.sinks) + lengths - starts
 

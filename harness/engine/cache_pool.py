@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache import CacheSpec, ContiguousKV, PagedKV, Retention, StateSlots, specs_read
+from cache import CacheSpec, ContiguousKV, PagedKV, Retention, ScoredKV, StateSlots, specs_read
 
 LAYOUTS = ("contiguous", "paged")
 # Most tokens a paged block holds: vLLM's largest block (its choices run from 1 to 256). A larger block only wastes
@@ -53,7 +53,8 @@ class CachePool:
         self.layers = [None] * len(specs)
         for g, group in enumerate(self.groups):
             for i in group.layers:
-                self.layers[i] = (ContiguousKV(specs[i], max_batch + extra, max_seq_len, dtype, device, kv_format)
+                contiguous = ScoredKV if specs[i].retention.scored else ContiguousKV
+                self.layers[i] = (contiguous(specs[i], max_batch + extra, max_seq_len, dtype, device, kv_format)
                                   if layout == "contiguous"
                                   else PagedKV(specs[i], num_blocks[g] + extra, block_size, g, dtype, device, kv_format))
         for i, spec in enumerate(specs):

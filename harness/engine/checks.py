@@ -70,6 +70,31 @@ def fp8_kernels_missing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
 
 
+def scored_retention(model) -> str:
+    """The first scored retention among the model's layers, described ("" when none has one)."""
+    return next((spec.retention.describe() for spec in model.cache_specs() if spec.retention.scored), "")
+
+
+def check_scored(model, kv_cache: str, max_num_batched_tokens: int | None, speculative, kv_dtype: str) -> None:
+    """Scored retention (cache/eviction.py) evicts as its layers attend, a whole prompt then one token a step, in
+    the contiguous layout: every option that would feed it otherwise is refused here, before any work."""
+    scored = scored_retention(model)
+    if not scored:
+        return
+    refusals = [
+        (kv_cache != "contiguous", f"kv_cache={kv_cache!r}: its rows are packed per batch slot, so it needs "
+                                   f"kv_cache='contiguous'"),
+        (max_num_batched_tokens is not None, f"max_num_batched_tokens={max_num_batched_tokens} (chunked prefill): "
+                                             f"a prompt is scored whole, so give None"),
+        (speculative is not None, "speculative decoding verifies several tokens a step and rolls back, which an "
+                                  "eviction cannot undo"),
+        (kv_dtype != "auto", f"kv_dtype={kv_dtype!r}: its rows stay in the model's dtype; give 'auto'"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(f"the model's layers keep tokens by score ({scored}): {why}")
+
+
 def check_speculative(speculative, model, compile: bool, kv_cache: str, max_seq_len: int) -> int:
     """The lookahead (k) a speculative setting asks the caches for, 0 without one; every reason it cannot run on
     this engine is an error here, before any work."""
@@ -106,6 +131,8 @@ def resolve_graph_mode(cuda_graphs, model, compile: bool, speculative) -> tuple[
         f"the model is on {device.type}: CUDA graphs need a CUDA device" if device.type != "cuda" else "",
         "compile=True: the torch.compile'd step runs as compiled" if compile else "",
         "speculative decoding verifies k + 1 tokens a step, eagerly" if speculative is not None else "",
+        f"scored retention ({scored_retention(model)}) picks its evictions with host reads"
+        if scored_retention(model) else "",
     ]
     static_blockers = [reason for reason in blockers[1:] if reason]
     if cuda_graphs == "static":

@@ -10,7 +10,8 @@ import zoo
 from harness.engine.beam_search import BeamOutput, BeamSearch, BeamSearchParams
 from harness.engine.block_manager import BlockManager
 from harness.engine.cache_pool import CachePool, size_cache
-from harness.engine.checks import check_options, check_pool, check_speculative, resolve_graph_mode, sized_by
+from harness.engine.checks import (check_options, check_pool, check_scored, check_speculative, resolve_graph_mode,
+                                   sized_by)
 from harness.engine.decode_stats import DecodeStats
 from harness.engine.model_runner import ModelRunner, prefill_batches
 from harness.engine.sampling import SamplingParams, sample_token
@@ -92,6 +93,7 @@ class Engine:
             model, max_batch, max_seq_len, kv_cache, block_size, num_blocks, cache_budget_bytes, compile, admission,
             max_num_batched_tokens, prefix_caching, kv_dtype, quantize)
         lookahead = check_speculative(speculative, model, compile, kv_cache, max_seq_len)
+        check_scored(model, kv_cache, max_num_batched_tokens, speculative, kv_dtype)
         graph_mode, self.graphs_off_reason = resolve_graph_mode(cuda_graphs, model, compile, speculative)
         if quantize is not None:
             model = zoo.quantize(model, quantize)

@@ -1,0 +1,155 @@
+"""Scored retention (H2O, TOVA): the engine's selection against the plain-Python one, a layer fed as the engine feeds
+it against the float64 evicting reference, the engine's cache bytes and kept rows, and bad settings refused."""
+import dataclasses
+import random
+
+import pytest
+import torch
+
+import zoo
+from attention import Attention
+from attention.reference import evicting_attention_reference, kept_by_score
+from cache import CacheBatch, Retention, ScoredKV
+from cache.eviction import keep_mask
+from harness import Engine, SamplingParams
+from zoo.config import MixerSpec
+
+SCORED = [Retention(score="h2o", budget=3, sinks=1, window=2), Retention(score="tova", budget=4),
+          Retention(score="h2o", budget=2, window=1), Retention(score="tova", budget=1, sinks=2, window=1)]
+
+
+@pytest.mark.parametrize("retention", SCORED, ids=lambda r: r.describe())
+def test_the_batched_selection_is_the_plain_one(retention):
+    rng = random.Random(0)
+    for _ in range(150):
+        rows, batch = rng.randint(1, 12), 3
+        positions, scores, lengths = torch.full((batch, rows), -1), torch.zeros(batch, rows), []
+        for b in range(batch):
+            held = rng.randint(0, rows)
+            length = held + rng.randint(0, 3)
+            for row, pos in zip(rng.sample(range(rows), held), rng.sample(range(max(length, 1)), held)):
+                positions[b, row] = pos
+                scores[b, row] = rng.choice([0.0, 0.25, 1.0, rng.random()])  # ties too: the older leaves first
+            lengths.append(max(length, 1))
+        kept = keep_mask(retention, scores, positions, torch.tensor(lengths))
+        for b in range(batch):
+            held = positions[b] >= 0
+            expected = kept_by_score(retention, scores[b][held].tolist(), positions[b][held].tolist(), lengths[b])
+            assert set(positions[b][kept[b]].tolist()) == expected
+
+
+def scored_layer(score: str, budget: int, sinks: int, window: int | None, seed: int = 0) -> Attention:
+    torch.manual_seed(seed)
+    layer = Attention(32, 0, n_heads=4, n_kv_heads=2, score=score, budget=budget, sinks=sinks, window=window)
+    for param in (layer.q_proj.weight, layer.k_proj.weight):  # peaked attention, so scores differ clearly
+        param.data.normal_(0, 0.6)
+    return layer.eval()
+
+
+def feed_like_the_engine(layer: Attention, x: torch.Tensor, prompt_len: int, lengths: list[int]):
+    """x [B, T, d]: each row's first prompt_len tokens as one prefill, then one token a step up to its length (rows
+    end at different lengths, as a batch's sequences do); returns outputs [B, T, d] (0 past a row's length) and each
+    row's kept positions after every step."""
+    b, t, _ = x.shape
+    cache = ScoredKV(layer.cache_spec(), b + 1, t, torch.float32, "cpu")
+    slots = torch.arange(1, b + 1)  # not from slot 0: a slot is an index, not a row of the batch
+    out = torch.zeros(b, t, x.shape[-1])
+    kept = [[] for _ in range(b)]
+    positions = torch.arange(prompt_len).expand(b, prompt_len)
+    batch = CacheBatch(positions, torch.full((b,), prompt_len, dtype=torch.int32), prompt_len, "prefill", slots=slots)
+    out[:, :prompt_len] = layer(x[:, :prompt_len], positions, cache, batch)
+    for row in range(b):
+        kept[row].append(set(cache.kept_positions(int(slots[row]))))
+    for step in range(prompt_len, t):
+        rows = [row for row in range(b) if lengths[row] > step]
+        if not rows:
+            break
+        live = torch.tensor(rows)
+        batch = CacheBatch(torch.full((len(rows), 1), step), torch.full((len(rows),), step + 1, dtype=torch.int32),
+                           step + 1, "decode", slots=slots[live])
+        out[live, step] = layer(x[live, step:step + 1], batch.positions, cache, batch)[:, 0]
+        for row in rows:
+            kept[row].append(set(cache.kept_positions(int(slots[row]))))
+    return out, kept
+
+
+@pytest.mark.parametrize("score,budget,sinks,window", [("h2o", 4, 1, 2), ("tova", 5, 0, None), ("h2o", 3, 2, None),
+                                                       ("tova", 2, 1, 3)])
+def test_decode_with_eviction_is_attention_over_the_kept_tokens(score, budget, sinks, window):
+    layer = scored_layer(score, budget, sinks, window)
+    lengths, prompt_len = [24, 19], 9
+    x = torch.randn(2, max(lengths), 32)
+    out, kept = feed_like_the_engine(layer, x, prompt_len, lengths)
+    capacity = layer.retention.capacity
+    for row, length in enumerate(lengths):
+        expected, expected_kept = evicting_attention_reference(layer, x[row:row + 1, :length], prompt_len)
+        assert kept[row] == expected_kept[0]  # token for token: the same keys stay after every step
+        torch.testing.assert_close(out[row, :length].double(), expected[0], atol=1e-5, rtol=1e-5)
+        assert all(len(s) == min(capacity, prompt_len + i) for i, s in enumerate(kept[row]))
+        assert any(p not in kept[row][-1] for p in range(prompt_len, length))  # decode evicted tokens
+
+
+def test_a_budget_the_sequence_never_fills_changes_nothing():
+    layer = scored_layer("h2o", 40, 2, 4)
+    x = torch.randn(1, 30, 32)
+    out, kept = feed_like_the_engine(layer, x, 10, [30])
+    plain = Attention(32, 0, n_heads=4, n_kv_heads=2).eval()
+    plain.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(out, plain(x), atol=1e-5, rtol=1e-5)
+    assert kept[0][-1] == set(range(30))
+
+
+def scored_model(score: str, budget: int, sinks: int = 2, window: int = 4, **settings):
+    config = zoo.make_config("gqa", preset="tiny", **settings)
+    layers = [MixerSpec("attention", {**spec.params, "score": score, "budget": budget, "sinks": sinks,
+                                      "window": window}) for spec in config.layers]
+    torch.manual_seed(0)
+    return zoo.DecoderLM(dataclasses.replace(config, layers=layers)).eval()
+
+
+def test_the_engine_holds_budget_sinks_and_window_rows():
+    model = scored_model("h2o", 6, sinks=2, window=4)
+    engine = Engine(model, max_batch=2, max_seq_len=64)
+    outputs = engine.generate([list(range(1, 21)), [5, 6, 7]], SamplingParams(max_new_tokens=20, temperature=0))
+    assert all(len(o.token_ids) == 20 for o in outputs)
+    capacity = 2 + 4 + 6
+    token_bytes = model.cache_specs()[0].token_bytes(torch.float32)
+    # measured = analytic: each slot's capacity rows and one spare, in every layer
+    assert engine.pool.nbytes == 2 * (capacity + 1) * token_bytes * model.config.n_layers
+    for layer in engine.pool.layers:
+        for slot, total in ((0, 39), (1, 22)):  # prompt + 19 fed tokens (the last one is sampled, never fed)
+            kept = layer.kept_positions(slot)
+            assert len(kept) == capacity and kept[:2] == [0, 1] and kept[-4:] == list(range(total - 4, total))
+
+
+def test_a_never_full_budget_generates_what_full_attention_does():
+    scored = scored_model("tova", 200)
+    plain = zoo.DecoderLM(zoo.make_config("gqa", preset="tiny")).eval()
+    plain.load_state_dict(scored.state_dict())
+    prompts, params = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]], SamplingParams(max_new_tokens=12, temperature=0)
+    got = [o.token_ids for o in Engine(scored, max_batch=2, max_seq_len=64).generate(prompts, params)]
+    assert got == [o.token_ids for o in Engine(plain, max_batch=2, max_seq_len=64).generate(prompts, params)]
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(score="h2o", budget=0), "budget"),
+    (dict(score="h2o", budget=-3), "budget"),
+    (dict(score="lru", budget=4), "unknown retention score 'lru'"),
+    (dict(budget=4), "give score"),
+    (dict(score="tova", budget=4, chunk=8), "no chunk or dilation"),
+    (dict(score="h2o", budget=4, window=0), "window"),
+])
+def test_bad_scored_retention_is_refused_with_its_value(settings, message):
+    with pytest.raises(ValueError, match=message):
+        Retention(**settings)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(max_num_batched_tokens=8), "max_num_batched_tokens=8"),
+    (dict(kv_cache="paged"), "kv_cache='paged'"),
+    (dict(kv_dtype="int8"), "kv_dtype='int8'"),
+    (dict(cuda_graphs="static"), "host reads"),
+])
+def test_the_engine_refuses_what_scored_retention_cannot_take(options, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(scored_model("h2o", 4), max_batch=1, max_seq_len=64, **options)
