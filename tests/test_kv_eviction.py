@@ -1,6 +1,5 @@
 """Scored retention (H2O, TOVA): the engine's selection against the plain-Python one, a layer fed as the engine feeds
 it against the float64 evicting reference, the engine's cache bytes and kept rows, and bad settings refused."""
-import dataclasses
 import random
 
 import pytest
@@ -12,7 +11,7 @@ from attention.reference import evicting_attention_reference, kept_by_score
 from cache import CacheBatch, Retention, ScoredKV
 from cache.eviction import keep_mask
 from harness import Engine, SamplingParams
-from zoo.config import MixerSpec
+from zoo.eviction import pyramid_budgets
 
 SCORED = [Retention(score="h2o", budget=3, sinks=1, window=2), Retention(score="tova", budget=4),
           Retention(score="h2o", budget=2, window=1), Retention(score="tova", budget=1, sinks=2, window=1)]
@@ -99,12 +98,10 @@ def test_a_budget_the_sequence_never_fills_changes_nothing():
     assert kept[0][-1] == set(range(30))
 
 
-def scored_model(score: str, budget: int, sinks: int = 2, window: int = 4, **settings):
-    config = zoo.make_config("gqa", preset="tiny", **settings)
-    layers = [MixerSpec("attention", {**spec.params, "score": score, "budget": budget, "sinks": sinks,
-                                      "window": window}) for spec in config.layers]
+def scored_model(score: str, scored: int, sinks: int = 2, window: int = 4):
     torch.manual_seed(0)
-    return zoo.DecoderLM(dataclasses.replace(config, layers=layers)).eval()
+    return zoo.evict(zoo.build("gqa", preset="tiny"), policy=score, budget=sinks + window + scored, sinks=sinks,
+                     window=window).eval()
 
 
 def test_the_engine_holds_budget_sinks_and_window_rows():
@@ -123,9 +120,9 @@ def test_the_engine_holds_budget_sinks_and_window_rows():
 
 
 def test_a_never_full_budget_generates_what_full_attention_does():
-    scored = scored_model("tova", 200)
-    plain = zoo.DecoderLM(zoo.make_config("gqa", preset="tiny")).eval()
-    plain.load_state_dict(scored.state_dict())
+    torch.manual_seed(0)
+    plain = zoo.build("gqa", preset="tiny").eval()
+    scored = zoo.evict(plain, policy="tova", budget=200)
     prompts, params = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]], SamplingParams(max_new_tokens=12, temperature=0)
     got = [o.token_ids for o in Engine(scored, max_batch=2, max_seq_len=64).generate(prompts, params)]
     assert got == [o.token_ids for o in Engine(plain, max_batch=2, max_seq_len=64).generate(prompts, params)]
@@ -153,3 +150,38 @@ def test_bad_scored_retention_is_refused_with_its_value(settings, message):
 def test_the_engine_refuses_what_scored_retention_cannot_take(options, message):
     with pytest.raises(ValueError, match=message):
         Engine(scored_model("h2o", 4), max_batch=1, max_seq_len=64, **options)
+
+
+@pytest.mark.parametrize("arch,message", [("mamba", "Mamba keeps no per-token keys"), ("swa", "keeps by position"),
+                                          ("cla", "shares its cache")])
+def test_a_model_with_nothing_to_evict_is_refused(arch, message):
+    with pytest.raises(ValueError, match=message):
+        zoo.evict(zoo.build(arch, preset="tiny"), policy="h2o", budget=16)
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(policy="h2o", budget=8, sinks=2, window=6), "leave none of budget=8"),
+    (dict(policy="snap", budget=8), "unknown policy 'snap'"),
+    (dict(policy="tova", budget=0), "budget"),
+    (dict(policy="tova", budget=8, schedule="cone"), "unknown schedule 'cone'"),
+])
+def test_bad_eviction_settings_are_refused_before_the_copy(settings, message):
+    with pytest.raises(ValueError, match=message):
+        zoo.evict(zoo.build("gqa", preset="tiny"), **settings)
+
+
+def test_eviction_changes_what_is_kept_not_the_weights():
+    torch.manual_seed(0)
+    model = zoo.build("hybrid-1in6", preset="tiny", n_layers=6).eval()
+    evicted = zoo.evict(model, policy="h2o", budget=10)
+    x = torch.randint(0, 512, (2, 24))
+    torch.testing.assert_close(evicted(x), model(x))  # uncached, every key is kept
+    kinds = [spec.retention.describe() for spec in evicted.cache_specs() if spec.elements_per_token]
+    assert kinds == ["window 16"] * 5 + ["window 5 + h2o budget 5"]  # the attention layer only
+    assert model.cache_specs()[5].retention.keeps_all  # the original is untouched
+
+
+def test_the_pyramid_schedule_keeps_the_mean_budget():
+    assert pyramid_budgets(40, 4) == [78, 53, 27, 2]  # 2·40 − 40/20 = 78 down to 40/20 = 2, sum 160
+    model = zoo.evict(zoo.build("gqa", preset="tiny", n_layers=4), policy="tova", budget=40, schedule="pyramid")
+    assert [spec.retention.capacity for spec in model.cache_specs()] == [78, 53, 27, 2]

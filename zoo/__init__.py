@@ -10,13 +10,14 @@ from zoo.build import build
 from zoo.checkpoint import load, save
 from zoo.quantize import QuantizeConfig, quantize, quantize_layers
 from zoo.entry_details import details
+from zoo.eviction import EvictionConfig, evict
 from zoo.registry import architectures, compare_defaults, describe, is_causal, make_config
 from zoo.tokenizer import ByteTokenizer
 
 __all__ = [
-    "ByteTokenizer", "DecoderLM", "FFNSpec", "MixerSpec", "ModelConfig", "PRESETS", "ParameterCounts", "QuantizeConfig",
+    "ByteTokenizer", "DecoderLM", "EvictionConfig", "FFNSpec", "MixerSpec", "ModelConfig", "PRESETS", "ParameterCounts", "QuantizeConfig",
     "architectures", "build", "cache_bytes", "cache_read_bytes", "compare_defaults", "decode_weight_bytes", "describe",
-    "details", "from_hf", "is_causal", "load", "make_config", "parameter_bytes", "parameter_counts", "quantize",
+    "details", "evict", "from_hf", "is_causal", "load", "make_config", "parameter_bytes", "parameter_counts", "quantize",
     "quantize_layers", "routed_experts", "save", "decode_experts_read", "expected_experts_read", "moe_layers",
     "reset_decode_routing",
 ]
