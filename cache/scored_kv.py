@@ -1,29 +1,63 @@
-"""A contiguous cache for scored retention (cache/eviction.py): per batch slot, `capacity + 1` rows of keys and
-values with each row's position and score. Held rows are packed at the front: a sequence of n tokens holds rows
-0 .. min(n, capacity) - 1, so a decode step reads its first rows, unordered, with the same kernel as a ring buffer.
+"""The caches of scored retention (cache/eviction.py): keys and values with each row's position and score, held rows
+packed at the front of a sequence's rows. A sequence of n tokens holds its rows 0 .. min(n, capacity) - 1, so a
+decode step reads its first rows, unordered, with the kernels a ring buffer or a paged table already uses.
 
 A prefill attends over its whole prompt, scores every prompt key, and writes only those it keeps. A decode step
-writes its token into the next row (the spare one once full), attends, updates the scores from its query's
-weights and, when the sequence holds one too many, moves the new token into the row of the one that leaves."""
+writes its token into the next row (one past capacity once full), attends, updates the scores from its query's
+weights and, when the sequence holds one too many, moves the new token into the row of the one that leaves.
+
+ScoredKV gives each batch slot capacity + 1 rows; PagedScoredKV finds a sequence's rows through its block table,
+row r in logical block r // block_size, so the block manager holds only the blocks those rows fill."""
 import torch
 
 from cache.eviction import attention_weights, keep_mask, updated_scores
 from cache.layouts import KVTensors, fresh_attention
 from cache.spec import CacheBatch, CacheSpec
-from kernels import contiguous_decode_attention
+from kernels import contiguous_decode_attention, paged_decode_attention
 
 QUERY_BLOCK = 256  # prompt queries whose attention weights one pass holds: [B, H, 256, T] floats, not [B, H, T, T]
 
 
+def refuse_kv_format(spec: CacheSpec, kv_format: str) -> None:
+    if kv_format != "auto":
+        raise ValueError(f"scored retention ({spec.retention.describe()}) keeps rows in the model's dtype: "
+                         f"kv_dtype {kv_format!r} is not supported with it; use kv_dtype='auto'")
+
+
 class ScoredKV(KVTensors):
+    """Contiguous: [slots, kv_heads, capacity + 1, dim], a row's position and score in [slots, capacity + 1]."""
+
     def __init__(self, spec: CacheSpec, max_batch: int, max_len: int, dtype, device, kv_format: str = "auto"):
-        if kv_format != "auto":
-            raise ValueError(f"scored retention ({spec.retention.describe()}) keeps rows in the model's dtype: "
-                             f"kv_dtype {kv_format!r} is not supported with it; use kv_dtype='auto'")
+        refuse_kv_format(spec, kv_format)
         self.rows = spec.retention.rows(max_len)
         super().__init__(spec, lambda dim: (max_batch, spec.kv_heads, self.rows, dim), dtype, device, kv_format)
-        self.positions = torch.full((max_batch, self.rows), -1, dtype=torch.long, device=device)  # -1: empty row
+        self.positions = torch.full((max_batch, self.rows), -1, dtype=torch.long, device=device)
         self.scores = torch.zeros(max_batch, self.rows, dtype=torch.float32, device=device)
+
+    # ---- where a sequence's rows live (the layouts differ only here) -----------------------------------------
+
+    def cells(self, batch: CacheBatch, seqs: torch.Tensor, rows: torch.Tensor) -> tuple[tuple, tuple]:
+        """(index of those rows' keys / values [N, kv_heads, dim], index of their positions / scores [N]) for
+        row rows[i] of the batch's sequence seqs[i]."""
+        slots = batch.slots[seqs]
+        return (slots, slice(None), rows), (slots, rows)
+
+    def first_rows(self, batch: CacheBatch, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each sequence's rows 0 .. width - 1: keys [B, kv_heads, width, dim], positions and scores [B, width]."""
+        slots = batch.slots
+        return self.k[slots, :, :width], self.positions[slots, :width], self.scores[slots, :width]
+
+    def store_scores(self, batch: CacheBatch, scores: torch.Tensor) -> None:
+        self.scores[batch.slots, :scores.shape[1]] = scores
+
+    def decode_attention(self, q: torch.Tensor, batch: CacheBatch, rows: torch.Tensor) -> torch.Tensor:
+        return contiguous_decode_attention(q, self.k, self.v, batch.slots, rows, self.scale, self.v.shape[-1],
+                                           rows_read=min(batch.max_length, self.rows), slot_range=batch.slot_range)
+
+    def width(self, batch: CacheBatch) -> int:
+        return min(batch.max_length, self.rows)
+
+    # ---- the steps ------------------------------------------------------------------------------------------
 
     def write(self, k: torch.Tensor, v: torch.Tensor, batch: CacheBatch) -> None:
         raise ValueError(f"a scored cache ({self.retention.describe()}) writes as it attends: call attend_scored")
@@ -32,39 +66,35 @@ class ScoredKV(KVTensors):
                       scale: float) -> torch.Tensor:
         """q [B, H, T, D], this step's k and v [B, KVH, T, D]: attention output [B, H, T, D], with the cache left
         holding what the retention keeps."""
+        self.scale = scale
         if batch.is_prefill:
-            return self.prefill(q, k, v, batch, scale)
+            return self.prefill(q, k, v, batch)
         if batch.is_decode:
-            return self.decode(q, k, v, batch, scale)
+            return self.decode(q, k, v, batch)
         raise ValueError(f"a scored cache ({self.retention.describe()}) takes a whole prompt, then one token a "
                          f"step: not a {batch.step!r} step (chunked prefill, speculative verification)")
 
-    def prefill(self, q, k, v, batch: CacheBatch, scale: float) -> torch.Tensor:
-        out = fresh_attention(q, k, v, batch.positions, self.retention, scale)
-        real = batch.real_tokens()
-        positions = torch.where(real, batch.positions.long(), -1)
-        scores = self.prompt_scores(q, k, positions, batch, scale)
+    def prefill(self, q, k, v, batch: CacheBatch) -> torch.Tensor:
+        out = fresh_attention(q, k, v, batch.positions, self.retention, self.scale)
+        positions = torch.where(batch.real_tokens(), batch.positions.long(), -1)
+        scores = self.prompt_scores(q, k, positions, batch)
         keep = keep_mask(self.retention, scores, positions, batch.lengths)
-        slots = batch.slots
-        self.positions[slots] = -1
-        self.scores[slots] = 0.0
         seqs, steps = keep.nonzero(as_tuple=True)
         rows = (keep.cumsum(dim=1) - 1)[seqs, steps]  # kept keys packed from row 0, in position order
-        self.k[slots[seqs], :, rows] = k[seqs, :, steps]
-        self.v[slots[seqs], :, rows] = v[seqs, :, steps]
-        self.positions[slots[seqs], rows] = positions[seqs, steps]
-        self.scores[slots[seqs], rows] = scores[seqs, steps]
+        kv, meta = self.cells(batch, seqs, rows)
+        self.k[kv], self.v[kv] = k[seqs, :, steps], v[seqs, :, steps]
+        self.positions[meta], self.scores[meta] = positions[seqs, steps], scores[seqs, steps]
         return out
 
-    def prompt_scores(self, q, k, positions: torch.Tensor, batch: CacheBatch, scale: float) -> torch.Tensor:
+    def prompt_scores(self, q, k, positions: torch.Tensor, batch: CacheBatch) -> torch.Tensor:
         """[B, T] each prompt key's score after the prompt's queries (H2O: all of them; TOVA: the last one)."""
         real = positions >= 0
         if self.retention.score == "tova":
             last = batch.last_tokens()
-            rows = torch.arange(q.shape[0], device=q.device)
-            query, newest = q[rows, :, last][:, :, None], positions[rows, last][:, None]  # [B, H, 1, D], [B, 1]
+            seqs = torch.arange(q.shape[0], device=q.device)
+            query, newest = q[seqs, :, last][:, :, None], positions[seqs, last][:, None]  # [B, H, 1, D], [B, 1]
             visible = (positions[:, None, :] <= newest[:, :, None]) & real[:, None, :]
-            weights = attention_weights(query, k, visible, scale)
+            weights = attention_weights(query, k, visible, self.scale)
             return updated_scores(self.retention, torch.zeros_like(positions, dtype=torch.float32), weights,
                                   torch.zeros_like(last))
         scores = torch.zeros(positions.shape, dtype=torch.float32, device=q.device)
@@ -72,44 +102,87 @@ class ScoredKV(KVTensors):
             queries = positions[:, start:start + QUERY_BLOCK]
             visible = ((positions[:, None, :] <= queries[:, :, None]) & real[:, None, :]
                        & (queries[:, :, None] >= 0))  # padding queries weigh nothing
-            weights = attention_weights(q[:, :, start:start + QUERY_BLOCK], k, visible, scale)
+            weights = attention_weights(q[:, :, start:start + QUERY_BLOCK], k, visible, self.scale)
             scores = updated_scores(self.retention, scores, weights, torch.zeros(len(q), device=q.device))
         return scores
 
-    def decode(self, q, k, v, batch: CacheBatch, scale: float) -> torch.Tensor:
-        slots, lengths = batch.slots, batch.lengths
-        held = self.retention.rows_held(lengths - 1).long()  # rows 0 .. held - 1 are full; the new token takes the next
-        self.k[slots, :, held] = k[:, :, 0]
-        self.v[slots, :, held] = v[:, :, 0]
-        self.positions[slots, held] = batch.positions[:, 0].long()
-        self.scores[slots, held] = 0.0
-        out = contiguous_decode_attention(q[:, :, 0], self.k, self.v, slots, held + 1, scale, self.v.shape[-1],
-                                          rows_read=min(batch.max_length, self.rows), slot_range=batch.slot_range)
-        width = min(batch.max_length, self.rows)
-        rows = torch.arange(width, device=q.device)
-        visible = (rows[None, :] <= held[:, None])[:, None, :]  # [B, 1, width]
-        weights = attention_weights(q, self.k[slots, :, :width], visible, scale)
-        scores = updated_scores(self.retention, self.scores[slots, :width], weights, torch.zeros_like(held))
-        self.scores[slots, :width] = torch.where(visible[:, 0], scores, 0.0)
-        self.evict(slots, held, lengths, width)
+    def decode(self, q, k, v, batch: CacheBatch) -> torch.Tensor:
+        seqs = torch.arange(q.shape[0], device=q.device)
+        newest = self.retention.rows_held(batch.lengths - 1).long()  # rows 0 .. newest - 1 are held; it takes the next
+        kv, meta = self.cells(batch, seqs, newest)
+        self.k[kv], self.v[kv] = k[:, :, 0], v[:, :, 0]
+        self.positions[meta], self.scores[meta] = batch.positions[:, 0].long(), 0.0
+        out = self.decode_attention(q[:, :, 0], batch, newest + 1)
+        width = self.width(batch)
+        keys, positions, scores = self.first_rows(batch, width)
+        live = torch.arange(width, device=q.device)[None, :] <= newest[:, None]  # rows past a sequence's are stale
+        weights = attention_weights(q, keys, live[:, None, :], self.scale)
+        scores = torch.where(live, updated_scores(self.retention, scores, weights, torch.zeros_like(newest)), 0.0)
+        self.store_scores(batch, scores)
+        self.evict(batch, newest, torch.where(live, positions, -1), scores)
         return out.unsqueeze(2)
 
-    def evict(self, slots: torch.Tensor, newest: torch.Tensor, lengths: torch.Tensor, width: int) -> None:
+    def evict(self, batch: CacheBatch, newest: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor) -> None:
         """Where a sequence holds one row more than its capacity: the new token (row `newest`) takes the row of the
-        token that leaves, and the spare row empties."""
-        positions = self.positions[slots, :width]
-        leaving = (positions >= 0) & ~keep_mask(self.retention, self.scores[slots, :width], positions, lengths)
+        token that leaves (if that is the new token itself, it is simply gone: its row is past the held ones)."""
+        leaving = (positions >= 0) & ~keep_mask(self.retention, scores, positions, batch.lengths)
         seqs = leaving.any(dim=1).nonzero()[:, 0]
         if not len(seqs):
             return
-        slot, src, dst = slots[seqs], newest[seqs], leaving[seqs].float().argmax(dim=1)
+        (src_kv, src_meta), (dst_kv, dst_meta) = (self.cells(batch, seqs, rows)
+                                                  for rows in (newest[seqs], leaving[seqs].float().argmax(dim=1)))
         for tensor in (self.k, self.v):
-            tensor[slot, :, dst] = tensor[slot, :, src]
+            tensor[dst_kv] = tensor[src_kv]
         for tensor in (self.positions, self.scores):
-            tensor[slot, dst] = tensor[slot, src]
-        self.positions[slot, src] = -1  # when the new token itself leaves (dst == src), it is simply gone
-        self.scores[slot, src] = 0.0
+            tensor[dst_meta] = tensor[src_meta]
 
-    def kept_positions(self, slot: int) -> list[int]:
-        """The positions a slot's sequence holds, ascending (tests and `zoo compare`'s bookkeeping)."""
-        return sorted(p for p in self.positions[slot].tolist() if p >= 0)
+    def kept_positions(self, slot: int, held: int) -> list[int]:
+        """The positions a slot's sequence holds in its first `held` rows, ascending (tests, bookkeeping)."""
+        return sorted(self.positions[slot, :held].tolist())
+
+
+class PagedScoredKV(ScoredKV):
+    """Paged: a pool [num_blocks, block_size, kv_heads, dim] (stored head-major, as PagedKV), a row's position and
+    score in [num_blocks, block_size]; a sequence's row r is offset r % block_size of block table[r // block_size]."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, block_size: int, group: int, dtype, device,
+                 kv_format: str = "auto"):
+        refuse_kv_format(spec, kv_format)
+        KVTensors.__init__(self, spec, lambda dim: (num_blocks, spec.kv_heads, block_size, dim), dtype, device,
+                           kv_format)
+        self.k, self.v = self.k.transpose(1, 2), self.v.transpose(1, 2)  # head-major storage, block-major view
+        self.block_size, self.group = block_size, group
+        self.positions = torch.full((num_blocks, block_size), -1, dtype=torch.long, device=device)
+        self.scores = torch.zeros(num_blocks, block_size, dtype=torch.float32, device=device)
+
+    def cells(self, batch: CacheBatch, seqs: torch.Tensor, rows: torch.Tensor) -> tuple[tuple, tuple]:
+        blocks = batch.block_tables[self.group][seqs, rows // self.block_size].long()
+        index = (blocks, rows % self.block_size)
+        return index, index
+
+    def table_rows(self, batch: CacheBatch, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of each sequence's rows 0 .. width - 1, [B, width] each (a missing block reads block 0:
+        those rows lie past the sequence's held ones, which the caller masks)."""
+        rows = torch.arange(width, device=batch.lengths.device)
+        table = batch.block_tables[self.group][:, rows // self.block_size].long().clamp_min(0)
+        return table, (rows % self.block_size).expand_as(table)
+
+    def first_rows(self, batch: CacheBatch, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        blocks, offsets = self.table_rows(batch, width)
+        return self.k[blocks, offsets].permute(0, 2, 1, 3), self.positions[blocks, offsets], self.scores[blocks, offsets]
+
+    def store_scores(self, batch: CacheBatch, scores: torch.Tensor) -> None:
+        blocks, offsets = self.table_rows(batch, scores.shape[1])
+        live = batch.block_tables[self.group][:, torch.arange(scores.shape[1]) // self.block_size] >= 0
+        self.scores[blocks[live], offsets[live]] = scores[live]
+
+    def decode_attention(self, q: torch.Tensor, batch: CacheBatch, rows: torch.Tensor) -> torch.Tensor:
+        return paged_decode_attention(q, self.k, self.v, batch.block_tables[self.group], rows.to(torch.int32),
+                                      self.scale)
+
+    def width(self, batch: CacheBatch) -> int:
+        return min(batch.max_length, self.retention.capacity + 1)
+
+    def kept_positions(self, table: list[int], held: int) -> list[int]:
+        """The positions a sequence whose block table is `table` holds in its first `held` rows, ascending."""
+        return sorted(self.positions[table[r // self.block_size], r % self.block_size].item() for r in range(held))

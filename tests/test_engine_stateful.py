@@ -2,12 +2,14 @@
 worst-case or optimistic admission (the second preempts), prompts whole or chunked under a token budget. After
 every call the engine's books must balance: every block is free or held by one running request, ended requests hold
 nothing, batch slots are conserved. Every ended request has its requested length or stop reason, and a greedy one the
-tokens it gets alone."""
+tokens it gets alone (under eviction by score, one that was never preempted: a recomputed prefill keeps by the
+whole prompt's scores, not the ones its decode steps built up)."""
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import zoo
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
@@ -18,7 +20,8 @@ from harness import Engine, SamplingParams
 from harness.engine.sequence import Status
 from helpers import make_prompts, random_model  # tests/ is on sys.path under pytest
 
-ARCHS = ["gqa", "hybrid", "mamba"]  # one cache group; a sliding-window group beside a global one; state slots only
+# one cache group; a sliding-window group beside a global one; state slots only; gqa evicting by score (H2O)
+ARCHS = ["gqa", "hybrid", "mamba", "gqa-h2o"]
 VOCAB = 512  # the tiny preset's
 MAX_SEQ_LEN, BLOCK_SIZE, MAX_BATCH = 64, 4, 3
 PROMPT_LENGTHS = (1, 3, 4, 7, 12, 20, 33)  # 33 + 6 new tokens need 10 blocks: the smallest pool holds one at a time
@@ -38,7 +41,10 @@ class Workload:
 
 @pytest.fixture(scope="module", params=ARCHS)
 def workload(request) -> Workload:
-    model = random_model(request.param, max_seq_len=MAX_SEQ_LEN)
+    arch, _, policy = request.param.partition("-")
+    model = random_model(arch, max_seq_len=MAX_SEQ_LEN)
+    if policy:  # 10 tokens a sequence, 4 of them the newest: prompts and outputs run past it
+        model = zoo.evict(model, policy=policy, budget=10, window=4)
     prompts = make_prompts(PROMPT_LENGTHS, VOCAB, seed=7)
     greedy = SamplingParams(MAX_NEW_TOKENS, temperature=0.0)
     alone = [Engine(model, max_batch=1, max_seq_len=MAX_SEQ_LEN).generate([p], greedy)[0].token_ids for p in prompts]
@@ -73,9 +79,10 @@ class EngineProgram(RuleBasedStateMachine):
     def make_engine(self, num_blocks, admission, budget):
         # optimistic admission into these pools preempts: a preempted request must still end with its alone tokens;
         # a token budget splits prompts over steps (chunked prefill), preempted part-way through or not
+        self.scored = "score" in self.workload.model.config.layers[0].params  # a prompt is scored whole: no budget
         self.engine = Engine(self.workload.model, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN, kv_cache="paged",
                              block_size=BLOCK_SIZE, num_blocks=num_blocks, admission=admission,
-                             max_num_batched_tokens=budget)
+                             max_num_batched_tokens=None if self.scored else budget)
 
     # ---- the program's calls ----------------------------------------------------------------------------
 
@@ -94,7 +101,7 @@ class EngineProgram(RuleBasedStateMachine):
     def add_longer_than_max_seq_len(self):
         self.check_refused([1] * (MAX_SEQ_LEN - 2), SamplingParams(3, temperature=0.0))
 
-    @precondition(lambda self: self.engine.block_managers)
+    @precondition(lambda self: self.engine.block_managers and not self.scored)  # evicting, any length fits
     @rule()
     def add_more_than_the_pool_holds(self):
         blocks = self.engine.block_managers[0].num_blocks
@@ -158,7 +165,7 @@ class EngineProgram(RuleBasedStateMachine):
             assert 1 <= len(tokens) <= params.max_new_tokens and tokens[-1] in params.stop_token_ids
         else:
             assert len(tokens) == params.max_new_tokens and tokens[-1] not in params.stop_token_ids
-        if params.greedy:
+        if params.greedy and not (self.scored and output.preemptions):
             assert tokens == greedy_tokens(self.workload.alone[self.prompt_of[output.request_id]], params)
         self.end(output.request_id)
 

@@ -10,7 +10,7 @@ from attention import Attention
 from attention.reference import evicting_attention_reference, kept_by_score
 from cache import CacheBatch, Retention, ScoredKV
 from cache.eviction import keep_mask
-from harness import Engine, SamplingParams
+from harness import BeamSearchParams, Engine, SamplingParams
 from zoo.eviction import pyramid_budgets
 
 SCORED = [Retention(score="h2o", budget=3, sinks=1, window=2), Retention(score="tova", budget=4),
@@ -57,8 +57,9 @@ def feed_like_the_engine(layer: Attention, x: torch.Tensor, prompt_len: int, len
     positions = torch.arange(prompt_len).expand(b, prompt_len)
     batch = CacheBatch(positions, torch.full((b,), prompt_len, dtype=torch.int32), prompt_len, "prefill", slots=slots)
     out[:, :prompt_len] = layer(x[:, :prompt_len], positions, cache, batch)
+    capacity = layer.retention.capacity
     for row in range(b):
-        kept[row].append(set(cache.kept_positions(int(slots[row]))))
+        kept[row].append(set(cache.kept_positions(int(slots[row]), min(prompt_len, capacity))))
     for step in range(prompt_len, t):
         rows = [row for row in range(b) if lengths[row] > step]
         if not rows:
@@ -68,7 +69,7 @@ def feed_like_the_engine(layer: Attention, x: torch.Tensor, prompt_len: int, len
                            step + 1, "decode", slots=slots[live])
         out[live, step] = layer(x[live, step:step + 1], batch.positions, cache, batch)[:, 0]
         for row in rows:
-            kept[row].append(set(cache.kept_positions(int(slots[row]))))
+            kept[row].append(set(cache.kept_positions(int(slots[row]), min(step + 1, capacity))))
     return out, kept
 
 
@@ -115,7 +116,7 @@ def test_the_engine_holds_budget_sinks_and_window_rows():
     assert engine.pool.nbytes == 2 * (capacity + 1) * token_bytes * model.config.n_layers
     for layer in engine.pool.layers:
         for slot, total in ((0, 39), (1, 22)):  # prompt + 19 fed tokens (the last one is sampled, never fed)
-            kept = layer.kept_positions(slot)
+            kept = layer.kept_positions(slot, capacity)
             assert len(kept) == capacity and kept[:2] == [0, 1] and kept[-4:] == list(range(total - 4, total))
 
 
@@ -143,7 +144,7 @@ def test_bad_scored_retention_is_refused_with_its_value(settings, message):
 
 @pytest.mark.parametrize("options,message", [
     (dict(max_num_batched_tokens=8), "max_num_batched_tokens=8"),
-    (dict(kv_cache="paged"), "kv_cache='paged'"),
+    (dict(kv_cache="paged", kv_dtype="fp8"), "kv_dtype='fp8'"),
     (dict(kv_dtype="int8"), "kv_dtype='int8'"),
     (dict(cuda_graphs="static"), "host reads"),
 ])
@@ -185,3 +186,89 @@ def test_the_pyramid_schedule_keeps_the_mean_budget():
     assert pyramid_budgets(40, 4) == [78, 53, 27, 2]  # 2·40 − 40/20 = 78 down to 40/20 = 2, sum 160
     model = zoo.evict(zoo.build("gqa", preset="tiny", n_layers=4), policy="tova", budget=40, schedule="pyramid")
     assert [spec.retention.capacity for spec in model.cache_specs()] == [78, 53, 27, 2]
+
+
+PROMPTS = [list(range(1, 30)), [5, 6, 7], list(range(40, 52)), [9] * 17]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova"])
+def test_paged_eviction_generates_what_contiguous_does(policy):
+    model = scored_model(policy, 5, sinks=1, window=3)
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    contiguous = Engine(model, max_batch=4, max_seq_len=64).generate(PROMPTS, params)
+    engine = Engine(model, max_batch=4, max_seq_len=64, kv_cache="paged", block_size=4)
+    paged = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in paged] == [o.token_ids for o in contiguous]
+    manager = engine.block_managers[0]
+    assert sorted(manager.free) == list(range(manager.num_blocks))  # every block back
+    # a sequence never held more than its capacity + 1 rows: 9 + 1 rows in 4-token blocks
+    assert manager.peak_blocks(64) == 3
+
+
+def test_a_long_prompt_runs_in_the_blocks_its_kept_rows_fill():
+    model = scored_model("h2o", 5, sinks=1, window=2)
+    engine = Engine(model, max_batch=1, max_seq_len=128, kv_cache="paged", block_size=4)
+    manager = engine.block_managers[0]
+    assert manager.num_blocks == 3  # the pool is sized for 8 held rows and a new one, not 128 tokens
+    engine.add_request(list(range(1, 100)), SamplingParams(max_new_tokens=10, temperature=0))
+    engine.step()  # the 99-token prompt scored and cut to 8 rows, then its first decode step
+    (table,) = manager.tables.values()
+    kept = engine.pool.layers[0].kept_positions(table, 8)
+    assert kept[0] == 0 and kept[-2:] == [98, 99] and len(set(kept)) == 8  # the sink, the window, 5 by score
+    while engine.has_unfinished():
+        engine.step()
+    assert sorted(manager.free) == list(range(3))
+
+
+def test_beams_copy_a_shared_block_before_an_eviction_writes_it():
+    model = scored_model("tova", 4, sinks=1, window=2)
+    params = BeamSearchParams(num_beams=3, max_new_tokens=12, num_return_sequences=3)
+
+    def search():
+        engine = Engine(model, max_batch=4, max_seq_len=64, kv_cache="paged", block_size=4)
+        return engine, engine.beam_search(list(range(3, 20)), params)
+
+    engine, beams = search()
+    assert beams == search()[1]  # every fork wrote its own copies: a rerun finds the same beams
+    manager = engine.block_managers[0]
+    assert sorted(manager.free) == list(range(manager.num_blocks))
+
+
+def test_preempted_requests_end_and_leave_the_pool_whole():
+    model = scored_model("h2o", 6, sinks=1, window=3)
+    engine = Engine(model, max_batch=4, max_seq_len=64, kv_cache="paged", block_size=4, num_blocks=5,
+                    admission="optimistic")  # room for one sequence's 3 blocks and a short one's: others wait
+    outputs = engine.generate(PROMPTS * 2, SamplingParams(max_new_tokens=30, temperature=0))
+    assert engine.preemptions > 0 and all(o.finish_reason == "length" for o in outputs)
+    manager = engine.block_managers[0]
+    assert sorted(manager.free) == list(range(manager.num_blocks))
+    alone = Engine(model, max_batch=1, max_seq_len=64).generate(PROMPTS * 2, SamplingParams(30, temperature=0))
+    for out, solo in zip(outputs, alone):  # a request never preempted decodes as it does alone
+        if not out.preemptions:
+            assert out.token_ids == solo.token_ids
+
+
+def test_prefix_caching_is_off_for_scored_caches_and_says_why():
+    engine = Engine(scored_model("h2o", 4), max_batch=2, max_seq_len=64, kv_cache="paged", prefix_caching=True)
+    assert "keeps tokens by score" in engine.prefix_caching_off
+    assert all(manager.cache is None for manager in engine.block_managers)
+
+
+def test_a_scored_step_writes_only_blocks_its_sequence_holds_alone():
+    from types import SimpleNamespace
+
+    from harness.engine.block_manager import BlockManager
+
+    manager = BlockManager(12, 4, Retention(score="h2o", budget=6, window=2))  # capacity 8: 2 blocks, 3 mid-step
+    parent = SimpleNamespace(request_id=0, num_cached=0, max_length=40)
+    manager.admit(parent, 20)
+    manager.grow(parent, 20)  # a 20-token prompt keeps 8 rows
+    assert len(manager.tables[0]) == 2
+    parent.num_cached = 20
+    child = SimpleNamespace(request_id=1, num_cached=20, max_length=40)
+    manager.fork(parent, child)
+    shared = list(manager.tables[0])
+    manager.grow(child, 21)  # a decode step: 8 held rows and the new one, any of which an eviction may write
+    assert [source for source, _ in manager.copies] == shared  # each shared block copied before the step
+    assert all(manager.refs[block] == 1 for block in manager.tables[1]) and len(manager.tables[1]) == 3
+    assert manager.tables[0] == shared and all(manager.refs[block] == 1 for block in shared)

@@ -8,6 +8,11 @@ every admitted request's, so none is ever stranded (sharing saves it compute, ne
 keeping a watermark free for the running requests to grow into; when a decode step cannot get a block, the
 scheduler preempts a running request and recomputes it later.
 
+A scored group (retention kept by attention scores, cache/eviction.py) packs a sequence's held tokens into its first
+rows, so its table covers rows, not positions: min(length, capacity) after a step, the step's new rows on top during
+it. Its blocks depend on the sequence's own scores, so none is offered to the prefix cache, and a step may write any
+of them (an eviction moves the new token into the row that leaves): each shared one is copied first.
+
 Blocks are shared by reference. With prefix caching, a request's first full blocks may be ones another request
 filled with the same tokens (harness/engine/prefix_cache.py), and released full blocks stay cached until evicted. A fork
 (beam search) shares every block of its parent; a step that writes into a block someone else also holds copies it
@@ -45,6 +50,14 @@ class BlockManager:
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+    def step_rows(self, seq, length: int) -> int:
+        """A scored group's rows a step that ends at `length` tokens needs: what a prefill keeps, or the rows held
+        before the step and its new tokens."""
+        capacity = self.retention.capacity
+        if not seq.num_cached:
+            return min(length, capacity)
+        return min(seq.num_cached, capacity) + length - seq.num_cached
 
     def first_length(self, start: int) -> int | None:
         """The first_length of grow for a step feeding a sequence that holds `start` tokens: the length at its first
@@ -96,7 +109,7 @@ class BlockManager:
 
     def name_full_blocks(self, seq) -> None:
         """After a forward: offer every newly filled block of the sequence to the prefix cache."""
-        if self.cache is None:
+        if self.cache is None or self.retention.scored:
             return
         table = self.tables[seq.request_id]
         full = seq.num_cached // self.block_size
@@ -119,6 +132,9 @@ class BlockManager:
         if self.optimistic:
             found = self.cached_prefix(seq, hit // self.block_size) if hit else []
             revived = sum(self.refs[block] == 0 for block in found if block >= 0)  # cached, but counted as free
+            if self.retention.scored:
+                return self.blocks_for(min(length, self.retention.capacity)) <= self.num_free - (
+                    0 if alone else self.watermark)
             dead = self.retention.dead_blocks(self.first_length(hit) or length, self.block_size)
             fresh = sum(i not in dead for i in range(len(found), self.blocks_for(length)))
             return revived + fresh <= self.num_free - (0 if alone else self.watermark)
@@ -160,6 +176,11 @@ class BlockManager:
     def new_blocks(self, seq, length: int, first_length: int | None = None) -> int:
         """Blocks grow(seq, length, first_length) would take from the free blocks, less those it would return."""
         table = self.tables.get(seq.request_id, [])
+        if self.retention.scored:
+            need = self.blocks_for(self.step_rows(seq, length))
+            copied = sum(1 for block in table[:need] if self.refs[block] > 1)
+            returned = sum(1 for block in table[need:] if self.refs[block] == 1)
+            return max(0, need - len(table)) + copied - returned
         dead = self.retention.dead_blocks(first_length or length, self.block_size)
         taken = sum(1 for i in range(len(table), self.blocks_for(length)) if i not in dead)
         copied = sum(1 for i in self.written(seq, table, length) if i not in dead and self.refs[table[i]] > 1)
@@ -195,6 +216,9 @@ class BlockManager:
         first_length: the sequence's length at this step's first new token, when that query reads its keys from
         the cache (a chunk on top of it): the blocks it still sees stay. Default `length`."""
         table = self.tables[seq.request_id]
+        if self.retention.scored:
+            self.grow_rows(seq, table, self.blocks_for(self.step_rows(seq, length)))
+            return
         dead = self.retention.dead_blocks(first_length or length, self.block_size)
         if not seq.num_cached:  # a prefill writes only what its last query sees
             self.unwritten[seq.request_id] = range(*self.retention.dropped(first_length or length))
@@ -213,9 +237,25 @@ class BlockManager:
             else:
                 table.append(self.take())
 
+    def grow_rows(self, seq, table: list[int], need: int) -> None:
+        """A scored group's table to exactly `need` blocks: a spare row's emptied block goes back, and every shared
+        block is copied first, since the step may write any row."""
+        for block in table[need:]:
+            self.drop(block)
+        del table[need:]
+        for i, block in enumerate(table):
+            if self.refs[block] > 1:
+                table[i] = self.take()
+                self.copies.append((block, table[i]))
+                self.drop(block)
+        while len(table) < need:
+            table.append(self.take())
+
     def slot(self, seq, position: int, length: int) -> int:
         """Flat pool slot for `position` once the sequence is `length` tokens long (the first_length of grow);
-        -1 when the policy drops it unwritten."""
+        -1 when the policy drops it unwritten (always in a scored group, whose layers place rows themselves)."""
+        if self.retention.scored:
+            return -1
         lo, hi = self.retention.dropped(length)
         if lo <= position < hi:
             return -1

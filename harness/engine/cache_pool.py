@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cache import CacheSpec, ContiguousKV, PagedKV, Retention, ScoredKV, StateSlots, specs_read
+from cache import CacheSpec, ContiguousKV, PagedKV, Retention, StateSlots, specs_read
+from cache.scored_kv import PagedScoredKV, ScoredKV
 
 LAYOUTS = ("contiguous", "paged")
 # Most tokens a paged block holds: vLLM's largest block (its choices run from 1 to 256). A larger block only wastes
@@ -53,10 +54,12 @@ class CachePool:
         self.layers = [None] * len(specs)
         for g, group in enumerate(self.groups):
             for i in group.layers:
-                contiguous = ScoredKV if specs[i].retention.scored else ContiguousKV
-                self.layers[i] = (contiguous(specs[i], max_batch + extra, max_seq_len, dtype, device, kv_format)
+                scored = specs[i].retention.scored
+                self.layers[i] = ((ScoredKV if scored else ContiguousKV)(specs[i], max_batch + extra, max_seq_len,
+                                                                          dtype, device, kv_format)
                                   if layout == "contiguous"
-                                  else PagedKV(specs[i], num_blocks[g] + extra, block_size, g, dtype, device, kv_format))
+                                  else (PagedScoredKV if scored else PagedKV)(specs[i], num_blocks[g] + extra,
+                                                                             block_size, g, dtype, device, kv_format))
         for i, spec in enumerate(specs):
             if spec.kind == "state":  # one row per batch slot, in either layout
                 self.layers[i] = StateSlots(spec, max_batch + extra, dtype, device)
@@ -97,6 +100,9 @@ class CachePool:
             layer.k[destination] = layer.k[source]
             if layer.v is not None:
                 layer.v[destination] = layer.v[source]
+            if isinstance(layer, PagedScoredKV):  # a scored row's position and score travel with it
+                layer.positions[destination] = layer.positions[source]
+                layer.scores[destination] = layer.scores[source]
 
     def rollback(self, lengths: dict[int, int]) -> None:
         """Speculative decoding kept each listed slot's first `length` tokens (slot -> length): every layer that

@@ -75,15 +75,13 @@ def scored_retention(model) -> str:
     return next((spec.retention.describe() for spec in model.cache_specs() if spec.retention.scored), "")
 
 
-def check_scored(model, kv_cache: str, max_num_batched_tokens: int | None, speculative, kv_dtype: str) -> None:
-    """Scored retention (cache/eviction.py) evicts as its layers attend, a whole prompt then one token a step, in
-    the contiguous layout: every option that would feed it otherwise is refused here, before any work."""
+def check_scored(model, max_num_batched_tokens: int | None, speculative, kv_dtype: str) -> None:
+    """Scored retention (cache/eviction.py) evicts as its layers attend, a whole prompt then one token a step:
+    every option that would feed it otherwise is refused here, before any work."""
     scored = scored_retention(model)
     if not scored:
         return
     refusals = [
-        (kv_cache != "contiguous", f"kv_cache={kv_cache!r}: its rows are packed per batch slot, so it needs "
-                                   f"kv_cache='contiguous'"),
         (max_num_batched_tokens is not None, f"max_num_batched_tokens={max_num_batched_tokens} (chunked prefill): "
                                              f"a prompt is scored whole, so give None"),
         (speculative is not None, "speculative decoding verifies several tokens a step and rolls back, which an "

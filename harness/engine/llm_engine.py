@@ -11,7 +11,7 @@ from harness.engine.beam_search import BeamOutput, BeamSearch, BeamSearchParams
 from harness.engine.block_manager import BlockManager
 from harness.engine.cache_pool import CachePool, size_cache
 from harness.engine.checks import (check_options, check_pool, check_scored, check_speculative, resolve_graph_mode,
-                                   sized_by)
+                                   scored_retention, sized_by)
 from harness.engine.decode_stats import DecodeStats
 from harness.engine.model_runner import ModelRunner, prefill_batches
 from harness.engine.sampling import SamplingParams, sample_token
@@ -93,7 +93,7 @@ class Engine:
             model, max_batch, max_seq_len, kv_cache, block_size, num_blocks, cache_budget_bytes, compile, admission,
             max_num_batched_tokens, prefix_caching, kv_dtype, quantize)
         lookahead = check_speculative(speculative, model, compile, kv_cache, max_seq_len)
-        check_scored(model, kv_cache, max_num_batched_tokens, speculative, kv_dtype)
+        check_scored(model, max_num_batched_tokens, speculative, kv_dtype)
         graph_mode, self.graphs_off_reason = resolve_graph_mode(cuda_graphs, model, compile, speculative)
         if quantize is not None:
             model = zoo.quantize(model, quantize)
@@ -103,10 +103,12 @@ class Engine:
         specs = model.cache_specs()
         self.max_num_batched_tokens = max_num_batched_tokens
         states = [i for i, spec in enumerate(specs) if spec.kind == "state"]
+        scored = scored_retention(model)
         self.prefix_caching_off = "" if not prefix_caching else (
             f"recurrent state in layers {states} is not kept at block boundaries, so a request cannot resume from a "
-            f"cached prefix" if states else "")
-        prefix_caching = prefix_caching and not states
+            f"cached prefix" if states else f"the model keeps tokens by score ({scored}): a sequence's blocks hold "
+            f"what its own attention kept, so none is shared" if scored else "")
+        prefix_caching = prefix_caching and not states and not scored
         # most tokens a step feeds one sequence on top of its cache: a whole prompt's rest after a prefix hit
         step_tokens = max(max_num_batched_tokens or (max_seq_len if prefix_caching else 1), lookahead + 1)
         # a verification caches up to k proposed tokens past the kept ones before it rolls back
