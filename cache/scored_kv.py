@@ -169,7 +169,8 @@ class PagedScoredKV(ScoredKV):
 
     def first_rows(self, batch: CacheBatch, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         blocks, offsets = self.table_rows(batch, width)
-        return self.k[blocks, offsets].permute(0, 2, 1, 3), self.positions[blocks, offsets], self.scores[blocks, offsets]
+        keys = self.k[blocks, offsets].permute(0, 2, 1, 3)  # [B, width, kv_heads, dim] -> [B, kv_heads, width, dim]
+        return keys, self.positions[blocks, offsets], self.scores[blocks, offsets]
 
     def store_scores(self, batch: CacheBatch, scores: torch.Tensor) -> None:
         blocks, offsets = self.table_rows(batch, scores.shape[1])

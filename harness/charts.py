@@ -17,9 +17,11 @@ DASHES = ("-", "--", "-.", ":")
 
 
 def series_name(row: dict) -> str:
-    """A row's line in a chart: its architecture, with its weight quantization and quantized KV cache where it has them."""
-    quant, kv = row.get("quant", "none"), row.get("kv_dtype", "auto")
-    return " ".join([row["arch"]] + [quant] * (quant != "none") + [f"kv-{kv}"] * (kv != "auto"))
+    """A row's line in a chart: its architecture, with its weight quantization, quantized KV cache and KV eviction
+    where it has them."""
+    quant, kv, policy = row.get("quant", "none"), row.get("kv_dtype", "auto"), row.get("kv_policy", "none")
+    evict = [] if policy == "none" else [f"{policy}-{row['kv_budget']:g}"]
+    return " ".join([row["arch"]] + [quant] * (quant != "none") + [f"kv-{kv}"] * (kv != "auto") + evict)
 
 
 def by_arch(rows: list[dict]) -> dict[str, list[dict]]:

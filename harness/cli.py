@@ -36,6 +36,13 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def share_list(text: str) -> list[float]:
+    try:
+        return list(dict.fromkeys(float(part) for part in text.split(",") if part))  # repeats dropped, order kept
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 def joined(values) -> str:
     return ",".join(map(str, values))
 
@@ -72,7 +79,9 @@ def check_compare_conflicts(args, settings: CompareSettings) -> None:
               (args.quant_method is not None and set(settings.quant) <= {"none"}, "--quant-method",
                "--quant none quantizes nothing"),
               (args.block_size is not None and settings.kv_cache == "contiguous", "--block-size",
-               "--kv-cache contiguous has no blocks")]
+               "--kv-cache contiguous has no blocks"),
+              (args.kv_budgets is not None and set(settings.kv_policies) <= {"none"}, "--kv-budgets",
+               "--kv-policies none evicts nothing")]
     unused += [(getattr(args, dest) is not None and not diffusion, option(dest),
                 f"--archs {','.join(settings.archs)} has no masked diffusion LM")
                for dest in ("diffusion_steps", "block_length", "diffusion_caches")]
@@ -84,13 +93,15 @@ def check_compare_conflicts(args, settings: CompareSettings) -> None:
 def cmd_compare(args) -> None:
     d = CompareSettings()
     given = {name: getattr(d, name) if getattr(args, name) is None else getattr(args, name)
-             for name in ("block_size", "diffusion_caches", "quant_group", "quant_method")}  # None: not typed
+             for name in ("block_size", "diffusion_caches", "quant_group", "quant_method", "kv_budgets")
+             }  # None: not typed
     settings = CompareSettings(archs=args.archs, preset=args.preset, contexts=args.contexts, batches=args.batches,
                                new_tokens=args.new_tokens, dtype=args.dtype, kv_cache=args.kv_cache,
                                device=args.device, seed=args.seed, out=Path(args.out),
                                diffusion_steps=args.diffusion_steps, block_length=args.block_length,
                                weights=Path(args.weights) if args.weights else None, quant=args.quant,
-                               kv_dtypes=args.kv_dtypes, measure=args.measure, cuda_graphs=args.cuda_graphs,
+                               kv_dtypes=args.kv_dtypes, kv_policies=args.kv_policies, measure=args.measure,
+                               cuda_graphs=args.cuda_graphs,
                                ray=args.ray, **given)
     check_compare_conflicts(args, settings)
     rows = run_compare(settings, show_progress=not args.quiet)
@@ -337,6 +348,13 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--kv-dtypes", type=name_list, default=d.kv_dtypes, help="comma-separated per-token cache "
                    "storage: auto (the model's dtype), int8 or fp8 (e4m3; either with a scale per token and KV head) "
                    f"(default: {','.join(d.kv_dtypes)})")
+    c.add_argument("--kv-policies", type=name_list, default=d.kv_policies, help="comma-separated KV eviction by "
+                   "score for the attention layers: none, h2o (heavy hitters: the most attention received, half the "
+                   "budget the newest tokens), tova (the newest query's attention) "
+                   f"(default: {','.join(d.kv_policies)})")
+    c.add_argument("--kv-budgets", type=share_list, help="with --kv-policies: comma-separated "
+                   "shares of the context an evicting layer keeps, each in (0, 1] "
+                   f"(default: {joined(d.kv_budgets)})")
     c.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                    help="run each model's cells as a Ray task holding a whole machine (all its CPUs; one GPU on "
                         "CUDA): on the cluster at ADDRESS ('auto': the one this machine is in), or without ADDRESS "

@@ -28,6 +28,7 @@ from harness.train.trained import TrainedModel, read_trained, validation_set
 from zoo import checks
 from zoo.quantize import WEIGHT_SCHEMES
 from cache import KV_FORMATS
+from cache.retention import SCORES
 
 # The fields that identify a cell: a re-run skips rows that match on all of them.
 CELL_KEY = ("arch", "preset", "context", "batch", "new_tokens", "dtype", "kv_cache", "device", "block_size",
@@ -36,9 +37,12 @@ CELL_KEY = ("arch", "preset", "context", "batch", "new_tokens", "dtype", "kv_cac
             "quant",  # weight quantization, quant_label ("none": as every row before --quant)
             "kv_dtype",  # how per-token caches are stored ("auto": the model's dtype, as every row before --kv-dtypes)
             "measure",  # how the decode step was timed ("generate": as every row before --measure)
-            "graphs")  # CUDA graphs asked for: "auto" (the engine's default; every row before --cuda-graphs), "on", "off"
+            "graphs",  # CUDA graphs asked for: "auto" (the engine's default; every row before --cuda-graphs), on, off
+            "kv_policy", "kv_budget")  # eviction by score (zoo.evict) and the share of the context kept ("none", None)
 # what an older row lacking a key field had: its cell is found done instead of being run again
-KEY_DEFAULTS = {"weights": None, "quant": "none", "kv_dtype": "auto", "measure": "generate", "graphs": "auto"}
+KEY_DEFAULTS = {"weights": None, "quant": "none", "kv_dtype": "auto", "measure": "generate", "graphs": "auto",
+                "kv_policy": "none", "kv_budget": None}
+KV_POLICIES = ("none", *SCORES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # generate: prefill the prompts, then decode new_tokens (TTFT, TPOT); decode-probe: caches filled at random as if
 # prefilled, new_tokens decode steps timed at the context held fixed (no prefill, so no TTFT or TPOT)
@@ -78,6 +82,10 @@ class CompareSettings:
     quant_group: int = 128
     quant_method: str = "rtn"
     kv_dtypes: list[str] = field(default_factory=lambda: ["auto"])  # per-token cache storage: auto, int8, fp8 (the engine's)
+    # KV eviction by score (zoo.evict): "none" or a policy (h2o, tova), each run keeping every kv_budgets share of a
+    # cell's context (its attention layers' budget: round(share * context) tokens a sequence)
+    kv_policies: list[str] = field(default_factory=lambda: ["none"])
+    kv_budgets: list[float] = field(default_factory=lambda: [0.25])
     # each model's cells as one Ray task holding a whole machine, on the cluster at this address ("auto": the one this
     # machine is in; "local": a new instance here); weights (and their corpus) must be at the same path on every node
     ray: str | None = None
@@ -144,6 +152,7 @@ class CompareSettings:
             raise ValueError(f"kv_dtypes must be a non-empty list of {', '.join(KV_FORMATS)}, got {self.kv_dtypes!r}")
         for kv_dtype in self.kv_dtypes:
             checks.choice("kv_dtype", kv_dtype, KV_FORMATS)
+        self.validate_eviction(trained)
         if any(k != "auto" for k in self.kv_dtypes):
             for arch in self.archs:
                 config = trained[arch].config if trained else zoo.make_config(arch, self.preset)
@@ -154,6 +163,35 @@ class CompareSettings:
                                          f"state, which stays in its declared dtype; leave it out of a quantized KV "
                                          f"comparison")
         return trained
+
+    def validate_eviction(self, trained: dict[str, TrainedModel]) -> None:
+        """Each policy is known, each budget a share of the context in (0, 1], and each architecture has attention
+        layers to evict from (checked on a meta model, before any work)."""
+        if not isinstance(self.kv_policies, (list, tuple)) or not self.kv_policies:
+            raise ValueError(f"kv_policies must be a non-empty list of {', '.join(KV_POLICIES)}, got "
+                             f"{self.kv_policies!r}")
+        for policy in self.kv_policies:
+            checks.choice("kv_policy", policy, KV_POLICIES)
+        if self.kv_policies == ["none"]:
+            return
+        if not isinstance(self.kv_budgets, (list, tuple)) or not self.kv_budgets:
+            raise ValueError(f"kv_budgets must be a non-empty list of shares of the context in (0, 1], got "
+                             f"{self.kv_budgets!r}")
+        for share in self.kv_budgets:
+            if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share <= 1:
+                raise ValueError(f"kv_budget {share!r} is not a share of the context: give a number in (0, 1], "
+                                 f"e.g. 0.25 to keep a quarter of it")
+        if any(k != "auto" for k in self.kv_dtypes):
+            raise ValueError(f"kv_dtypes {','.join(self.kv_dtypes)} with kv_policies: an evicting cache keeps rows "
+                             f"in the model's dtype; run them as separate comparisons")
+        for arch in self.archs:
+            with torch.device("meta"):
+                model = zoo.DecoderLM(trained[arch].config if trained else zoo.make_config(arch, self.preset))
+            try:
+                zoo.evict(model, policy=next(p for p in self.kv_policies if p != "none"),
+                          budget=eviction_budget(min(self.kv_budgets), min(self.contexts)))
+            except ValueError as error:
+                raise ValueError(f"kv_policies {','.join(self.kv_policies)}: {arch}: {error}") from None
 
     def validate_graphs(self) -> None:
         """cuda_graphs=True where the engine could not capture is refused here, before any model is built."""
@@ -214,10 +252,14 @@ class CompareSettings:
                 for c in self.contexts:
                     for b in self.batches:
                         if zoo.is_causal(a):
+                            evictions = [(p, share) for p in self.kv_policies
+                                         for share in ([None] if p == "none" else self.kv_budgets)]
                             cells += [{"arch": a, "context": c, "batch": b, **common, **autoregressive, **model,
-                                       "kv_dtype": kv_dtype} for kv_dtype in self.kv_dtypes]
+                                       "kv_dtype": kv_dtype, "kv_policy": policy, "kv_budget": share}
+                                      for kv_dtype in self.kv_dtypes for policy, share in evictions]
                         else:  # no-cache first: cached cells measure their agreement against it
                             cells += [{"arch": a, "context": c, "batch": b, **common, **model, "kv_dtype": "auto",
+                                       "kv_policy": "none", "kv_budget": None,
                                        "steps": s, "block_length": self.block_length, "diffusion_cache": cache,
                                        **DIFFUSION_RUN}
                                       for s in self.diffusion_steps for cache in self.diffusion_caches]
@@ -225,6 +267,11 @@ class CompareSettings:
 
 
 QUANT_CHOICES = ("none", *WEIGHT_SCHEMES)
+
+
+def eviction_budget(share: float, context: int) -> int:
+    """Tokens an evicting layer keeps for a cell: the share of its context, at least 2 (H2O splits it in halves)."""
+    return max(2, round(share * context))
 # a diffusion cell runs the LLaDA sampler, never the engine's decode step: its measure and graphs stay the old defaults
 DIFFUSION_RUN = {"measure": "generate", "graphs": "auto"}
 
@@ -277,6 +324,8 @@ def measure_cell(model, cell: dict, rates: roofline.MachineRates, seed: int) -> 
     together, decode `new_tokens` each; decode-probe: `new_tokens` steps at `context` without the prefill); times and
     bytes, whether CUDA graphs ran, and the roofline floor of the median decode step beside it."""
     max_seq_len = cell["context"] + cell["new_tokens"]
+    if cell["kv_policy"] != "none":
+        model = zoo.evict(model, policy=cell["kv_policy"], budget=eviction_budget(cell["kv_budget"], cell["context"]))
     engine = Engine(model, max_batch=cell["batch"], max_seq_len=max_seq_len, kv_cache=cell["kv_cache"],
                     block_size=cell["block_size"], kv_dtype=cell["kv_dtype"], cuda_graphs=GRAPHS[cell["graphs"]])
     timed = timed_generate if cell["measure"] == "generate" else timed_probe

@@ -56,6 +56,9 @@ def fill_random(layers: list, seed: int = 0) -> None:
                 generators[t.device] = torch.Generator(t.device).manual_seed(seed)
             row = torch.randn(t.shape[1:], generator=generators[t.device], device=t.device)
             t.copy_(row.to(t.dtype).expand_as(t))
+        if hasattr(layer, "positions"):  # a scored cache: rows held at distinct positions, so its evictions run
+            layer.positions.copy_(torch.arange(layer.positions.numel()).view_as(layer.positions))
+            layer.scores.uniform_(generator=generators[layer.scores.device])
 
 
 def decode_probe(model, batch: int, context: int, kv_cache: str = "contiguous", block_size: int = 16,

@@ -38,6 +38,7 @@ CACHE_ORDER = ("none", "prefix", "dual")
 QUALITY_COLUMN = ("val bpb", "val_bpb", "{:.3f}")
 QUANT_COLUMN = ("quant", "quant", "{}")
 KV_COLUMN = ("KV", "kv_dtype", "{}")
+EVICT_COLUMN = ("evict (share kept)", ("kv_policy", "kv_budget"), "{} {:.3g}")
 WEIGHTS_COLUMN = ("weights MiB", "weight_bytes", "{:.2f}")
 MIB_KEYS = ("analytic_cache_bytes", "measured_cache_bytes", "weight_bytes")  # shown in MiB
 BOUND_COLUMN = ("val bpb (ELBO bound)", "val_bpb", "≤ {:.3f}")
@@ -64,11 +65,16 @@ def markdown_table(rows: list[dict]) -> str:
     diffusion = [r for r in rows if r.get("steps")]
     quantized = any(r.get("quant", "none") != "none" for r in rows)
     quantized_kv = any(r.get("kv_dtype", "auto") != "auto" for r in rows)
-    columns = (COLUMNS[:1] + [QUANT_COLUMN, WEIGHTS_COLUMN] * quantized + [KV_COLUMN] * quantized_kv + COLUMNS[1:]
+    evicted = any(r.get("kv_policy", "none") != "none" for r in rows)
+    columns = (COLUMNS[:1] + [QUANT_COLUMN, WEIGHTS_COLUMN] * quantized + [KV_COLUMN] * quantized_kv
+               + [EVICT_COLUMN] * evicted + COLUMNS[1:]
                + [QUALITY_COLUMN] * any("val_bpb" in r for r in autoregressive))
-    lines = table(autoregressive, columns, lambda r: (r["arch"], r.get("quant", "none") != "none", r.get("quant", "none"),
-                                                      r.get("kv_dtype", "auto"), r["context"], r["batch"])
-                  ) if autoregressive else []
+    def order(r: dict) -> tuple:  # an architecture's plain rows first, then its quantized and evicting ones
+        quant, policy = r.get("quant", "none"), r.get("kv_policy", "none")
+        return (r["arch"], quant != "none", quant, r.get("kv_dtype", "auto"), policy != "none", policy,
+                -(r.get("kv_budget") or 1), r["context"], r["batch"])
+
+    lines = table(autoregressive, columns, order) if autoregressive else []
     if diffusion:
         lines += ([""] if lines else []) + ["Masked diffusion LM (LLaDA sampler; first block = the TTFT analogue):", ""]
         lines += table(diffusion, DIFFUSION_COLUMNS + [BOUND_COLUMN] * any("val_bpb" in r for r in diffusion),

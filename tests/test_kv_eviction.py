@@ -153,7 +153,7 @@ def test_the_engine_refuses_what_scored_retention_cannot_take(options, message):
         Engine(scored_model("h2o", 4), max_batch=1, max_seq_len=64, **options)
 
 
-@pytest.mark.parametrize("arch,message", [("mamba", "Mamba keeps no per-token keys"), ("swa", "keeps by position"),
+@pytest.mark.parametrize("arch,message", [("mamba", "Mamba keeps recurrent state"), ("mla", "a .latent. cache"), ("swa", "keeps by position"),
                                           ("cla", "shares its cache")])
 def test_a_model_with_nothing_to_evict_is_refused(arch, message):
     with pytest.raises(ValueError, match=message):
@@ -272,3 +272,34 @@ def test_a_scored_step_writes_only_blocks_its_sequence_holds_alone():
     assert [source for source, _ in manager.copies] == shared  # each shared block copied before the step
     assert all(manager.refs[block] == 1 for block in manager.tables[1]) and len(manager.tables[1]) == 3
     assert manager.tables[0] == shared and all(manager.refs[block] == 1 for block in shared)
+
+
+def test_zoo_compare_runs_the_eviction_axis(tmp_path):
+    from harness.compare import CompareSettings, run_compare
+
+    settings = CompareSettings(archs=["gqa"], preset="tiny", contexts=[32], batches=[2], new_tokens=3, out=tmp_path,
+                               kv_policies=["none", "tova"], kv_budgets=[0.5, 0.25])
+    rows = {(r["kv_policy"], r["kv_budget"]): r for r in run_compare(settings, show_progress=False)}
+    assert set(rows) == {("none", None), ("tova", 0.5), ("tova", 0.25)}
+    token_bytes = zoo.build("gqa", preset="tiny").cache_specs()[0].token_bytes(torch.float32) * 2  # two layers
+    for share in (0.5, 0.25):  # each batch row holds the kept tokens and one spare: measured as analytic says
+        kept = round(share * 32)
+        assert rows["tova", share]["measured_cache_bytes"] == 2 * token_bytes * (kept + 1)
+        assert rows["tova", share]["analytic_cache_bytes"] == 2 * token_bytes * kept
+    assert rows["none", None]["measured_cache_bytes"] == 2 * token_bytes * (32 + 3)
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(kv_policies=["h2o"], kv_budgets=[0]), "kv_budget 0 is not a share"),
+    (dict(kv_policies=["h2o"], kv_budgets=[1.5]), "kv_budget 1.5"),
+    (dict(kv_policies=["lru"]), "unknown kv_policy 'lru'"),
+    (dict(kv_policies=["h2o"], archs=["mamba"]), "Mamba keeps recurrent state"),
+    (dict(kv_policies=["tova"], kv_dtypes=["int8"]), "evicting cache keeps rows in the model's dtype"),
+])
+def test_zoo_compare_refuses_a_bad_eviction_before_any_work(tmp_path, settings, message):
+    from harness.compare import CompareSettings, run_compare
+
+    settings = {"archs": ["gqa"], "preset": "tiny", "contexts": [32], "batches": [1], "out": tmp_path, **settings}
+    with pytest.raises(ValueError, match=message):
+        run_compare(CompareSettings(**settings), show_progress=False)
+    assert not (tmp_path / "results.jsonl").exists()

@@ -68,7 +68,10 @@ def evictable(mixer, shared: bool) -> str:
     """Why a layer cannot keep tokens by score ("" when it can): only softmax attention that computes its own keys,
     keeps them all and shares them with no other layer (shared: a later layer reads its cache)."""
     if not isinstance(mixer, Attention):
-        return f"{type(mixer).__name__} keeps no per-token keys to score"
+        kind = mixer.cache_spec().kind
+        return (f"{type(mixer).__name__} keeps recurrent state, no per-token keys to score" if kind == "state" else
+                f"{type(mixer).__name__} keeps a {kind!r} cache, which scored retention does not hold (softmax "
+                f"attention's own keys and values only)")
     if mixer.kv_source is not None or shared:
         return "it shares its cache with another layer (cross-layer attention)"
     if not mixer.retention.keeps_all:
