@@ -19,10 +19,15 @@ from cache.retention import Retention
 def attention_weights(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax weights in float32, [B, H, T, L]: q [B, H, T, D] over k [B, KVH, L, D] (each KV head read by its
     group of query heads), visible [B, T, L]; a query with no visible key weighs nothing."""
-    group = q.shape[1] // k.shape[1]
-    keys = k.float().repeat_interleave(group, dim=1) if group > 1 else k.float()
-    logits = torch.einsum("bhtd,bhld->bhtl", q.float(), keys) * scale
-    logits = logits.masked_fill(~visible[:, None], float("-inf"))
+    b, heads, t, d = q.shape
+    # each KV head's query group as rows of one product: no copy of the keys per query head, nor in float32
+    grouped = q.reshape(b, k.shape[1], heads // k.shape[1] * t, d)
+    return softmax_weights(torch.matmul(grouped, k.transpose(-1, -2)).view(b, heads, t, -1) * scale, visible)
+
+
+def softmax_weights(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """logits [B, H, T, L] (any float dtype), visible [B, T, L] -> softmax weights in float32, 0 where unseen."""
+    logits = logits.float().masked_fill(~visible[:, None], float("-inf"))
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 
 

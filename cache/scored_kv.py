@@ -10,7 +10,7 @@ ScoredKV gives each batch slot capacity + 1 rows; PagedScoredKV finds a sequence
 row r in logical block r // block_size, so the block manager holds only the blocks those rows fill."""
 import torch
 
-from cache.eviction import attention_weights, keep_mask, updated_scores
+from cache.eviction import attention_weights, keep_mask, softmax_weights, updated_scores
 from cache.layouts import KVTensors, fresh_attention
 from cache.spec import CacheBatch, CacheSpec
 from kernels import contiguous_decode_attention, paged_decode_attention
@@ -42,13 +42,21 @@ class ScoredKV(KVTensors):
         slots = batch.slots[seqs]
         return (slots, slice(None), rows), (slots, rows)
 
-    def first_rows(self, batch: CacheBatch, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each sequence's rows 0 .. width - 1: keys [B, kv_heads, width, dim], positions and scores [B, width]."""
-        slots = batch.slots
-        return self.k[slots, :, :width], self.positions[slots, :width], self.scores[slots, :width]
+    def first_rows(self, batch: CacheBatch, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's rows 0 .. width - 1: positions and scores [B, width]."""
+        slots = batch.slots if batch.slot_range is None else batch.slot_range  # consecutive: views, no copies
+        return self.positions[slots, :width], self.scores[slots, :width]
+
+    def query_logits(self, q: torch.Tensor, batch: CacheBatch, width: int) -> torch.Tensor:
+        """q [B, H, D] against each sequence's rows 0 .. width - 1: scaled logits [B, H, 1, width]."""
+        slots = batch.slots if batch.slot_range is None else batch.slot_range
+        keys = self.k[slots, :, :width]  # [B, KVH, width, D]
+        grouped = q.reshape(len(q), keys.shape[1], -1, q.shape[-1])
+        return torch.matmul(grouped, keys.transpose(-1, -2)).view(len(q), q.shape[1], 1, width) * self.scale
 
     def store_scores(self, batch: CacheBatch, scores: torch.Tensor) -> None:
-        self.scores[batch.slots, :scores.shape[1]] = scores
+        slots = batch.slots if batch.slot_range is None else batch.slot_range
+        self.scores[slots, :scores.shape[1]] = scores
 
     def decode_attention(self, q: torch.Tensor, batch: CacheBatch, rows: torch.Tensor) -> torch.Tensor:
         return contiguous_decode_attention(q, self.k, self.v, batch.slots, rows, self.scale, self.v.shape[-1],
@@ -114,9 +122,9 @@ class ScoredKV(KVTensors):
         self.positions[meta], self.scores[meta] = batch.positions[:, 0].long(), 0.0
         out = self.decode_attention(q[:, :, 0], batch, newest + 1)
         width = self.width(batch)
-        keys, positions, scores = self.first_rows(batch, width)
+        positions, scores = self.first_rows(batch, width)
         live = torch.arange(width, device=q.device)[None, :] <= newest[:, None]  # rows past a sequence's are stale
-        weights = attention_weights(q, keys, live[:, None, :], self.scale)
+        weights = softmax_weights(self.query_logits(q[:, :, 0], batch, width), live[:, None, :])
         scores = torch.where(live, updated_scores(self.retention, scores, weights, torch.zeros_like(newest)), 0.0)
         self.store_scores(batch, scores)
         self.evict(batch, newest, torch.where(live, positions, -1), scores)
@@ -167,10 +175,21 @@ class PagedScoredKV(ScoredKV):
         table = batch.block_tables[self.group][:, rows // self.block_size].long().clamp_min(0)
         return table, (rows % self.block_size).expand_as(table)
 
-    def first_rows(self, batch: CacheBatch, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def first_rows(self, batch: CacheBatch, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         blocks, offsets = self.table_rows(batch, width)
-        keys = self.k[blocks, offsets].permute(0, 2, 1, 3)  # [B, width, kv_heads, dim] -> [B, kv_heads, width, dim]
-        return keys, self.positions[blocks, offsets], self.scores[blocks, offsets]
+        return self.positions[blocks, offsets], self.scores[blocks, offsets]
+
+    def query_logits(self, q: torch.Tensor, batch: CacheBatch, width: int) -> torch.Tensor:
+        """Block by block: the sequences' first blocks gathered whole from the head-major pool, each multiplied by
+        its query group where it lies (no copy into one [B, KVH, width, D] tensor)."""
+        n = -(-width // self.block_size)
+        table = batch.block_tables[self.group][:, :n].long().clamp_min(0)
+        pool = self.k.transpose(1, 2)  # the head-major storage [num_blocks, KVH, bs, D]
+        stored = torch.index_select(pool, 0, table.reshape(-1)).view(*table.shape, *pool.shape[1:])  # [B, n, ...]
+        grouped = q.reshape(len(q), 1, stored.shape[2], -1, q.shape[-1])  # [B, 1, KVH, G, D]
+        logits = torch.matmul(grouped, stored.transpose(-1, -2))  # [B, n, KVH, G, bs]
+        logits = logits.permute(0, 2, 3, 1, 4).reshape(len(q), q.shape[1], 1, n * self.block_size)
+        return logits[..., :width] * self.scale
 
     def store_scores(self, batch: CacheBatch, scores: torch.Tensor) -> None:
         blocks, offsets = self.table_rows(batch, scores.shape[1])
