@@ -1,10 +1,15 @@
-"""What a smaller KV cache costs in quality: a `zoo train` language model read through its cache one byte a step
+"""What a smaller KV cache costs in quality, each model read through its cache one token a step
 (harness/cached_bpb.py), keeping 1/2, 1/4, 1/8 and 1/16 of the context, by position (a sliding window; 4
 StreamingLLM sinks and a window) or by score (H2O: half the budget the newest tokens, half heavy hitters; TOVA:
-the newest query's attention alone), against the full cache. Every method at a budget keeps the same number of
-tokens a sequence, so the same cache bytes (an evicting layer allocates one spare row, counted in its bytes).
+the newest query's attention alone), against the full cache. Every method at a budget holds the same number of
+tokens a sequence, so the same cache bytes (an evicting layer also allocates one spare row, not counted here).
 
-Rows go to OUT/results.jsonl as they finish (a re-run skips them); the chart (bits per byte against cache bytes per
+- lm: a `zoo train` language model (--weights), bits per byte on its corpus's fixed validation windows.
+- mqar: a gqa model trained as `zoo recall` trains it (Zoology's MQAR, L 64, N = 4 and 8 mixed, d_model 64, two
+  layers), the share of its test queries (N = 4, 8 and the held-out 16) answered; the first token is the prefill,
+  so every key-value pair passes through the cache's decisions.
+
+Rows go to OUT/results.jsonl as they finish (a re-run skips them); the chart (quality against cache bytes per
 sequence) to OUT/quality_vs_bytes.png.
 
     python benchmarks/kv_eviction_quality.py --weights results/moe_quality/train/dense-total --windows 64
@@ -17,8 +22,10 @@ import torch
 
 import zoo
 from cache import Retention
-from harness.cached_bpb import cached_bits_per_byte
+from harness.cached_bpb import cached_answers, cached_bits_per_byte
 from harness.charts import line_chart
+from harness.recall.suite import RecallSettings, make_data, train_config
+from harness.recall.train import RECIPE_LAYERS, train_recall
 from harness.results import ResultStore
 from harness.train.corpus import load_corpus, validation_windows
 from harness.train.checkpoint import checkpoint_folder, read_train_state
@@ -47,47 +54,93 @@ def kept_model(model, method: str, budget: int):
 
 
 def cache_bytes(model, length: int) -> int:
-    """Bytes one sequence's cache holds at `length` tokens, as the engine allocates them for it (rows)."""
-    return sum(spec.token_bytes(torch.float32) * spec.retention.rows(length)
-               for spec in model.cache_specs() if spec.elements_per_token)
+    """Bytes one sequence's cache holds at `length` tokens (float32)."""
+    return sum(spec.bytes(length, torch.float32) for spec in model.cache_specs())
+
+
+def budgets(context: int) -> list[tuple[str, int]]:
+    """(method, tokens kept) for every method and share; sinks + window only where the window keeps two or more."""
+    cells = []
+    for fraction in FRACTIONS:
+        budget = max(2, round(context * fraction))
+        cells += [(m, budget) for m in METHODS if m != "sinks+window" or budget >= SINKS + 2]
+    return cells
+
+
+def lm_cells(args) -> tuple:
+    state = read_train_state(args.weights)
+    model = zoo.load(checkpoint_folder(args.weights)).float().eval()
+    context = state["settings"]["context"]
+    windows = validation_windows(load_corpus(state["settings"]["corpus"]), args.windows, context + 1).long()
+    return model, context + 1, lambda kept: {"bpb": cached_bits_per_byte(kept, windows)}
+
+
+def mqar_cells(args) -> tuple:
+    settings = RecallSettings(test_examples=args.mqar_examples, max_steps=args.mqar_steps)
+    train, tests = make_data(settings, seed=0)
+    config = train_config({"arch": "gqa", "n_layers": RECIPE_LAYERS, "d_model": 64,
+                           "lr": zoo.registry.recall_lr("gqa"), "seed": 0}, settings)
+    trained = train_recall(config, train, tests, keep_model=True)
+    print(f"mqar model: {trained['steps']} steps, uncached accuracy {trained['accuracy']:.3f}", flush=True)
+
+    def quality(kept) -> dict:
+        accuracy = {name: cached_answers(kept, x, y, prefix=1).float().mean().item() for name, (x, y) in tests.items()}
+        return {"accuracy": sum(accuracy.values()) / len(accuracy), "per_set": accuracy}
+
+    return trained["model"].float().eval(), settings.seq_len, quality
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--weights", type=Path, required=True, help="a `zoo train` output folder")
-    parser.add_argument("--windows", type=int, default=64, help="validation windows scored per method and budget")
+    parser.add_argument("--tasks", default="lm,mqar", help="comma-separated: lm, mqar")
+    parser.add_argument("--weights", type=Path, help="lm: a `zoo train` output folder")
+    parser.add_argument("--windows", type=int, default=64, help="lm: validation windows scored per method and budget")
+    parser.add_argument("--mqar-examples", type=int, default=500, help="mqar: test examples per N")
+    parser.add_argument("--mqar-steps", type=int, default=1500, help="mqar: most training steps")
     parser.add_argument("--out", type=Path, default=Path("results/kv_eviction_quality"))
     args = parser.parse_args()
-    state = read_train_state(args.weights)
-    if state is None:
-        raise SystemExit(f"{args.weights} holds no `zoo train` checkpoint")
-    model = zoo.load(checkpoint_folder(args.weights)).float().eval()
-    context = state["settings"]["context"]
-    corpus = load_corpus(state["settings"]["corpus"])
-    windows = validation_windows(corpus, args.windows, context + 1).long()
     args.out.mkdir(parents=True, exist_ok=True)
-    store = ResultStore(args.out / "results.jsonl", ("weights", "method", "budget", "windows"))
-    cells = [("full", context + 1)] + [(m, max(SINKS + 2, round(context * f))) for f in FRACTIONS for m in METHODS]
-    for method, budget in cells:
-        cell = {"weights": str(args.weights), "method": method, "budget": budget, "windows": args.windows}
-        if store.done(cell):
+    store = ResultStore(args.out / "results.jsonl", ("task", "source", "method", "budget"))
+    for task in args.tasks.split(","):
+        if task == "lm":
+            state = read_train_state(args.weights) if args.weights else None
+            if state is None:
+                raise SystemExit(f"--weights {args.weights}: the lm task needs a `zoo train` output folder")
+            source, context = str(args.weights), state["settings"]["context"]  # windows of context + 1 tokens
+        else:
+            source, context = f"gqa L64 d64, {args.mqar_examples} tests per N, <= {args.mqar_steps} steps", 64
+        cells = [{"task": task, "source": source, "method": method, "budget": budget}
+                 for method, budget in [("full", None)] + budgets(context)]
+        todo = [cell for cell in cells if not store.done(cell)]
+        if not todo:
             continue
-        kept = model if method == "full" else kept_model(model, method, budget)
-        row = {**cell, "context": context, "bpb": cached_bits_per_byte(kept, windows),
-               "cache_bytes": cache_bytes(kept, context + 1), "full_cache_bytes": cache_bytes(model, context + 1)}
-        store.append(row)
-        print(f"{method:>13} budget {budget:>4}: {row['bpb']:.4f} bits per byte, {row['cache_bytes']:,} B", flush=True)
-    rows = [r for r in store.rows if r["weights"] == str(args.weights) and r["windows"] == args.windows]
-    full = next(r for r in rows if r["method"] == "full")
-    series = {m: tuple(zip(*sorted((r["cache_bytes"], r["bpb"]) for r in rows if r["method"] == m))) for m in METHODS}
-    series["full cache"] = ([full["cache_bytes"]], [full["bpb"]])
-    line_chart(args.out / "quality_vs_bytes.png", f"{model.config.name} ({args.weights.name}), context {context}",
-               "cache bytes per sequence", "bits per byte (read through the cache)", series)
-    print(f"| method | " + " | ".join(f"1/{round(1 / f)}" for f in FRACTIONS) + " |")
-    for method in METHODS:
-        cells = sorted((r for r in rows if r["method"] == method), key=lambda r: -r["budget"])
-        print(f"| {method} | " + " | ".join(f"{r['bpb']:.3f}" for r in cells) + " |")
-    print(f"full cache: {full['bpb']:.3f} bits per byte")
+        model, length, quality = (lm_cells if task == "lm" else mqar_cells)(args)
+        for cell in todo:
+            method, budget = cell["method"], cell["budget"]
+            kept = model if method == "full" else kept_model(model, method, budget)
+            store.append({**cell, **quality(kept), "cache_bytes": cache_bytes(kept, length)})
+            print(task, method, budget, {k: v for k, v in store.rows[-1].items() if k not in cell}, flush=True)
+    draw(store.rows, args.out)
+
+
+def draw(rows: list[dict], out: Path) -> None:
+    for task, metric, label in (("lm", "bpb", "bits per byte (read through the cache)"),
+                                ("mqar", "accuracy", "MQAR accuracy (read through the cache)")):
+        mine = [r for r in rows if r["task"] == task]
+        if not mine:
+            continue
+        full = next(r for r in mine if r["method"] == "full")
+        series = {m: tuple(zip(*sorted((r["cache_bytes"], r[metric]) for r in mine if r["method"] == m)))
+                  for m in METHODS if any(r["method"] == m for r in mine)}
+        series["full cache"] = ([full["cache_bytes"]], [full[metric]])
+        line_chart(out / f"{task}_quality_vs_bytes.png", f"{task}: {full['source']}", "cache bytes per sequence",
+                   label, series)
+        print(f"\n{task} ({metric}), full cache {full[metric]:.3f}")
+        print("| method | " + " | ".join(f"1/{round(1 / f)}" for f in FRACTIONS) + " |\n|---|" + "---:|" * 4)
+        for method in METHODS:
+            values = [f"{r[metric]:.3f}" for r in sorted((r for r in mine if r["method"] == method),
+                                                         key=lambda r: -r["budget"])]
+            print(f"| {method} | " + " | ".join(values + ["—"] * (len(FRACTIONS) - len(values))) + " |")
 
 
 if __name__ == "__main__":

@@ -34,3 +34,16 @@ def test_a_cache_that_keeps_less_scores_differently():
 def test_a_prefix_outside_the_window_is_refused():
     with pytest.raises(ValueError, match="prefix must be in"):
         cached_bits_per_byte(random_model("gqa"), torch.zeros(1, 10, dtype=torch.long), prefix=9)
+
+
+def test_answers_through_a_full_cache_are_the_uncached_argmax():
+    from harness.cached_bpb import cached_answers
+
+    model = random_model("gqa")
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    labels = torch.full((2, 24), -100)
+    labels[:, 10::3] = tokens[:, 11::3]  # next-token targets at every third position from 10
+    expected = model(tokens).argmax(-1)[labels >= 0] == labels[labels >= 0]
+    assert torch.equal(cached_answers(model, tokens, labels, prefix=4), expected)
+    with pytest.raises(ValueError, match="inside the prefill"):
+        cached_answers(model, tokens, labels, prefix=12)

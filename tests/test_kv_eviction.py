@@ -120,10 +120,10 @@ def test_the_engine_holds_budget_sinks_and_window_rows():
             assert len(kept) == capacity and kept[:2] == [0, 1] and kept[-4:] == list(range(total - 4, total))
 
 
-def test_a_never_full_budget_generates_what_full_attention_does():
+def test_a_budget_no_request_fills_generates_what_full_attention_does():
     torch.manual_seed(0)
     plain = zoo.build("gqa", preset="tiny").eval()
-    scored = zoo.evict(plain, policy="tova", budget=200)
+    scored = zoo.evict(plain, policy="tova", budget=40)  # the longest request here is 20 tokens
     prompts, params = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]], SamplingParams(max_new_tokens=12, temperature=0)
     got = [o.token_ids for o in Engine(scored, max_batch=2, max_seq_len=64).generate(prompts, params)]
     assert got == [o.token_ids for o in Engine(plain, max_batch=2, max_seq_len=64).generate(prompts, params)]
@@ -147,10 +147,11 @@ def test_bad_scored_retention_is_refused_with_its_value(settings, message):
     (dict(kv_cache="paged", kv_dtype="fp8"), "kv_dtype='fp8'"),
     (dict(kv_dtype="int8"), "kv_dtype='int8'"),
     (dict(cuda_graphs="static"), "host reads"),
+    (dict(max_seq_len=10), "keeps 10 tokens a sequence, and max_seq_len=10"),
 ])
 def test_the_engine_refuses_what_scored_retention_cannot_take(options, message):
     with pytest.raises(ValueError, match=message):
-        Engine(scored_model("h2o", 4), max_batch=1, max_seq_len=64, **options)
+        Engine(scored_model("h2o", 4), **{"max_batch": 1, "max_seq_len": 64, **options})
 
 
 @pytest.mark.parametrize("arch,message", [("mamba", "Mamba keeps recurrent state"), ("mla", "a .latent. cache"), ("swa", "keeps by position"),

@@ -75,13 +75,17 @@ def scored_retention(model) -> str:
     return next((spec.retention.describe() for spec in model.cache_specs() if spec.retention.scored), "")
 
 
-def check_scored(model, max_num_batched_tokens: int | None, speculative, kv_dtype: str) -> None:
+def check_scored(model, max_seq_len: int, max_num_batched_tokens: int | None, speculative, kv_dtype: str) -> None:
     """Scored retention (cache/eviction.py) evicts as its layers attend, a whole prompt then one token a step:
-    every option that would feed it otherwise is refused here, before any work."""
+    every option that would feed it otherwise is refused here, before any work, as is a budget no sequence of the
+    engine can fill (it would never evict: a full cache under another name)."""
     scored = scored_retention(model)
     if not scored:
         return
+    largest = max(spec.retention.capacity for spec in model.cache_specs() if spec.retention.scored)
     refusals = [
+        (largest >= max_seq_len, f"a layer keeps {largest} tokens a sequence, and max_seq_len={max_seq_len} never "
+                                 f"exceeds it, so nothing would be evicted; give a budget below max_seq_len"),
         (max_num_batched_tokens is not None, f"max_num_batched_tokens={max_num_batched_tokens} (chunked prefill): "
                                              f"a prompt is scored whole, so give None"),
         (speculative is not None, "speculative decoding verifies several tokens a step and rolls back, which an "

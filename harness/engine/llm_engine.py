@@ -93,7 +93,7 @@ class Engine:
             model, max_batch, max_seq_len, kv_cache, block_size, num_blocks, cache_budget_bytes, compile, admission,
             max_num_batched_tokens, prefix_caching, kv_dtype, quantize)
         lookahead = check_speculative(speculative, model, compile, kv_cache, max_seq_len)
-        check_scored(model, max_num_batched_tokens, speculative, kv_dtype)
+        check_scored(model, max_seq_len, max_num_batched_tokens, speculative, kv_dtype)
         graph_mode, self.graphs_off_reason = resolve_graph_mode(cuda_graphs, model, compile, speculative)
         if quantize is not None:
             model = zoo.quantize(model, quantize)
