@@ -17,6 +17,7 @@ import math
 import torch
 
 F64 = torch.float64
+SNAPKV_POOL = 7  # SnapKV's pooling kernel: a key's score is the largest vote within 3 positions of it
 
 
 def weight(linear) -> torch.Tensor:
@@ -162,9 +163,11 @@ def evicting_attention_reference(mixer, x: torch.Tensor, prompt_len: int) -> tup
     prompt_len tokens as one prefill, then one token a step, in float64 and plain Python over positions.
 
     The prefill's queries see the whole prompt (causal); its keys are scored by the prompt's queries (H2O: the
-    attention each received from all of them, summed over heads; TOVA: the last query's) and the retention keeps
-    its capacity of them. Each later query at t sees the kept set and itself; the scores then take its weights
-    (H2O adds them, TOVA replaces them) and the set keeps its capacity again (kept_by_score).
+    attention each received from all of them, summed over heads; TOVA: the last query's; SnapKV: the votes of the
+    last `window` queries, then each key the largest vote within SNAPKV_POOL // 2 positions of it) and the
+    retention keeps its capacity of them. Each later query at t sees the kept set and itself; the scores then take
+    its weights (H2O adds them, TOVA replaces them, SnapKV keeps the prompt's votes and gives a new key none) and
+    the set keeps its capacity again (kept_by_score).
     Returns the output [B, T, d_model] and, per sequence, the kept set after the prefill and after each step."""
     retention = mixer.retention
     x = x.detach().to(F64)
@@ -185,19 +188,28 @@ def evicting_attention_reference(mixer, x: torch.Tensor, prompt_len: int) -> tup
             return torch.stack([w[h] @ v[b, h // group, keys] for h in range(mixer.n_heads)])
 
         scores = dict.fromkeys(range(prompt_len), 0.0)
+        voters = {"h2o": 0, "tova": prompt_len - 1, "snapkv": prompt_len - (retention.window or 0)}[retention.score]
         for t in range(prompt_len):
             out[b, :, t] = attend(t, list(range(t + 1)))
-            if retention.score == "h2o" or t == prompt_len - 1:
+            if t >= voters:
                 for p, w in zip(range(t + 1), weights(t, list(range(t + 1))).sum(dim=0).tolist()):
                     scores[p] += w
+        if retention.score == "snapkv":  # each key takes the largest vote near it
+            reach = SNAPKV_POOL // 2
+            votes = dict(scores)
+            scores = {p: max(votes[n] for n in range(max(0, p - reach), min(prompt_len, p + reach + 1)))
+                      for p in votes}
         held = kept_by_score(retention, list(scores.values()), list(scores), prompt_len)
         steps = [held]
         for t in range(prompt_len, x.shape[1]):
             keys = sorted(held) + [t]
             out[b, :, t] = attend(t, keys)
             step_weights = weights(t, keys).sum(dim=0).tolist()
-            scores = {p: (scores.get(p, 0.0) if retention.score == "h2o" else 0.0) + w
-                      for p, w in zip(keys, step_weights)}
+            if retention.score == "snapkv":
+                scores = {p: scores.get(p, 0.0) for p in keys}
+            else:
+                scores = {p: (scores.get(p, 0.0) if retention.score == "h2o" else 0.0) + w
+                          for p, w in zip(keys, step_weights)}
             held = kept_by_score(retention, [scores[p] for p in keys], keys, t + 1)
             scores = {p: scores[p] for p in held}
             steps.append(held)

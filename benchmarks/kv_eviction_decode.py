@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--kv-cache", default="contiguous", choices=("contiguous", "paged"))
-    parser.add_argument("--policies", default="h2o,tova")
+    parser.add_argument("--policies", default="h2o,tova,snapkv")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = zoo.build(args.arch, preset=args.preset).to(torch.bfloat16).eval()

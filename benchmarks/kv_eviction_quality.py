@@ -1,13 +1,16 @@
 """What a smaller KV cache costs in quality, each model read through its cache one token a step
 (harness/cached_bpb.py), keeping 1/2, 1/4, 1/8 and 1/16 of the context, by position (a sliding window; 4
 StreamingLLM sinks and a window) or by score (H2O: half the budget the newest tokens, half heavy hitters; TOVA:
-the newest query's attention alone), against the full cache. Every method at a budget holds the same number of
+the newest query's attention alone; SnapKV: the pooled votes of the prompt's last queries, a quarter of the budget
+at most 32 of them), against the full cache. Every method at a budget holds the same number of
 tokens a sequence, so the same cache bytes (an evicting layer also allocates one spare row, not counted here).
 
 - lm: a `zoo train` language model (--weights), bits per byte on its corpus's fixed validation windows.
 - mqar: a gqa model trained as `zoo recall` trains it (Zoology's MQAR, L 64, N = 4 and 8 mixed, d_model 64, two
   layers), the share of its test queries (N = 4, 8 and the held-out 16) answered; the first token is the prefill,
-  so every key-value pair passes through the cache's decisions.
+  so every key-value pair passes through the cache's decisions a step at a time.
+- mqar-prompt: the same, with everything before a set's first query as the prompt (one prefill, scored whole, as
+  SnapKV expects a long prompt), then the queries a token a step.
 
 Rows go to OUT/results.jsonl as they finish (a re-run skips them); the chart (quality against cache bytes per
 sequence) to OUT/quality_vs_bytes.png.
@@ -30,7 +33,7 @@ from harness.results import ResultStore
 from harness.train.corpus import load_corpus, validation_windows
 from harness.train.checkpoint import checkpoint_folder, read_train_state
 
-METHODS = ("window", "sinks+window", "h2o", "tova")
+METHODS = ("window", "sinks+window", "h2o", "tova", "snapkv")
 FRACTIONS = (1 / 2, 1 / 4, 1 / 8, 1 / 16)
 SINKS = 4  # StreamingLLM's
 
@@ -75,7 +78,7 @@ def lm_cells(args) -> tuple:
     return model, context + 1, lambda kept: {"bpb": cached_bits_per_byte(kept, windows)}
 
 
-def mqar_cells(args) -> tuple:
+def mqar_cells(args, prompted: bool = False) -> tuple:
     settings = RecallSettings(test_examples=args.mqar_examples, max_steps=args.mqar_steps)
     train, tests = make_data(settings, seed=0)
     config = train_config({"arch": "gqa", "n_layers": RECIPE_LAYERS, "d_model": 64,
@@ -83,8 +86,11 @@ def mqar_cells(args) -> tuple:
     trained = train_recall(config, train, tests, keep_model=True)
     print(f"mqar model: {trained['steps']} steps, uncached accuracy {trained['accuracy']:.3f}", flush=True)
 
+    def prefix(labels) -> int:  # the prompt: up to the first query of any example of the set
+        return int((labels >= 0).float().argmax(dim=1).min()) + 1 if prompted else 1
+
     def quality(kept) -> dict:
-        accuracy = {name: cached_answers(kept, x, y, prefix=1).float().mean().item() for name, (x, y) in tests.items()}
+        accuracy = {name: cached_answers(kept, x, y, prefix(y)).float().mean().item() for name, (x, y) in tests.items()}
         return {"accuracy": sum(accuracy.values()) / len(accuracy), "per_set": accuracy}
 
     return trained["model"].float().eval(), settings.seq_len, quality
@@ -92,7 +98,7 @@ def mqar_cells(args) -> tuple:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", default="lm,mqar", help="comma-separated: lm, mqar")
+    parser.add_argument("--tasks", default="lm,mqar,mqar-prompt", help="comma-separated: lm, mqar, mqar-prompt")
     parser.add_argument("--weights", type=Path, help="lm: a `zoo train` output folder")
     parser.add_argument("--windows", type=int, default=64, help="lm: validation windows scored per method and budget")
     parser.add_argument("--mqar-examples", type=int, default=500, help="mqar: test examples per N")
@@ -107,14 +113,16 @@ def main() -> None:
             if state is None:
                 raise SystemExit(f"--weights {args.weights}: the lm task needs a `zoo train` output folder")
             source, context = str(args.weights), state["settings"]["context"]  # windows of context + 1 tokens
-        else:
+        elif task in ("mqar", "mqar-prompt"):
             source, context = f"gqa L64 d64, {args.mqar_examples} tests per N, <= {args.mqar_steps} steps", 64
+        else:
+            raise SystemExit(f"unknown task {task!r}; allowed: lm, mqar, mqar-prompt")
         cells = [{"task": task, "source": source, "method": method, "budget": budget}
                  for method, budget in [("full", None)] + budgets(context)]
         todo = [cell for cell in cells if not store.done(cell)]
         if not todo:
             continue
-        model, length, quality = (lm_cells if task == "lm" else mqar_cells)(args)
+        model, length, quality = lm_cells(args) if task == "lm" else mqar_cells(args, task == "mqar-prompt")
         for cell in todo:
             method, budget = cell["method"], cell["budget"]
             kept = model if method == "full" else kept_model(model, method, budget)
@@ -125,7 +133,8 @@ def main() -> None:
 
 def draw(rows: list[dict], out: Path) -> None:
     for task, metric, label in (("lm", "bpb", "bits per byte (read through the cache)"),
-                                ("mqar", "accuracy", "MQAR accuracy (read through the cache)")):
+                                ("mqar", "accuracy", "MQAR accuracy (read through the cache)"),
+                                ("mqar-prompt", "accuracy", "MQAR accuracy, pairs as one prompt")):
         mine = [r for r in rows if r["task"] == task]
         if not mine:
             continue

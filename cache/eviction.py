@@ -6,6 +6,11 @@ Scores (per sequence: every head keeps the same tokens, so a head's attention co
   summed over heads and queries; a key keeps its score while it stays.
 - "tova" (Oren et al. 2024, token omission via attention): the newest query's attention to each key, averaged
   over heads in the paper (summed here: the same order), replaced every step.
+- "snapkv" (Li et al. 2024): each prompt key's votes from the prompt's last `window` queries (its observation
+  window), summed over heads and those queries, then max-pooled over SNAP_POOL neighbouring positions so a
+  selected key keeps its neighbours. The paper then lets decode append; under a fixed budget a decode token enters
+  with no votes, so once it leaves the recent window it is the first to go (the prompt's selection stays, beside a
+  window of the newest tokens).
 
 Selection: the first `sinks` positions and the newest `window` are always kept; of the others, the `budget`
 highest-scored stay. Ties leave the older token out first, so the selection is a function of scores and positions
@@ -31,12 +36,25 @@ def softmax_weights(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor
     return torch.softmax(logits, dim=-1).nan_to_num(0.0)
 
 
+SNAP_POOL = 7  # SnapKV's pooling kernel (its reference implementation uses 5 or 7, max or average pooling)
+
+
+def snap_votes(weights: torch.Tensor, in_window: torch.Tensor) -> torch.Tensor:
+    """SnapKV's score of each prompt key [B, L]: the weights [B, H, T, L] of the queries in the observation window
+    (in_window [B, T]), summed over heads and those queries, max-pooled over SNAP_POOL neighbouring keys."""
+    votes = (weights * in_window[:, None, :, None]).sum(dim=(1, 2))
+    return torch.nn.functional.max_pool1d(votes[:, None], SNAP_POOL, stride=1, padding=SNAP_POOL // 2)[:, 0]
+
+
 def updated_scores(retention: Retention, scores: torch.Tensor, weights: torch.Tensor,
                    last_query: torch.Tensor) -> torch.Tensor:
-    """Each key's score [B, L] after the step whose weights [B, H, T, L] are given; last_query [B]: index along T of
-    each sequence's newest real query (TOVA's). A key the step adds starts from a score of 0."""
+    """Each key's score [B, L] after the decode step whose weights [B, H, T, L] are given; last_query [B]: index
+    along T of each sequence's newest real query (TOVA's). A key the step adds starts from a score of 0; SnapKV's
+    scores are the prompt's votes, which decode leaves as they are."""
     if retention.score == "h2o":
         return scores + weights.sum(dim=(1, 2))
+    if retention.score == "snapkv":
+        return scores
     newest = weights[torch.arange(weights.shape[0], device=weights.device), :, last_query.long()]  # [B, H, L]
     return newest.sum(dim=1)
 

@@ -17,7 +17,8 @@ so a kernel needs only `sinks`, the stride (`dilation`) and each sequence's firs
 Scored retention keeps by importance instead of position (cache/eviction.py): a sequence holds at most
 `sinks + window + budget` tokens, the first `sinks` and the newest `window` always, the other `budget` chosen by a
 score its layer accumulates from its attention weights (`score`: "h2o", the attention each key has received,
-Zhang et al. 2023; "tova", the newest query's, Oren et al. 2024). A prefill attends over its whole prompt and then
+Zhang et al. 2023; "tova", the newest query's, Oren et al. 2024; "snapkv", the prompt's last `window` queries'
+votes, pooled, Li et al. 2024). A prefill attends over its whole prompt and then
 keeps that many; a decode query sees what is held plus itself, after which the lowest-scored unprotected token
 leaves. Held rows are packed at the front of a sequence's buffer or blocks (a freed row takes the next new token),
 so a kernel reads the first `tokens_held` rows as it reads a ring's, and no position question applies.
@@ -32,8 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Scores that pick a scored retention's kept tokens: H2O's accumulated attention, TOVA's newest-query attention
-SCORES = ("h2o", "tova")
+# Scores that pick a scored retention's kept tokens: H2O's accumulated attention, TOVA's newest-query attention,
+# SnapKV's observation-window votes over the prompt
+SCORES = ("h2o", "tova", "snapkv")
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,9 @@ class Retention:
         if self.chunk is not None or self.dilation != 1:
             raise ValueError(f"scored retention ({self.score}) keeps sinks, a recent window and scored tokens: give no "
                              f"chunk or dilation (got chunk={self.chunk}, dilation={self.dilation})")
+        if self.score == "snapkv" and self.window is None:
+            raise ValueError("snapkv votes with the prompt's last `window` queries (its observation window, always "
+                             "kept): give window >= 1")
 
     @property
     def scored(self) -> bool:

@@ -10,7 +10,7 @@ ScoredKV gives each batch slot capacity + 1 rows; PagedScoredKV finds a sequence
 row r in logical block r // block_size, so the block manager holds only the blocks those rows fill."""
 import torch
 
-from cache.eviction import attention_weights, keep_mask, softmax_weights, updated_scores
+from cache.eviction import attention_weights, keep_mask, snap_votes, softmax_weights, updated_scores
 from cache.layouts import KVTensors, fresh_attention
 from cache.spec import CacheBatch, CacheSpec
 from kernels import contiguous_decode_attention, paged_decode_attention
@@ -95,8 +95,15 @@ class ScoredKV(KVTensors):
         return out
 
     def prompt_scores(self, q, k, positions: torch.Tensor, batch: CacheBatch) -> torch.Tensor:
-        """[B, T] each prompt key's score after the prompt's queries (H2O: all of them; TOVA: the last one)."""
+        """[B, T] each prompt key's score after the prompt's queries (H2O: all of them; TOVA: the last one; SnapKV:
+        the votes of the last `window`)."""
         real = positions >= 0
+        if self.retention.score == "snapkv":
+            first = max(0, int(batch.lengths.min()) - self.retention.recent)  # no row's window starts earlier
+            queries = positions[:, first:]
+            in_window = (queries >= 0) & (queries >= batch.lengths.long()[:, None] - self.retention.recent)
+            visible = (positions[:, None, :] <= queries[:, :, None]) & real[:, None, :] & in_window[:, :, None]
+            return snap_votes(attention_weights(q[:, :, first:], k, visible, self.scale), in_window)
         if self.retention.score == "tova":
             last = batch.last_tokens()
             seqs = torch.arange(q.shape[0], device=q.device)
@@ -124,9 +131,11 @@ class ScoredKV(KVTensors):
         width = self.width(batch)
         positions, scores = self.first_rows(batch, width)
         live = torch.arange(width, device=q.device)[None, :] <= newest[:, None]  # rows past a sequence's are stale
-        weights = softmax_weights(self.query_logits(q[:, :, 0], batch, width), live[:, None, :])
-        scores = torch.where(live, updated_scores(self.retention, scores, weights, torch.zeros_like(newest)), 0.0)
-        self.store_scores(batch, scores)
+        if self.retention.score != "snapkv":  # SnapKV's scores are the prompt's votes: decode reads no weights
+            weights = softmax_weights(self.query_logits(q[:, :, 0], batch, width), live[:, None, :])
+            scores = updated_scores(self.retention, scores, weights, torch.zeros_like(newest))
+            self.store_scores(batch, torch.where(live, scores, 0.0))
+        scores = torch.where(live, scores, 0.0)
         self.evict(batch, newest, torch.where(live, positions, -1), scores)
         return out.unsqueeze(2)
 

@@ -350,7 +350,8 @@ def parser() -> argparse.ArgumentParser:
                    f"(default: {','.join(d.kv_dtypes)})")
     c.add_argument("--kv-policies", type=name_list, default=d.kv_policies, help="comma-separated KV eviction by "
                    "score for the attention layers: none, h2o (heavy hitters: the most attention received, half the "
-                   "budget the newest tokens), tova (the newest query's attention) "
+                   "budget the newest tokens), tova (the newest query's attention), snapkv (the prompt's last 32 queries' "
+                   "pooled votes) "
                    f"(default: {','.join(d.kv_policies)})")
     c.add_argument("--kv-budgets", type=share_list, help="with --kv-policies: comma-separated "
                    "shares of the context an evicting layer keeps, each in (0, 1] "

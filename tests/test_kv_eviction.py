@@ -14,7 +14,8 @@ from harness import BeamSearchParams, Engine, SamplingParams
 from zoo.eviction import pyramid_budgets
 
 SCORED = [Retention(score="h2o", budget=3, sinks=1, window=2), Retention(score="tova", budget=4),
-          Retention(score="h2o", budget=2, window=1), Retention(score="tova", budget=1, sinks=2, window=1)]
+          Retention(score="h2o", budget=2, window=1), Retention(score="tova", budget=1, sinks=2, window=1),
+          Retention(score="snapkv", budget=3, window=2)]
 
 
 @pytest.mark.parametrize("retention", SCORED, ids=lambda r: r.describe())
@@ -74,7 +75,7 @@ def feed_like_the_engine(layer: Attention, x: torch.Tensor, prompt_len: int, len
 
 
 @pytest.mark.parametrize("score,budget,sinks,window", [("h2o", 4, 1, 2), ("tova", 5, 0, None), ("h2o", 3, 2, None),
-                                                       ("tova", 2, 1, 3)])
+                                                       ("tova", 2, 1, 3), ("snapkv", 4, 0, 3), ("snapkv", 2, 1, 1)])
 def test_decode_with_eviction_is_attention_over_the_kept_tokens(score, budget, sinks, window):
     layer = scored_layer(score, budget, sinks, window)
     lengths, prompt_len = [24, 19], 9
@@ -136,6 +137,7 @@ def test_a_budget_no_request_fills_generates_what_full_attention_does():
     (dict(budget=4), "give score"),
     (dict(score="tova", budget=4, chunk=8), "no chunk or dilation"),
     (dict(score="h2o", budget=4, window=0), "window"),
+    (dict(score="snapkv", budget=4), "observation window"),
 ])
 def test_bad_scored_retention_is_refused_with_its_value(settings, message):
     with pytest.raises(ValueError, match=message):

@@ -26,10 +26,11 @@ def pyramid_budgets(budget: int, n_layers: int, beta: int = 20) -> list[int]:
 
 @dataclass(frozen=True)
 class EvictionConfig:
-    """policy: the score, "h2o" or "tova". budget: tokens a sequence keeps in each attention layer (the layers'
-    mean with schedule "pyramid"), sinks and window included. window: newest tokens always kept (default: half the
-    budget for H2O, whose paper splits the budget evenly between heavy hitters and recent tokens; none for TOVA,
-    which keeps by attention alone). sinks: first tokens always kept (StreamingLLM's sinks; default none)."""
+    """policy: the score, "h2o", "tova" or "snapkv". budget: tokens a sequence keeps in each attention layer (the
+    layers' mean with schedule "pyramid"), sinks and window included. window: newest tokens always kept (default:
+    half the budget for H2O, whose paper splits the budget evenly between heavy hitters and recent tokens; none for
+    TOVA, which keeps by attention alone; for SnapKV its observation window, 32 tokens as in its paper, at most a
+    quarter of the budget). sinks: first tokens always kept (StreamingLLM's sinks; default none)."""
 
     policy: str
     budget: int
@@ -52,6 +53,8 @@ class EvictionConfig:
     def recent(self) -> int:
         if self.window is not None:
             return self.window
+        if self.policy == "snapkv":
+            return max(1, min(32, self.budget // 4))
         return self.budget // 2 if self.policy == "h2o" else 0
 
     def retention(self, budget: int) -> Retention:
