@@ -2,7 +2,8 @@
 (harness/cached_bpb.py), keeping 1/2, 1/4, 1/8 and 1/16 of the context, by position (a sliding window; 4
 StreamingLLM sinks and a window) or by score (H2O: half the budget the newest tokens, half heavy hitters; TOVA:
 the newest query's attention alone; SnapKV: the pooled votes of the prompt's last queries, a quarter of the budget
-at most 32 of them), against the full cache. Every method at a budget holds the same number of
+at most 32 of them; "-pyramid": PyramidKV's taper of the scored part from the first layer to the last, the same
+total), against the full cache. Every method at a budget holds the same number of
 tokens a sequence, so the same cache bytes (an evicting layer also allocates one spare row, not counted here).
 
 - lm: a `zoo train` language model (--weights), bits per byte on its corpus's fixed validation windows.
@@ -33,7 +34,7 @@ from harness.results import ResultStore
 from harness.train.corpus import load_corpus, validation_windows
 from harness.train.checkpoint import checkpoint_folder, read_train_state
 
-METHODS = ("window", "sinks+window", "h2o", "tova", "snapkv")
+METHODS = ("window", "sinks+window", "h2o", "tova", "snapkv", "h2o-pyramid", "snapkv-pyramid")
 FRACTIONS = (1 / 2, 1 / 4, 1 / 8, 1 / 16)
 SINKS = 4  # StreamingLLM's
 
@@ -53,7 +54,8 @@ def kept_model(model, method: str, budget: int):
         return with_retention(model, Retention(window=budget))
     if method == "sinks+window":
         return with_retention(model, Retention(sinks=SINKS, window=budget - SINKS))
-    return zoo.evict(model, policy=method, budget=budget)
+    policy, _, schedule = method.partition("-")  # "-pyramid": PyramidKV's taper of the scored part over depth
+    return zoo.evict(model, policy=policy, budget=budget, schedule=schedule or "uniform")
 
 
 def cache_bytes(model, length: int) -> int:

@@ -189,6 +189,10 @@ def test_the_pyramid_schedule_keeps_the_mean_budget():
     assert pyramid_budgets(40, 4) == [78, 53, 27, 2]  # 2·40 − 40/20 = 78 down to 40/20 = 2, sum 160
     model = zoo.evict(zoo.build("gqa", preset="tiny", n_layers=4), policy="tova", budget=40, schedule="pyramid")
     assert [spec.retention.capacity for spec in model.cache_specs()] == [78, 53, 27, 2]
+    # the taper is of what the sinks and the window leave: each layer keeps those whole
+    model = zoo.evict(zoo.build("gqa", preset="tiny", n_layers=4), policy="snapkv", budget=48, window=8,
+                      schedule="pyramid")
+    assert [spec.retention.capacity for spec in model.cache_specs()] == [8 + 78, 8 + 53, 8 + 27, 8 + 2]
 
 
 PROMPTS = [list(range(1, 30)), [5, 6, 7], list(range(40, 52)), [9] * 17]

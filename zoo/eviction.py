@@ -15,8 +15,9 @@ SCHEDULES = ("uniform", "pyramid")
 
 
 def pyramid_budgets(budget: int, n_layers: int, beta: int = 20) -> list[int]:
-    """PyramidKV's per-layer budgets (Cai et al. 2024): an arithmetic sequence from 2·budget − budget/beta at the
-    first layer down to budget/beta at the last, so the layers' mean is `budget` (rounded; each at least 1)."""
+    """PyramidKV's per-layer budgets (Cai et al. 2024, its beta 20): an arithmetic sequence from 2·budget −
+    budget/beta at the first layer down to budget/beta at the last, so the layers' mean is `budget` (rounded; each
+    at least 1)."""
     if n_layers == 1:
         return [budget]
     low = budget / beta
@@ -57,14 +58,15 @@ class EvictionConfig:
             return max(1, min(32, self.budget // 4))
         return self.budget // 2 if self.policy == "h2o" else 0
 
-    def retention(self, budget: int) -> Retention:
-        """The retention of a layer keeping `budget` tokens in all (a pyramid layer's share may leave the scored
-        part smaller than the uniform one's, never below one token)."""
-        scored = max(1, budget - self.sinks - self.recent)
+    def retention(self, scored: int) -> Retention:
+        """The retention of a layer keeping `scored` tokens by score beside the sinks and the window."""
         return Retention(sinks=self.sinks, window=self.recent or None, score=self.policy, budget=scored)
 
-    def layer_budgets(self, n_layers: int) -> list[int]:
-        return [self.budget] * n_layers if self.schedule == "uniform" else pyramid_budgets(self.budget, n_layers)
+    def scored_budgets(self, n_layers: int) -> list[int]:
+        """Each layer's tokens kept by score: the budget less the sinks and the window, the same in every layer,
+        or PyramidKV's taper of it (as PyramidKV tapers what its observation window leaves)."""
+        scored = self.budget - self.sinks - self.recent
+        return [scored] * n_layers if self.schedule == "uniform" else pyramid_budgets(scored, n_layers)
 
 
 def evictable(mixer, shared: bool) -> str:
@@ -102,8 +104,8 @@ def evict(model: DecoderLM, config: EvictionConfig | None = None, **settings) ->
                          f"attention layers)")
     evicted = copy.deepcopy(model)
     layers = list(model.config.layers)
-    for i, budget in zip(able, config.layer_budgets(len(able))):
-        retention = config.retention(budget)
+    for i, scored in zip(able, config.scored_budgets(len(able))):
+        retention = config.retention(scored)
         mixer = evicted.blocks[i].mixer
         mixer.retention, mixer.window, mixer.sinks = retention, retention.window, retention.sinks
         layers[i] = dataclasses.replace(layers[i], params={**layers[i].params, "score": retention.score,
