@@ -10,6 +10,8 @@ tokens a sequence, so the same cache bytes (an evicting layer also allocates one
 - mqar: a gqa model trained as `zoo recall` trains it (Zoology's MQAR, L 64, N = 4 and 8 mixed, d_model 64, two
   layers), the share of its test queries (N = 4, 8 and the held-out 16) answered; the first token is the prefill,
   so every key-value pair passes through the cache's decisions a step at a time.
+- lm-arch: other `zoo train` language models (--arch-weights, trained as --weights was), each with its full cache,
+  drawn on the lm chart: what another architecture's own cache costs and gives at its bytes.
 - mqar-prompt: the same, with everything before a set's first query as the prompt (one prefill, scored whole, as
   SnapKV expects a long prompt), then the queries a token a step.
 
@@ -100,7 +102,9 @@ def mqar_cells(args, prompted: bool = False) -> tuple:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", default="lm,mqar,mqar-prompt", help="comma-separated: lm, mqar, mqar-prompt")
+    parser.add_argument("--tasks", default="lm,mqar,mqar-prompt", help="comma-separated: lm, lm-arch, mqar, "
+                        "mqar-prompt")
+    parser.add_argument("--arch-weights", default="", help="lm-arch: comma-separated `zoo train` output folders")
     parser.add_argument("--weights", type=Path, help="lm: a `zoo train` output folder")
     parser.add_argument("--windows", type=int, default=64, help="lm: validation windows scored per method and budget")
     parser.add_argument("--mqar-examples", type=int, default=500, help="mqar: test examples per N")
@@ -115,10 +119,13 @@ def main() -> None:
             if state is None:
                 raise SystemExit(f"--weights {args.weights}: the lm task needs a `zoo train` output folder")
             source, context = str(args.weights), state["settings"]["context"]  # windows of context + 1 tokens
+        elif task == "lm-arch":
+            arch_rows(args, store)
+            continue
         elif task in ("mqar", "mqar-prompt"):
             source, context = f"gqa L64 d64, {args.mqar_examples} tests per N, <= {args.mqar_steps} steps", 64
         else:
-            raise SystemExit(f"unknown task {task!r}; allowed: lm, mqar, mqar-prompt")
+            raise SystemExit(f"unknown task {task!r}; allowed: lm, lm-arch, mqar, mqar-prompt")
         cells = [{"task": task, "source": source, "method": method, "budget": budget}
                  for method, budget in [("full", None)] + budgets(context)]
         todo = [cell for cell in cells if not store.done(cell)]
@@ -133,6 +140,23 @@ def main() -> None:
     draw(store.rows, args.out)
 
 
+def arch_rows(args, store: ResultStore) -> None:
+    """Each other trained LM read through its own full cache, on the same validation windows as --weights'."""
+    for folder in filter(None, args.arch_weights.split(",")):
+        state = read_train_state(Path(folder))
+        if state is None:
+            raise SystemExit(f"--arch-weights {folder}: no `zoo train` checkpoint there")
+        cell = {"task": "lm-arch", "source": folder, "method": state["settings"]["arch"], "budget": None}
+        if store.done(cell):
+            continue
+        model = zoo.load(checkpoint_folder(Path(folder))).float().eval()
+        context = state["settings"]["context"]
+        windows = validation_windows(load_corpus(state["settings"]["corpus"]), args.windows, context + 1).long()
+        store.append({**cell, "bpb": cached_bits_per_byte(model, windows),
+                      "cache_bytes": cache_bytes(model, context + 1), "val_bpb_trained": state["history"][-1]["val_bpb"]})
+        print("lm-arch", cell["method"], store.rows[-1]["bpb"], store.rows[-1]["cache_bytes"], flush=True)
+
+
 def draw(rows: list[dict], out: Path) -> None:
     for task, metric, label in (("lm", "bpb", "bits per byte (read through the cache)"),
                                 ("mqar", "accuracy", "MQAR accuracy (read through the cache)"),
@@ -144,8 +168,14 @@ def draw(rows: list[dict], out: Path) -> None:
         series = {m: tuple(zip(*sorted((r["cache_bytes"], r[metric]) for r in mine if r["method"] == m)))
                   for m in METHODS if any(r["method"] == m for r in mine)}
         series["full cache"] = ([full["cache_bytes"]], [full[metric]])
+        if task == "lm":  # other architectures, each with its own full cache
+            series.update({f"{r['method']} (own cache)": ([r["cache_bytes"]], [r["bpb"]])
+                           for r in rows if r["task"] == "lm-arch"})
+        xs = [x for points, _ in series.values() for x in points]
+        ticks = [2**k for k in range(min(xs).bit_length() - 1, max(xs).bit_length() + 1)]  # powers of two around
         line_chart(out / f"{task}_quality_vs_bytes.png", f"{task}: {full['source']}", "cache bytes per sequence",
-                   label, series)
+                   label, series, xticks=ticks,
+                   legend={"fontsize": "small", "loc": "upper left", "bbox_to_anchor": (1.0, 1.0)})
         print(f"\n{task} ({metric}), full cache {full[metric]:.3f}")
         print("| method | " + " | ".join(f"1/{round(1 / f)}" for f in FRACTIONS) + " |\n|---|" + "---:|" * 4)
         for method in METHODS:

@@ -33,7 +33,10 @@ def by_arch(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 def line_chart(path: Path, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list, list]],
-               markers: dict[str, tuple[list, list]] | None = None, logx: bool = True, logy: bool = False) -> Path:
+               markers: dict[str, tuple[list, list]] | None = None, logx: bool = True, logy: bool = False,
+               xticks: list | None = None, legend: dict | None = None) -> Path:
+    """xticks: where the x axis is labelled (default: at every x a series has); legend: matplotlib's legend
+    arguments (default: its best place inside the axes)."""
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     for i, (name, (xs, ys)) in enumerate(series.items()):
         # marker and dash vary too: lines that coincide (e.g. mqa and cla caches) stay distinguishable
@@ -42,7 +45,7 @@ def line_chart(path: Path, title: str, xlabel: str, ylabel: str, series: dict[st
             ax.scatter(*markers[name], marker="x", s=60, color=line.get_color(), zorder=3)
     if logx:
         ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({x for xs, _ in series.values() for x in xs}))
+        ax.set_xticks(xticks or sorted({x for xs, _ in series.values() for x in xs}))
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_formatter(NullFormatter())
     if logy:
@@ -50,7 +53,7 @@ def line_chart(path: Path, title: str, xlabel: str, ylabel: str, series: dict[st
         ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(**(legend or {}))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
