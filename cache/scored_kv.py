@@ -47,19 +47,19 @@ class ScoredKV(KVTensors):
         slots = batch.slots if batch.slot_range is None else batch.slot_range  # consecutive: views, no copies
         return self.positions[slots, :width], self.scores[slots, :width]
 
-    def query_logits(self, q: torch.Tensor, batch: CacheBatch, width: int) -> torch.Tensor:
+    def query_logits(self, q: torch.Tensor, batch: CacheBatch, width: int, scale: float) -> torch.Tensor:
         """q [B, H, D] against each sequence's rows 0 .. width - 1: scaled logits [B, H, 1, width]."""
         slots = batch.slots if batch.slot_range is None else batch.slot_range
         keys = self.k[slots, :, :width]  # [B, KVH, width, D]
         grouped = q.reshape(len(q), keys.shape[1], -1, q.shape[-1])
-        return torch.matmul(grouped, keys.transpose(-1, -2)).view(len(q), q.shape[1], 1, width) * self.scale
+        return torch.matmul(grouped, keys.transpose(-1, -2)).view(len(q), q.shape[1], 1, width) * scale
 
     def store_scores(self, batch: CacheBatch, scores: torch.Tensor) -> None:
         slots = batch.slots if batch.slot_range is None else batch.slot_range
         self.scores[slots, :scores.shape[1]] = scores
 
-    def decode_attention(self, q: torch.Tensor, batch: CacheBatch, rows: torch.Tensor) -> torch.Tensor:
-        return contiguous_decode_attention(q, self.k, self.v, batch.slots, rows, self.scale, self.v.shape[-1],
+    def decode_attention(self, q: torch.Tensor, batch: CacheBatch, rows: torch.Tensor, scale: float) -> torch.Tensor:
+        return contiguous_decode_attention(q, self.k, self.v, batch.slots, rows, scale, self.v.shape[-1],
                                            rows_read=min(batch.max_length, self.rows), slot_range=batch.slot_range)
 
     def width(self, batch: CacheBatch) -> int:
@@ -74,18 +74,17 @@ class ScoredKV(KVTensors):
                       scale: float) -> torch.Tensor:
         """q [B, H, T, D], this step's k and v [B, KVH, T, D]: attention output [B, H, T, D], with the cache left
         holding what the retention keeps."""
-        self.scale = scale
         if batch.is_prefill:
-            return self.prefill(q, k, v, batch)
+            return self.prefill(q, k, v, batch, scale)
         if batch.is_decode:
-            return self.decode(q, k, v, batch)
+            return self.decode(q, k, v, batch, scale)
         raise ValueError(f"a scored cache ({self.retention.describe()}) takes a whole prompt, then one token a "
                          f"step: not a {batch.step!r} step (chunked prefill, speculative verification)")
 
-    def prefill(self, q, k, v, batch: CacheBatch) -> torch.Tensor:
-        out = fresh_attention(q, k, v, batch.positions, self.retention, self.scale)
+    def prefill(self, q, k, v, batch: CacheBatch, scale: float) -> torch.Tensor:
+        out = fresh_attention(q, k, v, batch.positions, self.retention, scale)
         positions = torch.where(batch.real_tokens(), batch.positions.long(), -1)
-        scores = self.prompt_scores(q, k, positions, batch)
+        scores = self.prompt_scores(q, k, positions, batch, scale)
         keep = keep_mask(self.retention, scores, positions, batch.lengths)
         seqs, steps = keep.nonzero(as_tuple=True)
         rows = (keep.cumsum(dim=1) - 1)[seqs, steps]  # kept keys packed from row 0, in position order
@@ -94,7 +93,7 @@ class ScoredKV(KVTensors):
         self.positions[meta], self.scores[meta] = positions[seqs, steps], scores[seqs, steps]
         return out
 
-    def prompt_scores(self, q, k, positions: torch.Tensor, batch: CacheBatch) -> torch.Tensor:
+    def prompt_scores(self, q, k, positions: torch.Tensor, batch: CacheBatch, scale: float) -> torch.Tensor:
         """[B, T] each prompt key's score after the prompt's queries (H2O: all of them; TOVA: the last one; SnapKV:
         the votes of the last `window`)."""
         real = positions >= 0
@@ -103,13 +102,13 @@ class ScoredKV(KVTensors):
             queries = positions[:, first:]
             in_window = (queries >= 0) & (queries >= batch.lengths.long()[:, None] - self.retention.recent)
             visible = (positions[:, None, :] <= queries[:, :, None]) & real[:, None, :] & in_window[:, :, None]
-            return snap_votes(attention_weights(q[:, :, first:], k, visible, self.scale), in_window)
+            return snap_votes(attention_weights(q[:, :, first:], k, visible, scale), in_window)
         if self.retention.score == "tova":
             last = batch.last_tokens()
             seqs = torch.arange(q.shape[0], device=q.device)
             query, newest = q[seqs, :, last][:, :, None], positions[seqs, last][:, None]  # [B, H, 1, D], [B, 1]
             visible = (positions[:, None, :] <= newest[:, :, None]) & real[:, None, :]
-            weights = attention_weights(query, k, visible, self.scale)
+            weights = attention_weights(query, k, visible, scale)
             return updated_scores(self.retention, torch.zeros_like(positions, dtype=torch.float32), weights,
                                   torch.zeros_like(last))
         scores = torch.zeros(positions.shape, dtype=torch.float32, device=q.device)
@@ -117,22 +116,22 @@ class ScoredKV(KVTensors):
             queries = positions[:, start:start + QUERY_BLOCK]
             visible = ((positions[:, None, :] <= queries[:, :, None]) & real[:, None, :]
                        & (queries[:, :, None] >= 0))  # padding queries weigh nothing
-            weights = attention_weights(q[:, :, start:start + QUERY_BLOCK], k, visible, self.scale)
+            weights = attention_weights(q[:, :, start:start + QUERY_BLOCK], k, visible, scale)
             scores = updated_scores(self.retention, scores, weights, torch.zeros(len(q), device=q.device))
         return scores
 
-    def decode(self, q, k, v, batch: CacheBatch) -> torch.Tensor:
+    def decode(self, q, k, v, batch: CacheBatch, scale: float) -> torch.Tensor:
         seqs = torch.arange(q.shape[0], device=q.device)
         newest = self.retention.rows_held(batch.lengths - 1).long()  # rows 0 .. newest - 1 are held; it takes the next
         kv, meta = self.cells(batch, seqs, newest)
         self.k[kv], self.v[kv] = k[:, :, 0], v[:, :, 0]
         self.positions[meta], self.scores[meta] = batch.positions[:, 0].long(), 0.0
-        out = self.decode_attention(q[:, :, 0], batch, newest + 1)
+        out = self.decode_attention(q[:, :, 0], batch, newest + 1, scale)
         width = self.width(batch)
         positions, scores = self.first_rows(batch, width)
         live = torch.arange(width, device=q.device)[None, :] <= newest[:, None]  # rows past a sequence's are stale
         if self.retention.score != "snapkv":  # SnapKV's scores are the prompt's votes: decode reads no weights
-            weights = softmax_weights(self.query_logits(q[:, :, 0], batch, width), live[:, None, :])
+            weights = softmax_weights(self.query_logits(q[:, :, 0], batch, width, scale), live[:, None, :])
             scores = updated_scores(self.retention, scores, weights, torch.zeros_like(newest))
             self.store_scores(batch, torch.where(live, scores, 0.0))
         scores = torch.where(live, scores, 0.0)
@@ -188,7 +187,7 @@ class PagedScoredKV(ScoredKV):
         blocks, offsets = self.table_rows(batch, width)
         return self.positions[blocks, offsets], self.scores[blocks, offsets]
 
-    def query_logits(self, q: torch.Tensor, batch: CacheBatch, width: int) -> torch.Tensor:
+    def query_logits(self, q: torch.Tensor, batch: CacheBatch, width: int, scale: float) -> torch.Tensor:
         """Block by block: the sequences' first blocks gathered whole from the head-major pool, each multiplied by
         its query group where it lies (no copy into one [B, KVH, width, D] tensor)."""
         n = -(-width // self.block_size)
@@ -198,16 +197,17 @@ class PagedScoredKV(ScoredKV):
         grouped = q.reshape(len(q), 1, stored.shape[2], -1, q.shape[-1])  # [B, 1, KVH, G, D]
         logits = torch.matmul(grouped, stored.transpose(-1, -2))  # [B, n, KVH, G, bs]
         logits = logits.permute(0, 2, 3, 1, 4).reshape(len(q), q.shape[1], 1, n * self.block_size)
-        return logits[..., :width] * self.scale
+        return logits[..., :width] * scale
 
     def store_scores(self, batch: CacheBatch, scores: torch.Tensor) -> None:
         blocks, offsets = self.table_rows(batch, scores.shape[1])
-        live = batch.block_tables[self.group][:, torch.arange(scores.shape[1]) // self.block_size] >= 0
+        columns = torch.arange(scores.shape[1], device=scores.device) // self.block_size
+        live = batch.block_tables[self.group][:, columns] >= 0
         self.scores[blocks[live], offsets[live]] = scores[live]
 
-    def decode_attention(self, q: torch.Tensor, batch: CacheBatch, rows: torch.Tensor) -> torch.Tensor:
+    def decode_attention(self, q: torch.Tensor, batch: CacheBatch, rows: torch.Tensor, scale: float) -> torch.Tensor:
         return paged_decode_attention(q, self.k, self.v, batch.block_tables[self.group], rows.to(torch.int32),
-                                      self.scale)
+                                      scale)
 
     def width(self, batch: CacheBatch) -> int:
         return min(batch.max_length, self.retention.capacity + 1)
