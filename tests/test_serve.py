@@ -193,9 +193,13 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(server):
     body = {"model": MODEL, "prompt": "x = ", "max_tokens": 100, "temperature": 0, "stream": True,
             "ignore_eos": True}
     finished_before = sum(server.app.state.loop.metrics.e2e.counts)
+    gate = threading.Event()
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
         next(response.iter_lines())  # one token arrived: the request is running
+        server.app.state.loop.call(gate.wait)  # the engine pauses before its next step, so the request cannot end
         assert server.engine.unfinished
+    time.sleep(0.5)  # the disconnect reaches the handler, whose abort waits in the loop's queue
+    gate.set()
     wait_for_idle(server.engine)
     (manager,) = server.engine.block_managers
     assert manager.used == 0
