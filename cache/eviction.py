@@ -46,17 +46,15 @@ def snap_votes(weights: torch.Tensor, in_window: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.max_pool1d(votes[:, None], SNAP_POOL, stride=1, padding=SNAP_POOL // 2)[:, 0]
 
 
-def updated_scores(retention: Retention, scores: torch.Tensor, weights: torch.Tensor,
-                   last_query: torch.Tensor) -> torch.Tensor:
-    """Each key's score [B, L] after the decode step whose weights [B, H, T, L] are given; last_query [B]: index
-    along T of each sequence's newest real query (TOVA's). A key the step adds starts from a score of 0; SnapKV's
-    scores are the prompt's votes, which decode leaves as they are."""
+def updated_scores(retention: Retention, scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each key's score [B, L] after the queries whose weights [B, H, T, L] are given, the newest last along T (TOVA
+    reads only that one). A key the step adds starts from a score of 0; SnapKV's scores are the prompt's votes,
+    which decode leaves as they are."""
     if retention.score == "h2o":
         return scores + weights.sum(dim=(1, 2))
     if retention.score == "snapkv":
         return scores
-    newest = weights[torch.arange(weights.shape[0], device=weights.device), :, last_query.long()]  # [B, H, L]
-    return newest.sum(dim=1)
+    return weights[:, :, -1].sum(dim=1)
 
 
 def protected(retention: Retention, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

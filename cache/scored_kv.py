@@ -109,15 +109,14 @@ class ScoredKV(KVTensors):
             query, newest = q[seqs, :, last][:, :, None], positions[seqs, last][:, None]  # [B, H, 1, D], [B, 1]
             visible = (positions[:, None, :] <= newest[:, :, None]) & real[:, None, :]
             weights = attention_weights(query, k, visible, scale)
-            return updated_scores(self.retention, torch.zeros_like(positions, dtype=torch.float32), weights,
-                                  torch.zeros_like(last))
+            return updated_scores(self.retention, torch.zeros_like(positions, dtype=torch.float32), weights)
         scores = torch.zeros(positions.shape, dtype=torch.float32, device=q.device)
         for start in range(0, q.shape[2], QUERY_BLOCK):
             queries = positions[:, start:start + QUERY_BLOCK]
             visible = ((positions[:, None, :] <= queries[:, :, None]) & real[:, None, :]
                        & (queries[:, :, None] >= 0))  # padding queries weigh nothing
             weights = attention_weights(q[:, :, start:start + QUERY_BLOCK], k, visible, scale)
-            scores = updated_scores(self.retention, scores, weights, torch.zeros(len(q), device=q.device))
+            scores = updated_scores(self.retention, scores, weights)
         return scores
 
     def decode(self, q, k, v, batch: CacheBatch, scale: float) -> torch.Tensor:
@@ -132,9 +131,10 @@ class ScoredKV(KVTensors):
         live = torch.arange(width, device=q.device)[None, :] <= newest[:, None]  # rows past a sequence's are stale
         if self.retention.score != "snapkv":  # SnapKV's scores are the prompt's votes: decode reads no weights
             weights = softmax_weights(self.query_logits(q[:, :, 0], batch, width, scale), live[:, None, :])
-            scores = updated_scores(self.retention, scores, weights, torch.zeros_like(newest))
-            self.store_scores(batch, torch.where(live, scores, 0.0))
-        scores = torch.where(live, scores, 0.0)
+            scores = torch.where(live, updated_scores(self.retention, scores, weights), 0.0)
+            self.store_scores(batch, scores)
+        else:
+            scores = torch.where(live, scores, 0.0)
         self.evict(batch, newest, torch.where(live, positions, -1), scores)
         return out.unsqueeze(2)
 
