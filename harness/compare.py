@@ -82,8 +82,8 @@ class CompareSettings:
     quant_group: int = 128
     quant_method: str = "rtn"
     kv_dtypes: list[str] = field(default_factory=lambda: ["auto"])  # per-token cache storage: auto, int8, fp8 (the engine's)
-    # KV eviction by score (zoo.evict): "none" or a policy (h2o, tova), each run keeping every kv_budgets share of a
-    # cell's context (its attention layers' budget: round(share * context) tokens a sequence)
+    # KV eviction by score (zoo.evict): "none" or a policy (h2o, tova, snapkv), each run keeping every kv_budgets
+    # share of a cell's context (its attention layers' budget: round(share * context) tokens a sequence)
     kv_policies: list[str] = field(default_factory=lambda: ["none"])
     kv_budgets: list[float] = field(default_factory=lambda: [0.25])
     # each model's cells as one Ray task holding a whole machine, on the cluster at this address ("auto": the one this
