@@ -14,6 +14,9 @@ tokens a sequence, so the same cache bytes (an evicting layer also allocates one
   drawn on the lm chart: what another architecture's own cache costs and gives at its bytes.
 - mqar-prompt: the same, with everything before a set's first query as the prompt (one prefill, scored whole, as
   SnapKV expects a long prompt), then the queries a token a step.
+- mqar-arch: other architectures trained on the same MQAR data the same way (--mqar-archs; each at its registry
+  learning rate), read through their own caches with the prompt as mqar-prompt's, drawn on its chart: recall at
+  each architecture's own bytes beside eviction's.
 
 Rows go to OUT/results.jsonl as they finish (a re-run skips them); the chart (quality against cache bytes per
 sequence) to OUT/quality_vs_bytes.png.
@@ -82,28 +85,39 @@ def lm_cells(args) -> tuple:
     return model, context + 1, lambda kept: {"bpb": cached_bits_per_byte(kept, windows)}
 
 
-def mqar_cells(args, prompted: bool = False) -> tuple:
+def train_mqar(args, arch: str) -> tuple:
+    """(model, test sets, what its training did): arch trained as `zoo recall` trains it, at its registry lr."""
     settings = RecallSettings(test_examples=args.mqar_examples, max_steps=args.mqar_steps)
     train, tests = make_data(settings, seed=0)
-    config = train_config({"arch": "gqa", "n_layers": RECIPE_LAYERS, "d_model": 64,
-                           "lr": zoo.registry.recall_lr("gqa"), "seed": 0}, settings)
+    config = train_config({"arch": arch, "n_layers": RECIPE_LAYERS, "d_model": 64,
+                           "lr": zoo.registry.recall_lr(arch), "seed": 0}, settings)
     trained = train_recall(config, train, tests, keep_model=True)
-    print(f"mqar model: {trained['steps']} steps, uncached accuracy {trained['accuracy']:.3f}", flush=True)
+    print(f"mqar {arch}: {trained['steps']} steps, uncached accuracy {trained['accuracy']:.3f}", flush=True)
+    summary = {"steps": trained["steps"], "uncached_accuracy": trained["accuracy"],
+               "convergence": trained["convergence"]}
+    return trained["model"].float().eval(), tests, summary
 
+
+def mqar_quality(tests: dict, prompted: bool):
     def prefix(labels) -> int:  # the prompt: up to the first query of any example of the set
         return int((labels >= 0).float().argmax(dim=1).min()) + 1 if prompted else 1
 
     def quality(kept) -> dict:
         accuracy = {name: cached_answers(kept, x, y, prefix(y)).float().mean().item() for name, (x, y) in tests.items()}
         return {"accuracy": sum(accuracy.values()) / len(accuracy), "per_set": accuracy}
+    return quality
 
-    return trained["model"].float().eval(), settings.seq_len, quality
+
+def mqar_cells(args, prompted: bool = False) -> tuple:
+    model, tests, _ = train_mqar(args, "gqa")
+    return model, next(iter(tests.values()))[0].shape[1], mqar_quality(tests, prompted)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default="lm,mqar,mqar-prompt", help="comma-separated: lm, lm-arch, mqar, "
-                        "mqar-prompt")
+                        "mqar-prompt, mqar-arch")
+    parser.add_argument("--mqar-archs", default="mla,mamba2,swa", help="mqar-arch: comma-separated architectures")
     parser.add_argument("--arch-weights", default="", help="lm-arch: comma-separated `zoo train` output folders")
     parser.add_argument("--weights", type=Path, help="lm: a `zoo train` output folder")
     parser.add_argument("--windows", type=int, default=64, help="lm: validation windows scored per method and budget")
@@ -122,10 +136,13 @@ def main() -> None:
         elif task == "lm-arch":
             arch_rows(args, store)
             continue
+        elif task == "mqar-arch":
+            mqar_arch_rows(args, store)
+            continue
         elif task in ("mqar", "mqar-prompt"):
             source, context = f"gqa L64 d64, {args.mqar_examples} tests per N, <= {args.mqar_steps} steps", 64
         else:
-            raise SystemExit(f"unknown task {task!r}; allowed: lm, lm-arch, mqar, mqar-prompt")
+            raise SystemExit(f"unknown task {task!r}; allowed: lm, lm-arch, mqar, mqar-prompt, mqar-arch")
         cells = [{"task": task, "source": source, "method": method, "budget": budget}
                  for method, budget in [("full", None)] + budgets(context)]
         todo = [cell for cell in cells if not store.done(cell)]
@@ -157,6 +174,20 @@ def arch_rows(args, store: ResultStore) -> None:
         print("lm-arch", cell["method"], store.rows[-1]["bpb"], store.rows[-1]["cache_bytes"], flush=True)
 
 
+def mqar_arch_rows(args, store: ResultStore) -> None:
+    """Each other architecture trained on MQAR as the gqa model is, read through its own cache (pairs as a prompt)."""
+    for arch in filter(None, args.mqar_archs.split(",")):
+        cell = {"task": "mqar-arch", "source": f"L64 d64, {args.mqar_examples} tests per N, <= {args.mqar_steps} steps",
+                "method": zoo.registry.check_architecture(arch), "budget": None}
+        if store.done(cell):
+            continue
+        model, tests, summary = train_mqar(args, arch)
+        length = next(iter(tests.values()))[0].shape[1]
+        store.append({**cell, **mqar_quality(tests, prompted=True)(model), **summary,
+                      "cache_bytes": cache_bytes(model, length)})
+        print("mqar-arch", arch, store.rows[-1]["accuracy"], store.rows[-1]["cache_bytes"], flush=True)
+
+
 def draw(rows: list[dict], out: Path) -> None:
     for task, metric, label in (("lm", "bpb", "bits per byte (read through the cache)"),
                                 ("mqar", "accuracy", "MQAR accuracy (read through the cache)"),
@@ -168,9 +199,9 @@ def draw(rows: list[dict], out: Path) -> None:
         series = {m: tuple(zip(*sorted((r["cache_bytes"], r[metric]) for r in mine if r["method"] == m)))
                   for m in METHODS if any(r["method"] == m for r in mine)}
         series["full cache"] = ([full["cache_bytes"]], [full[metric]])
-        if task == "lm":  # other architectures, each with its own full cache
-            series.update({f"{r['method']} (own cache)": ([r["cache_bytes"]], [r["bpb"]])
-                           for r in rows if r["task"] == "lm-arch"})
+        others = {"lm": "lm-arch", "mqar-prompt": "mqar-arch"}.get(task)  # architectures, each with its own cache
+        series.update({f"{r['method']} (own cache)": ([r["cache_bytes"]], [r[metric]])
+                       for r in rows if r["task"] == others})
         xs = [x for points, _ in series.values() for x in points]
         ticks = [2**k for k in range(min(xs).bit_length() - 1, max(xs).bit_length() + 1)]  # powers of two around
         line_chart(out / f"{task}_quality_vs_bytes.png", f"{task}: {full['source']}", "cache bytes per sequence",
