@@ -17,6 +17,10 @@ tokens a sequence, so the same cache bytes (an evicting layer also allocates one
 - mqar-arch: other architectures trained on the same MQAR data the same way (--mqar-archs; each at its registry
   learning rate), read through their own caches with the prompt as mqar-prompt's, drawn on its chart: recall at
   each architecture's own bytes beside eviction's.
+- passkey: a number hidden in standard library text at a random depth, asked for at the end (harness/passkey.py),
+  at 128, 256 and 512 bytes, by a gqa model trained on it with a length curriculum (saved to OUT/passkey_model, and
+  loaded from there by a re-run); everything before the answer is the prompt, and each method keeps the same
+  number of tokens (--passkey-budgets) at every length, so the needle lies ever further outside a window.
 
 Rows go to OUT/results.jsonl as they finish (a re-run skips them); the chart (quality against cache bytes per
 sequence) to OUT/quality_vs_bytes.png.
@@ -35,6 +39,7 @@ from harness.cached_bpb import cached_answers, cached_bits_per_byte
 from harness.charts import line_chart
 from harness.recall.suite import RecallSettings, make_data, train_config
 from harness.recall.train import RECIPE_LAYERS, train_recall
+from harness.passkey import DIGITS, PasskeyTraining, answered, passkey_examples, train_passkey
 from harness.results import ResultStore
 from harness.train.corpus import load_corpus, validation_windows
 from harness.train.checkpoint import checkpoint_folder, read_train_state
@@ -42,6 +47,7 @@ from harness.train.checkpoint import checkpoint_folder, read_train_state
 METHODS = ("window", "sinks+window", "h2o", "tova", "snapkv", "h2o-pyramid", "snapkv-pyramid")
 FRACTIONS = (1 / 2, 1 / 4, 1 / 8, 1 / 16)
 SINKS = 4  # StreamingLLM's
+PASSKEY_LENGTHS = (128, 256, 512)
 
 
 def with_retention(model, retention: Retention):
@@ -116,17 +122,21 @@ def mqar_cells(args, prompted: bool = False) -> tuple:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", default="lm,mqar,mqar-prompt", help="comma-separated: lm, lm-arch, mqar, "
-                        "mqar-prompt, mqar-arch")
+                        "mqar-prompt, mqar-arch, passkey")
     parser.add_argument("--mqar-archs", default="mla,mamba2,swa", help="mqar-arch: comma-separated architectures")
     parser.add_argument("--arch-weights", default="", help="lm-arch: comma-separated `zoo train` output folders")
     parser.add_argument("--weights", type=Path, help="lm: a `zoo train` output folder")
     parser.add_argument("--windows", type=int, default=64, help="lm: validation windows scored per method and budget")
     parser.add_argument("--mqar-examples", type=int, default=500, help="mqar: test examples per N")
     parser.add_argument("--mqar-steps", type=int, default=1500, help="mqar: most training steps")
+    parser.add_argument("--passkey-examples", type=int, default=200, help="passkey: examples per length")
+    parser.add_argument("--passkey-budgets", default="64,32", help="passkey: tokens kept, comma-separated")
     parser.add_argument("--out", type=Path, default=Path("results/kv_eviction_quality"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    store = ResultStore(args.out / "results.jsonl", ("task", "source", "method", "budget"))
+    # context: the passkey task's example length (added after the other tasks' rows were written)
+    store = ResultStore(args.out / "results.jsonl", ("task", "source", "method", "budget", "context"),
+                        defaults={"context": None})
     for task in args.tasks.split(","):
         if task == "lm":
             state = read_train_state(args.weights) if args.weights else None
@@ -139,11 +149,15 @@ def main() -> None:
         elif task == "mqar-arch":
             mqar_arch_rows(args, store)
             continue
+        elif task == "passkey":
+            passkey_rows(args, store)
+            continue
         elif task in ("mqar", "mqar-prompt"):
             source, context = f"gqa L64 d64, {args.mqar_examples} tests per N, <= {args.mqar_steps} steps", 64
         else:
-            raise SystemExit(f"unknown task {task!r}; allowed: lm, lm-arch, mqar, mqar-prompt, mqar-arch")
-        cells = [{"task": task, "source": source, "method": method, "budget": budget}
+            raise SystemExit(f"unknown task {task!r}; allowed: lm, lm-arch, mqar, mqar-prompt, mqar-arch, "
+                             f"passkey")
+        cells = [{"task": task, "source": source, "method": method, "budget": budget, "context": None}
                  for method, budget in [("full", None)] + budgets(context)]
         todo = [cell for cell in cells if not store.done(cell)]
         if not todo:
@@ -163,14 +177,16 @@ def arch_rows(args, store: ResultStore) -> None:
         state = read_train_state(Path(folder))
         if state is None:
             raise SystemExit(f"--arch-weights {folder}: no `zoo train` checkpoint there")
-        cell = {"task": "lm-arch", "source": folder, "method": state["settings"]["arch"], "budget": None}
+        cell = {"task": "lm-arch", "source": folder, "method": state["settings"]["arch"], "budget": None,
+                "context": None}
         if store.done(cell):
             continue
         model = zoo.load(checkpoint_folder(Path(folder))).float().eval()
         context = state["settings"]["context"]
         windows = validation_windows(load_corpus(state["settings"]["corpus"]), args.windows, context + 1).long()
         store.append({**cell, "bpb": cached_bits_per_byte(model, windows),
-                      "cache_bytes": cache_bytes(model, context + 1), "val_bpb_trained": state["history"][-1]["val_bpb"]})
+                      "cache_bytes": cache_bytes(model, context + 1),
+                      "val_bpb_trained": state["history"][-1]["val_bpb"]})
         print("lm-arch", cell["method"], store.rows[-1]["bpb"], store.rows[-1]["cache_bytes"], flush=True)
 
 
@@ -178,7 +194,7 @@ def mqar_arch_rows(args, store: ResultStore) -> None:
     """Each other architecture trained on MQAR as the gqa model is, read through its own cache (pairs as a prompt)."""
     for arch in filter(None, args.mqar_archs.split(",")):
         cell = {"task": "mqar-arch", "source": f"L64 d64, {args.mqar_examples} tests per N, <= {args.mqar_steps} steps",
-                "method": zoo.registry.check_architecture(arch), "budget": None}
+                "method": zoo.registry.check_architecture(arch), "budget": None, "context": None}
         if store.done(cell):
             continue
         model, tests, summary = train_mqar(args, arch)
@@ -188,7 +204,59 @@ def mqar_arch_rows(args, store: ResultStore) -> None:
         print("mqar-arch", arch, store.rows[-1]["accuracy"], store.rows[-1]["cache_bytes"], flush=True)
 
 
+def passkey_model(out: Path, text):
+    """The passkey model saved under out, or trained now and saved (written to a temporary folder, then renamed)."""
+    folder = out / "passkey_model"
+    if folder.exists():
+        return zoo.load(folder).float().eval()
+    model = train_passkey(PasskeyTraining(), text, progress=lambda length, steps, loss: print(
+        f"passkey stage {length}: {steps} steps, loss {loss:.4f}", flush=True))
+    zoo.save(model, out / "passkey_model.partial").rename(folder)
+    return model
+
+
+def passkey_rows(args, store: ResultStore) -> None:
+    budgets = [int(b) for b in args.passkey_budgets.split(",")]
+    source = f"gqa d64 2 layers, {PasskeyTraining().stages[-1]}-byte curriculum, {args.passkey_examples} examples"
+    cells = [{"task": "passkey", "source": source, "method": method, "budget": budget, "context": length}
+             for length in PASSKEY_LENGTHS for method, budget in
+             [("full", None)] + [(m, b) for b in budgets for m in METHODS if m != "sinks+window" or b >= SINKS + 2]]
+    todo = [cell for cell in cells if not store.done(cell)]
+    if not todo:
+        return
+    text = load_corpus(None)
+    model = passkey_model(args.out, text.train)
+    tests = {n: passkey_examples(text.validation, args.passkey_examples, n, seed=1)[:2] for n in PASSKEY_LENGTHS}
+    for cell in todo:
+        inputs, labels = tests[cell["context"]]
+        kept = model if cell["method"] == "full" else kept_model(model, cell["method"], cell["budget"])
+        hits = cached_answers(kept, inputs, labels, prefix=cell["context"] - 2 * DIGITS + 2)  # the answer's first tag
+        store.append({**cell, "accuracy": answered(hits).float().mean().item(), "digits": hits.float().mean().item(),
+                      "cache_bytes": cache_bytes(kept, cell["context"])})
+        print("passkey", cell["context"], cell["method"], cell["budget"], store.rows[-1]["accuracy"], flush=True)
+
+
+def draw_passkey(rows: list[dict], out: Path) -> None:
+    mine = [r for r in rows if r["task"] == "passkey"]
+    if not mine:
+        return
+    for budget in sorted({r["budget"] for r in mine if r["budget"] is not None}, reverse=True):
+        series = {m: tuple(zip(*sorted((r["context"], r["accuracy"]) for r in mine
+                                       if r["method"] == m and r["budget"] == (None if m == "full" else budget))))
+                  for m in ("full",) + METHODS if any(r["method"] == m for r in mine)}
+        series["full cache"] = series.pop("full")
+        line_chart(out / f"passkey_{budget}_tokens.png", f"pass key, {budget} tokens kept a layer (gqa, 2 layers)",
+                   "context (bytes)", "keys answered (all 5 digits)", series, xticks=list(PASSKEY_LENGTHS),
+                   legend={"fontsize": "small", "loc": "upper left", "bbox_to_anchor": (1.0, 1.0)})
+        print(f"\npasskey, {budget} tokens kept (share of keys answered)")
+        print("| method | " + " | ".join(f"L {n}" for n in PASSKEY_LENGTHS) + " |\n|---|"
+              + "---:|" * len(PASSKEY_LENGTHS))
+        for method, (_, values) in series.items():
+            print(f"| {method} | " + " | ".join(f"{v:.3f}" for v in values) + " |")
+
+
 def draw(rows: list[dict], out: Path) -> None:
+    draw_passkey(rows, out)
     for task, metric, label in (("lm", "bpb", "bits per byte (read through the cache)"),
                                 ("mqar", "accuracy", "MQAR accuracy (read through the cache)"),
                                 ("mqar-prompt", "accuracy", "MQAR accuracy, pairs as one prompt")):

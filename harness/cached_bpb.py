@@ -13,12 +13,18 @@ from harness.engine.cache_pool import CachePool
 
 
 @torch.inference_mode()
-def cached_logits(model, tokens: torch.Tensor, prefix: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """tokens [B, T]: (t, logits [B, vocab] predicting token t + 1) for t = prefix - 1 .. T - 2, the first from the
-    prefill of tokens[:, :prefix], each later one from a decode step fed token t, in the contiguous layout."""
+def cached_logits(model, tokens: torch.Tensor, prefix: int,
+                  last: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """tokens [B, T]: (t, logits [B, vocab] predicting token t + 1) for t = prefix - 1 .. last (default T - 2: every
+    t with a next token to score; T - 1 reads the last token's prediction too), the first from the prefill of
+    tokens[:, :prefix], each later one from a decode step fed token t, in the contiguous layout."""
     count, length = tokens.shape
     if not 1 <= prefix < length:
         raise ValueError(f"prefix must be in [1, {length - 1}] for sequences of {length} tokens, got {prefix}")
+    last = length - 2 if last is None else last
+    if not prefix - 1 <= last < length:
+        raise ValueError(f"last must be in [{prefix - 1}, {length - 1}] for a prefix of {prefix} and sequences of "
+                         f"{length} tokens, got {last}")
     param = next(model.parameters())
     pool = CachePool(model.cache_specs(), "contiguous", count, length, 16, [], param.dtype, param.device)
     slots = torch.arange(count, device=param.device)
@@ -30,8 +36,9 @@ def cached_logits(model, tokens: torch.Tensor, prefix: int) -> Iterator[tuple[in
                           slots=slots, slot_range=slice(0, count))
 
     positions = torch.arange(prefix, device=param.device).expand(count, prefix)
-    yield prefix - 1, model(tokens[:, :prefix], positions, pool.layers, batch(positions, "prefill"), last_only=True)[:, 0]
-    for t in range(prefix, length - 1):
+    prefill = batch(positions, "prefill")
+    yield prefix - 1, model(tokens[:, :prefix], positions, pool.layers, prefill, last_only=True)[:, 0]
+    for t in range(prefix, last + 1):
         positions = torch.full((count, 1), t, device=param.device)
         yield t, model(tokens[:, t:t + 1], positions, pool.layers, batch(positions, "decode"))[:, 0]
 
@@ -53,6 +60,6 @@ def cached_answers(model, tokens: torch.Tensor, labels: torch.Tensor, prefix: in
     if (labels[:, :max(0, prefix - 1)] >= 0).any():
         raise ValueError(f"a labelled position lies inside the prefill (prefix={prefix}): its logits are not read")
     hits = torch.zeros(labels.shape, dtype=torch.bool)
-    for t, logits in cached_logits(model, tokens, prefix):
+    for t, logits in cached_logits(model, tokens, prefix, last=tokens.shape[1] - 1):  # a label may sit at the end
         hits[:, t] = logits.argmax(dim=-1).cpu() == labels[:, t]
     return hits[labels >= 0]

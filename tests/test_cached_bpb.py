@@ -34,6 +34,9 @@ def test_a_cache_that_keeps_less_scores_differently():
 def test_a_prefix_outside_the_window_is_refused():
     with pytest.raises(ValueError, match="prefix must be in"):
         cached_bits_per_byte(random_model("gqa"), torch.zeros(1, 10, dtype=torch.long), prefix=9)
+    from harness.cached_bpb import cached_logits
+    with pytest.raises(ValueError, match=r"last must be in \[3, 9\]"):
+        next(cached_logits(random_model("gqa"), torch.zeros(1, 10, dtype=torch.long), prefix=4, last=10))
 
 
 def test_answers_through_a_full_cache_are_the_uncached_argmax():
@@ -43,6 +46,7 @@ def test_answers_through_a_full_cache_are_the_uncached_argmax():
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
     labels = torch.full((2, 24), -100)
     labels[:, 10::3] = tokens[:, 11::3]  # next-token targets at every third position from 10
+    labels[:, 23] = tokens[:, 5]  # and one at the last position, whose prediction has no next token to score
     expected = model(tokens).argmax(-1)[labels >= 0] == labels[labels >= 0]
     assert torch.equal(cached_answers(model, tokens, labels, prefix=4), expected)
     with pytest.raises(ValueError, match="inside the prefill"):
