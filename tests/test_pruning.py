@@ -1,0 +1,110 @@
+"""Structured pruning (zoo/pruning.py): a pruned model computes what the original computes with the cut parts'
+output weights zeroed (a block whose outputs are zero is the identity, through the residual), and it is a normal
+model: the float64 reference, the engine's cache, zoo.save."""
+import pytest
+import torch
+
+import zoo
+from harness import Engine
+from zoo.pruning import PrunePlan, prune
+from zoo.reference import reference_forward
+from helpers import greedy, make_prompts, random_model  # tests/ is on sys.path under pytest
+
+
+@torch.no_grad()
+def zeroed(model, plan: PrunePlan):
+    """The original model with what plan cuts silenced: a dropped layer's o_proj and down_proj, a cut KV group's
+    query heads' o_proj columns, a cut channel's down_proj column."""
+    silent = zoo.build(model.config)
+    silent.load_state_dict(model.state_dict())
+    for i, block in enumerate(silent.blocks):
+        if i not in plan.layers:
+            block.mixer.o_proj.weight.zero_()
+            if block.mlp is not None:
+                block.mlp.down_proj.weight.zero_()
+            continue
+        if i in plan.kv_heads:
+            mixer = block.mixer
+            group, dim = mixer.n_heads // mixer.n_kv_heads, mixer.head_dim
+            for h in set(range(mixer.n_kv_heads)) - set(plan.kv_heads[i]):
+                mixer.o_proj.weight[:, h * group * dim:(h + 1) * group * dim] = 0
+        if i in plan.channels:
+            cut = sorted(set(range(block.mlp.down_proj.weight.shape[1])) - set(plan.channels[i]))
+            block.mlp.down_proj.weight[:, cut] = 0
+    return silent.eval()
+
+
+def tokens(model, length: int = 30) -> torch.Tensor:
+    return torch.randint(0, model.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(0))
+
+
+CASES = {
+    "gqa: a layer, a KV group, channels": ("gqa", {"n_layers": 3},
+                                           PrunePlan((0, 2), kv_heads={2: (1,)}, channels={0: tuple(range(0, 192, 3))})),
+    "mha: heads in every kept layer": ("mha", {}, PrunePlan((0, 1), kv_heads={0: (0, 3), 1: (2,)})),
+    "gelu, biases off, channels only": ("gqa", {"mlp": "gelu"}, PrunePlan((0, 1), channels={1: (5, 6, 100)})),
+    "cla: the sharing layer kept with its source": ("cla", {"n_layers": 4, "share": 2}, PrunePlan((2, 3))),
+    "qk_norm per head": ("gqa", {"qk_norm": "head"}, PrunePlan((0, 1), kv_heads={1: (0,)})),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_a_pruned_model_computes_the_original_with_its_cut_parts_silenced(case):
+    arch, overrides, plan = CASES[case]
+    model = random_model(arch, **overrides)
+    pruned = prune(model, plan)
+    x = tokens(model)
+    with torch.no_grad():
+        want, got = zeroed(model, plan)(x), pruned(x)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert sum(p.numel() for p in pruned.parameters()) < sum(p.numel() for p in model.parameters())
+
+
+def test_a_pruned_model_holds_the_float64_reference_and_the_engine_cache():
+    model = random_model("gqa", n_layers=3)
+    pruned = prune(model, PrunePlan((0, 2), kv_heads={0: (0,)}, channels={2: tuple(range(64))}))
+    x = tokens(pruned, 40)
+    with torch.no_grad():
+        logits, want = pruned(x), reference_forward(pruned, x)
+    assert ((logits.double() - want).abs().max() / want.abs().max()).item() <= 1e-4
+    prompts = make_prompts([3, 17], pruned.config.vocab_size, seed=1)
+    for kv_cache in ("contiguous", "paged"):
+        outputs = Engine(pruned, max_batch=2, kv_cache=kv_cache, max_seq_len=64).generate(prompts, greedy(12))
+        for prompt, out in zip(prompts, outputs):
+            with torch.no_grad():
+                full = pruned(torch.tensor([prompt + out.token_ids[:-1]]))[0, len(prompt) - 1:]
+            assert (full - torch.stack(out.logits)).abs().max().item() <= 1e-4
+
+
+def test_a_pruned_model_saves_and_loads_as_itself(tmp_path):
+    pruned = prune(random_model("gqa"), PrunePlan((1,), kv_heads={1: (1,)}, channels={1: (0, 1, 2, 3)}))
+    loaded = zoo.load(zoo.save(pruned, tmp_path / "pruned"))
+    assert loaded.config.layers == pruned.config.layers and loaded.config.ffns == pruned.config.ffns
+    x = tokens(pruned)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), pruned(x))
+
+
+@pytest.mark.parametrize("plan, message", [
+    (PrunePlan(()), r"layers kept must be distinct ascending indices in \[0, 2\), at least one, got \[\]"),
+    (PrunePlan((1, 0)), "distinct ascending"),
+    (PrunePlan((0, 2)), r"in \[0, 2\)"),
+    (PrunePlan((0,), kv_heads={1: (0,)}), r"kv_heads names layers \[1\] that the plan does not keep"),
+    (PrunePlan((0,), kv_heads={0: (2,)}), r"kv_heads of layer 0 must be distinct ascending indices in \[0, 2\)"),
+    (PrunePlan((0,), kv_heads={0: ()}), "at least one"),
+    (PrunePlan((0,), channels={0: (0, 0)}), "channels of layer 0 must be distinct"),
+])
+def test_bad_plans_are_refused_by_name(plan, message):
+    with pytest.raises(ValueError, match=message):
+        prune(random_model("gqa"), plan)
+
+
+def test_what_cannot_be_cut_is_named():
+    with pytest.raises(ValueError, match="layer 1 reads the keys and values of layer 0"):
+        prune(random_model("cla", n_layers=4, share=2), PrunePlan((1, 2, 3)))
+    with pytest.raises(ValueError, match="shares its keys and values"):
+        prune(random_model("cla", n_layers=4, share=2), PrunePlan((0, 1), kv_heads={0: (0,)}))
+    with pytest.raises(ValueError, match="layer 0 is a 'mamba2' mixer"):
+        prune(random_model("mamba2"), PrunePlan((0,), kv_heads={0: (0,)}))
+    with pytest.raises(ValueError, match="feed-forward is 'none'"):
+        prune(random_model("gqa", mlp="none"), PrunePlan((0,), channels={0: (0,)}))

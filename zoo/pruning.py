@@ -1,0 +1,150 @@
+"""Structured pruning: a smaller archzoo model cut from a bigger one's weights, by whole layers (depth), whole KV
+groups of an attention layer (a KV head with the query heads that read it, so a GQA model keeps its ratio), and
+feed-forward hidden channels (width). The result is a normal model: its config says what it is (each kept layer's
+own n_heads, n_kv_heads, head_dim and FFN hidden), `zoo.save` writes it, the engine runs it.
+
+Which parts to keep is the caller's choice (a PrunePlan); harness/prune scores them on calibration text (ShortGPT's
+block influence for layers, Minitron's activation magnitudes for heads and channels) and picks the least important
+to drop. Cutting is exact where the model allows: a kept KV group's query, key, value and output columns are the
+original ones, a kept channel's gate, up and down weights too. With qk_norm "all" the norm's gains are cut with
+their heads, but the RMS it divides by is then over fewer heads: the kept heads' outputs move a little.
+"""
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from zoo.config import FFNSpec, MixerSpec
+from zoo.model import DecoderLM
+
+WIDTH_MIXERS = ("attention",)  # mixers whose KV groups can be cut
+WIDTH_FFNS = ("swiglu", "gelu")  # feed-forwards whose hidden channels can be cut
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """layers: the original indices of the layers kept, ascending. kv_heads: per kept layer (original index), the KV
+    heads it keeps, ascending (a layer not named keeps all). channels: per kept layer, the FFN hidden channels it
+    keeps, ascending (likewise)."""
+
+    layers: tuple[int, ...]
+    kv_heads: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    channels: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+
+def layer_heads(model: DecoderLM, layer: int) -> tuple[int, int]:
+    """(n_heads, n_kv_heads) of an attention layer."""
+    mixer = model.blocks[layer].mixer
+    return mixer.n_heads, mixer.n_kv_heads
+
+
+def ffn_hidden(model: DecoderLM, layer: int) -> int:
+    return model.blocks[layer].mlp.down_proj.weight.shape[1]
+
+
+def check_plan(model: DecoderLM, plan: PrunePlan) -> None:
+    """Everything a plan names exists and can be cut, before any weight is copied."""
+    config = model.config
+    n = config.n_layers
+    layers = list(plan.layers)
+    if not layers or layers != sorted(set(layers)) or not all(isinstance(i, int) and 0 <= i < n for i in layers):
+        raise ValueError(f"layers kept must be distinct ascending indices in [0, {n}), at least one, got {layers}")
+    for what, table in (("kv_heads", plan.kv_heads), ("channels", plan.channels)):
+        outside = sorted(set(table) - set(layers))
+        if outside:
+            raise ValueError(f"{what} names layers {outside} that the plan does not keep (kept: {layers})")
+    sources = {i: config.layers[i].params.get("kv_source") for i in range(n)}
+    for i in layers:
+        source = sources[i]
+        if source is not None and source not in layers:
+            raise ValueError(f"layer {i} reads the keys and values of layer {source} (kv_source), which the plan "
+                             f"drops: keep both or neither")
+    for i, kept in plan.kv_heads.items():
+        kind = config.layers[i].kind
+        if kind not in WIDTH_MIXERS:
+            raise ValueError(f"layer {i} is a {kind!r} mixer: only {', '.join(WIDTH_MIXERS)} layers can lose heads")
+        if sources[i] is not None or i in sources.values():
+            raise ValueError(f"layer {i} shares its keys and values (kv_source): its heads cannot be cut alone")
+        _, kv_heads = layer_heads(model, i)
+        check_indices(f"kv_heads of layer {i}", kept, kv_heads)
+    for i, kept in plan.channels.items():
+        kind = config.ffn(i).kind
+        if kind not in WIDTH_FFNS:
+            raise ValueError(f"layer {i}'s feed-forward is {kind!r}: only {', '.join(WIDTH_FFNS)} can lose channels")
+        check_indices(f"channels of layer {i}", kept, ffn_hidden(model, i))
+
+
+def check_indices(what: str, kept, size: int) -> None:
+    kept = list(kept)
+    if not kept or kept != sorted(set(kept)) or not all(isinstance(j, int) and 0 <= j < size for j in kept):
+        raise ValueError(f"{what} must be distinct ascending indices in [0, {size}), at least one, got {kept}")
+
+
+def prune(model: DecoderLM, plan: PrunePlan) -> DecoderLM:
+    """A new model holding only what plan keeps, its weights copied from model's (which is left unchanged)."""
+    check_plan(model, plan)
+    config = model.config
+    renumber = {old: new for new, old in enumerate(plan.layers)}
+    layers, ffns = [], []
+    for old in plan.layers:
+        spec = copy.deepcopy(config.layers[old])
+        if spec.params.get("kv_source") is not None:
+            spec.params["kv_source"] = renumber[spec.params["kv_source"]]
+        if old in plan.kv_heads:
+            n_heads, n_kv_heads = layer_heads(model, old)
+            kept = len(plan.kv_heads[old])
+            spec.params.update(n_heads=n_heads // n_kv_heads * kept, n_kv_heads=kept,
+                               head_dim=model.blocks[old].mixer.head_dim)
+        layers.append(spec)
+        ffn = config.ffn(old)
+        hidden = len(plan.channels[old]) if old in plan.channels else (
+            ffn_hidden(model, old) if ffn.kind in WIDTH_FFNS else None)
+        ffns.append(FFNSpec(ffn.kind, {**ffn.params, "hidden": hidden}) if hidden is not None else ffn)
+    pruned_config = dataclasses.replace(config, layers=layers, ffns=ffns, name=f"{config.name}-pruned")
+    pruned = DecoderLM(pruned_config).to(next(model.parameters()).dtype)
+    pruned.load_state_dict(pruned_state(model, plan, renumber))
+    return pruned.eval()
+
+
+def pruned_state(model: DecoderLM, plan: PrunePlan, renumber: dict[int, int]) -> dict[str, torch.Tensor]:
+    state = model.state_dict()
+    out = {name: tensor for name, tensor in state.items() if not name.startswith("blocks.")}
+    for old, new in renumber.items():
+        prefix = f"blocks.{old}."
+        block = {name[len(prefix):]: tensor for name, tensor in state.items() if name.startswith(prefix)}
+        if old in plan.kv_heads:
+            block = cut_heads(block, model.blocks[old].mixer, plan.kv_heads[old])
+        if old in plan.channels:
+            block = cut_channels(block, plan.channels[old])
+        out.update({f"blocks.{new}.{name}": tensor for name, tensor in block.items()})
+    return out
+
+
+def cut_heads(block: dict, mixer, kv_heads: tuple[int, ...]) -> dict:
+    """An attention layer's weights with only these KV heads and their query heads."""
+    group, dim = mixer.n_heads // mixer.n_kv_heads, mixer.head_dim
+    kv_rows = torch.tensor([h * dim + d for h in kv_heads for d in range(dim)])
+    q_rows = torch.tensor([(h * group + g) * dim + d for h in kv_heads for g in range(group) for d in range(dim)])
+    cut = dict(block)
+    for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
+        for part in ("weight", "bias"):
+            key = f"mixer.{name}.{part}"
+            if key in cut:
+                cut[key] = cut[key][rows].clone()
+    cut["mixer.o_proj.weight"] = cut["mixer.o_proj.weight"][:, q_rows].clone()  # its bias is over d_model: kept
+    if mixer.qk_norm == "all":
+        cut["mixer.q_norm.weight"] = cut["mixer.q_norm.weight"][q_rows].clone()
+        cut["mixer.k_norm.weight"] = cut["mixer.k_norm.weight"][kv_rows].clone()
+    return cut
+
+
+def cut_channels(block: dict, channels: tuple[int, ...]) -> dict:
+    """A feed-forward's weights with only these hidden channels."""
+    index = torch.tensor(channels)
+    cut = dict(block)
+    for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+        if name in cut:
+            cut[name] = cut[name][index].clone()
+    cut["mlp.down_proj.weight"] = cut["mlp.down_proj.weight"][:, index].clone()
+    return cut
