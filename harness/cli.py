@@ -15,6 +15,7 @@ from harness.compare import DTYPES, MEASURES, CompareSettings, run_compare
 from harness.compare_device import CPU_DEFAULTS, CUDA_DEFAULTS, is_cuda
 from harness.engine import Engine
 from harness.probe import cli as probe_cli
+from harness.prune import cli as prune_cli
 from harness.recall import cli as recall_cli
 from harness.results import settings_dict, write_atomic
 from harness.engine.sampling import SamplingParams
@@ -400,6 +401,7 @@ def parser() -> argparse.ArgumentParser:
     serve_cli.add_parser(sub)
     recall_cli.add_parser(sub, int_list, name_list)
     probe_cli.add_parser(sub, int_list, name_list)
+    prune_cli.add_parser(sub)
     return p
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zoo.config import FFNSpec, MixerSpec
+from zoo.config import FFNSpec, ModelConfig
 from zoo.model import DecoderLM
 
 WIDTH_MIXERS = ("attention",)  # mixers whose KV groups can be cut
@@ -81,8 +81,9 @@ def check_indices(what: str, kept, size: int) -> None:
         raise ValueError(f"{what} must be distinct ascending indices in [0, {size}), at least one, got {kept}")
 
 
-def prune(model: DecoderLM, plan: PrunePlan) -> DecoderLM:
-    """A new model holding only what plan keeps, its weights copied from model's (which is left unchanged)."""
+def pruned_config(model: DecoderLM, plan: PrunePlan) -> ModelConfig:
+    """The config of what plan keeps: kept layers renumbered (a kv_source too), each cut layer's own head counts
+    and head_dim, each kept FFN's own hidden."""
     check_plan(model, plan)
     config = model.config
     renumber = {old: new for new, old in enumerate(plan.layers)}
@@ -101,9 +102,14 @@ def prune(model: DecoderLM, plan: PrunePlan) -> DecoderLM:
         hidden = len(plan.channels[old]) if old in plan.channels else (
             ffn_hidden(model, old) if ffn.kind in WIDTH_FFNS else None)
         ffns.append(FFNSpec(ffn.kind, {**ffn.params, "hidden": hidden}) if hidden is not None else ffn)
-    pruned_config = dataclasses.replace(config, layers=layers, ffns=ffns, name=f"{config.name}-pruned")
-    pruned = DecoderLM(pruned_config).to(next(model.parameters()).dtype)
-    pruned.load_state_dict(pruned_state(model, plan, renumber))
+    return dataclasses.replace(config, layers=layers, ffns=ffns, name=f"{config.name}-pruned")
+
+
+def prune(model: DecoderLM, plan: PrunePlan) -> DecoderLM:
+    """A new model holding only what plan keeps, its weights copied from model's (which is left unchanged)."""
+    config = pruned_config(model, plan)
+    pruned = DecoderLM(config).to(next(model.parameters()).dtype)
+    pruned.load_state_dict(pruned_state(model, plan, {old: new for new, old in enumerate(plan.layers)}))
     return pruned.eval()
 
 

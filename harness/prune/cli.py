@@ -1,0 +1,115 @@
+"""`zoo prune`: cut a trained model to a parameter target by measured importance, and say what it cost.
+
+WEIGHTS is a `zoo train` output folder (its newest checkpoint) or a `zoo.save` folder. Calibration windows come from
+the corpus's training split (the one the model was trained on, or --corpus), the figures from its validation split.
+OUT receives importance.json (the scores, reused by a re-run with the same calibration), model/ (the pruned model,
+loadable with zoo.load), and prune.json (counts and validation bits per byte before and after). Each is written
+whole, then renamed into place, so a killed run leaves either the file or nothing, and a re-run continues.
+"""
+import json
+import shutil
+from pathlib import Path
+
+import zoo
+from harness.prune.importance import Importance, measure_importance
+from harness.prune.plan import BY, check_by, plan_for_target, resolve_target
+from harness.results import write_atomic
+from harness.train.checkpoint import checkpoint_folder, read_train_state
+from harness.train.corpus import check_window_fits, load_corpus, training_batch, validation_windows
+from harness.train.objective import validation_bpb
+
+CALIBRATION_SEED = 1234  # the calibration windows' draw: fixed, so a re-run scores the same text
+EVAL_BATCH = 16
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("prune", help="cut a trained model's layers, KV groups or FFN channels to a parameter target, "
+                                     "by importance measured on calibration text (resumable)",
+                       description=__doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[1].replace("\n", " "))
+    p.add_argument("--weights", required=True, help="a `zoo train` output folder or a `zoo.save` folder")
+    p.add_argument("--target", required=True, type=float, help="parameters to keep: a count (>= 1, e.g. 2e6) or a "
+                                                               "share of the model's (between 0 and 1)")
+    p.add_argument("--by", default="mlp", choices=BY, help="what is cut: FFN channels only, KV groups then "
+                                                           "channels, or whole layers then channels (default: mlp)")
+    p.add_argument("--corpus", metavar="PATH", help="calibration and validation text (default: the corpus the model "
+                                                    "was trained on, else this Python's standard library sources)")
+    p.add_argument("--windows", type=int, default=64, help="calibration windows (default: 64)")
+    p.add_argument("--context", type=int, default=256, help="bytes per window (default: 256)")
+    p.add_argument("--eval-windows", type=int, default=64, help="validation windows for the figures (default: 64)")
+    p.add_argument("--out", required=True, help="output folder (a re-run with the same --out continues)")
+    p.set_defaults(func=cmd_prune)
+
+
+def load_weights(weights: Path) -> tuple:
+    """(model in float32, eval mode; the corpus a `zoo train` run trained it on, else None)."""
+    folder = checkpoint_folder(weights)
+    if folder is None:  # a zoo.save folder
+        return zoo.load(weights).float().eval(), None
+    return zoo.load(folder).float().eval(), read_train_state(weights)["settings"].get("corpus")
+
+
+def write_json(path: Path, data: dict) -> None:
+    write_atomic(path, json.dumps(data, indent=1))
+
+
+def cmd_prune(args) -> None:
+    for name in ("windows", "context", "eval_windows"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    weights, out = Path(args.weights), Path(args.out)
+    try:  # everything checked before calibration runs
+        model, trained_corpus = load_weights(weights)
+        target = resolve_target(model, args.target)
+        check_by(model, args.by, target)
+        if args.context + 1 > model.config.max_seq_len:
+            raise ValueError(f"--context {args.context} needs {args.context + 1} positions; the model holds "
+                             f"{model.config.max_seq_len}")
+        corpus = load_corpus(Path(args.corpus) if args.corpus else (Path(trained_corpus) if trained_corpus else None))
+        check_window_fits(corpus, args.context + 1)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    calibration = {"weights": str(weights.resolve()), "windows": args.windows, "context": args.context,
+                   "corpus": corpus.description, "seed": CALIBRATION_SEED}
+    request = {"target": target, "by": args.by, "eval_windows": args.eval_windows, "calibration": calibration}
+    done = read_json(out / "prune.json")
+    if done is not None and {k: done.get(k) for k in request} == request and (out / "model").is_dir():
+        print(summary(done, out))  # this exact run finished before
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    cached = read_json(out / "importance.json")
+    if cached is not None and cached.get("calibration") == calibration:
+        importance = Importance.from_json(cached["importance"])
+    else:
+        windows = training_batch(corpus, CALIBRATION_SEED, 0, args.windows, args.context)
+        importance = measure_importance(model, windows)
+        write_json(out / "importance.json", {"calibration": calibration, "importance": importance.to_json()})
+    plan = plan_for_target(model, importance, target, args.by)
+    pruned = zoo.prune(model, plan)
+    partial = out / "model.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    zoo.save(pruned, partial)
+    shutil.rmtree(out / "model", ignore_errors=True)
+    partial.rename(out / "model")
+    validation = validation_windows(corpus, args.eval_windows, args.context + 1)
+    report = {**request, "parameters_before": zoo.parameter_counts(model).total,
+              "parameters_after": zoo.parameter_counts(pruned).total, "layers_kept": list(plan.layers),
+              "kv_heads_kept": {str(i): len(h) for i, h in plan.kv_heads.items()},
+              "channels_kept": {str(i): len(c) for i, c in plan.channels.items()},
+              "bpb_before": validation_bpb(model, validation, EVAL_BATCH),
+              "bpb_after": validation_bpb(pruned, validation, EVAL_BATCH)}
+    write_json(out / "prune.json", report)
+    print(summary(report, out))
+
+
+def summary(report: dict, out: Path) -> str:
+    return (f"{report['parameters_before']:,} -> {report['parameters_after']:,} parameters (target "
+            f"{report['target']:,}, by {report['by']}); validation bits per byte {report['bpb_before']:.4f} -> "
+            f"{report['bpb_after']:.4f}; model in {out / 'model'}")
+
+
+def read_json(path: Path) -> dict | None:
+    """A results file an earlier run wrote whole, or None (absent, or not JSON)."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None

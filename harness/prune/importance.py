@@ -1,0 +1,84 @@
+"""How much each part of a model matters, measured on calibration text with forward hooks (no gradients):
+
+- a layer: its block influence, 1 - the mean cosine similarity of the residual stream before and after the block,
+  over every token (ShortGPT, Men et al. 2024): a block that barely turns the stream can go;
+- a KV head of an attention layer: the summed importance of the query heads that read it, a query head's being the
+  mean L2 norm of its attention output, the slice of o_proj's input it owns (Minitron, Muralidharan et al. 2024);
+- a feed-forward hidden channel: the mean absolute value of its activation, down_proj's input (Minitron).
+
+Each score is a mean over every calibration token, so the windows' count and length only sharpen it.
+"""
+from dataclasses import asdict, dataclass
+
+import torch
+
+from zoo.pruning import WIDTH_FFNS, WIDTH_MIXERS
+
+
+@dataclass
+class Importance:
+    layers: list[float]  # block influence of each layer
+    kv_heads: dict[int, list[float]]  # attention layer index -> each KV head's
+    channels: dict[int, list[float]]  # FFN layer index -> each hidden channel's
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Importance":
+        return cls(list(data["layers"]), {int(k): list(v) for k, v in data["kv_heads"].items()},
+                   {int(k): list(v) for k, v in data["channels"].items()})
+
+
+def cut_layers(model) -> tuple[list[int], list[int]]:
+    """(attention layers whose KV groups can be cut, FFN layers whose channels can be cut)."""
+    config = model.config
+    sources = {spec.params.get("kv_source") for spec in config.layers} - {None}
+    heads = [i for i, spec in enumerate(config.layers)
+             if spec.kind in WIDTH_MIXERS and spec.params.get("kv_source") is None and i not in sources]
+    return heads, [i for i in range(config.n_layers) if config.ffn(i).kind in WIDTH_FFNS]
+
+
+@torch.no_grad()
+def measure_importance(model, windows: torch.Tensor, batch_size: int = 16) -> Importance:
+    """windows [N, T] token ids: each part's importance over all N * T tokens."""
+    heads, ffns = cut_layers(model)
+    influence = torch.zeros(model.config.n_layers, dtype=torch.float64)
+    head_norms = {i: torch.zeros(model.blocks[i].mixer.n_heads, dtype=torch.float64) for i in heads}
+    activations = {i: torch.zeros(model.blocks[i].mlp.down_proj.weight.shape[1], dtype=torch.float64) for i in ffns}
+
+    def block_hook(i):
+        def hook(module, args, output):
+            cosine = torch.nn.functional.cosine_similarity(args[0].double(), output.double(), dim=-1)
+            influence[i] += (1 - cosine).sum()
+        return hook
+
+    def head_hook(i):
+        def hook(module, args):
+            x = args[0]  # [B, T, H * D]: the heads' outputs side by side
+            head_norms[i] += x.double().unflatten(-1, (len(head_norms[i]), -1)).norm(dim=-1).sum(dim=(0, 1))
+        return hook
+
+    def channel_hook(i):
+        def hook(module, args):
+            activations[i] += args[0].double().abs().sum(dim=(0, 1))
+        return hook
+
+    handles = [block.register_forward_hook(block_hook(i)) for i, block in enumerate(model.blocks)]
+    handles += [model.blocks[i].mixer.o_proj.register_forward_pre_hook(head_hook(i)) for i in heads]
+    handles += [model.blocks[i].mlp.down_proj.register_forward_pre_hook(channel_hook(i)) for i in ffns]
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in windows.split(batch_size):
+            model(batch.to(next(model.parameters()).device))
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    tokens = windows.numel()
+    kv_heads = {}
+    for i, norms in head_norms.items():
+        mixer = model.blocks[i].mixer
+        kv_heads[i] = (norms / tokens).view(mixer.n_kv_heads, -1).sum(dim=1).tolist()  # query heads grouped by KV head
+    return Importance((influence / tokens).tolist(), kv_heads, {i: (a / tokens).tolist() for i, a in activations.items()})

@@ -1,0 +1,121 @@
+"""From importance scores to a PrunePlan that hits a parameter target.
+
+`by` names what is cut, coarse parts first, feed-forward channels last (the fine step that lands on the target):
+- "mlp": channels only, the same share of each FFN layer's, its least active ones (Minitron's MLP width);
+- "heads+mlp": first KV groups, each attention layer keeping ceil(target share x its KV heads) of its most
+  important (at least one), then channels;
+- "depth+mlp": first whole layers, least block influence first, while the model stays above the target (ShortGPT),
+  then channels.
+The plan's parameter count is exact (the pruned config built on the meta device, counted as zoo counts), and lands
+within TOLERANCE of the target, or the plan is refused with what it could reach.
+"""
+import math
+
+import torch
+
+from harness.prune.importance import Importance, cut_layers
+from zoo.model import DecoderLM
+from zoo.parameters import parameter_counts
+from zoo.pruning import PrunePlan, check_plan, pruned_config
+
+BY = ("mlp", "heads+mlp", "depth+mlp")
+TOLERANCE = 0.02  # of the target
+
+
+def parameter_count(model, plan: PrunePlan) -> int:
+    """Parameters of the model plan would make, without allocating it."""
+    with torch.device("meta"):
+        return parameter_counts(DecoderLM(pruned_config(model, plan))).total
+
+
+def resolve_target(model, target: float) -> int:
+    """A count (>= 1) or a share of the model's parameters (0 < target < 1) as a count, checked against what
+    channels can reach before any calibration runs."""
+    total = parameter_counts(model).total
+    if not isinstance(target, (int, float)) or isinstance(target, bool) or not target > 0 or math.isnan(target):
+        raise ValueError(f"target must be a parameter count (>= 1) or a share of the model's {total:,} (between 0 "
+                         f"and 1), got {target!r}")
+    count = round(target * total) if target < 1 else int(target)
+    if count >= total:
+        raise ValueError(f"target {count:,} parameters is not below the model's {total:,}: nothing to prune")
+    return count
+
+
+def check_by(model, by: str, target: int) -> None:
+    """by is known, the model has channels to cut, and cutting every FFN to one channel (and, with heads, every
+    attention layer to one KV group) reaches the target."""
+    if by not in BY:
+        raise ValueError(f"unknown pruning axes by={by!r}; allowed: {', '.join(BY)}")
+    heads, ffns = cut_layers(model)
+    if not ffns:
+        raise ValueError(f"this model has no feed-forward channels to cut (its FFNs: "
+                         f"{sorted({model.config.ffn(i).kind for i in range(model.config.n_layers)})}; cuttable: "
+                         f"swiglu, gelu), and channels are what lands a plan on its target")
+    if by == "depth+mlp":
+        return  # layers go while the count stays above the target, so channels only trim the rest
+    floor = PrunePlan(tuple(range(model.config.n_layers)), {i: (0,) for i in heads} if by == "heads+mlp" else {},
+                      {i: (0,) for i in ffns})
+    least = parameter_count(model, floor)
+    if target < least * (1 - TOLERANCE):
+        raise ValueError(f"target {target:,} parameters is below the {least:,} that cutting by {by} can reach "
+                         f"(one channel per FFN{', one KV group per attention layer' if by == 'heads+mlp' else ''})")
+
+
+def plan_for_target(model, importance: Importance, target: int, by: str) -> PrunePlan:
+    check_by(model, by, target)
+    layers = list(range(model.config.n_layers))
+    heads, ffns = cut_layers(model)
+    if by == "depth+mlp":
+        layers = drop_layers(model, importance, target)
+    kv_heads = {}
+    if by == "heads+mlp":
+        share = target / parameter_count(model, PrunePlan(tuple(layers)))
+        kv_heads = {i: most_important(importance.kv_heads[i], math.ceil(share * len(importance.kv_heads[i])))
+                    for i in heads if i in layers}
+    plan = fit_channels(model, importance, target, PrunePlan(tuple(layers), kv_heads),
+                        [i for i in ffns if i in layers])
+    count = parameter_count(model, plan)
+    if abs(count - target) > TOLERANCE * target:
+        raise ValueError(f"cutting by {by} lands at {count:,} parameters, more than {TOLERANCE:.0%} from the target "
+                         f"{target:,}")
+    return plan
+
+
+def most_important(scores: list[float], keep: int) -> tuple[int, ...]:
+    """Indices of the `keep` highest scores (at least one), ascending."""
+    keep = max(1, min(keep, len(scores)))
+    return tuple(sorted(sorted(range(len(scores)), key=lambda j: -scores[j])[:keep]))
+
+
+def drop_layers(model, importance: Importance, target: int) -> list[int]:
+    """Layers kept after dropping the least influential while the count stays at or above target (a layer another
+    reads keys from, or that reads another's, stays)."""
+    shared = {i for i, spec in enumerate(model.config.layers) if spec.params.get("kv_source") is not None}
+    shared |= {spec.params["kv_source"] for i, spec in enumerate(model.config.layers) if i in shared}
+    kept = list(range(model.config.n_layers))
+    for layer in sorted((i for i in kept if i not in shared), key=lambda i: importance.layers[i]):
+        trial = [i for i in kept if i != layer]
+        if not trial or parameter_count(model, PrunePlan(tuple(trial))) < target:
+            break
+        kept = trial
+    return kept
+
+
+def fit_channels(model, importance: Importance, target: int, plan: PrunePlan, ffns: list[int]) -> PrunePlan:
+    """plan with each FFN layer in ffns keeping the same share of its channels, its most active, the share found by
+    bisection so the count is the closest to target from above."""
+    hidden = {i: len(importance.channels[i]) for i in ffns}
+
+    def with_share(share: float) -> PrunePlan:
+        return PrunePlan(plan.layers, plan.kv_heads,
+                         {i: most_important(importance.channels[i], round(share * hidden[i])) for i in ffns})
+
+    check_plan(model, plan)
+    low, high = 0.0, 1.0
+    for _ in range(30):
+        middle = (low + high) / 2
+        if parameter_count(model, with_share(middle)) >= target:
+            high = middle
+        else:
+            low = middle
+    return with_share(high)
