@@ -26,6 +26,7 @@ from harness.serve_bench import markdown_table as serve_table
 from harness.serve_charts import write_serve_charts
 from harness.table import markdown_table
 from harness.train import cli as train_cli
+from harness.train import distill_cli
 from zoo.registry import make_config
 from zoo.weights import check_weights_file, load_weights
 
@@ -398,6 +399,7 @@ def parser() -> argparse.ArgumentParser:
 
     add_export_parser(sub)
     train_cli.add_parser(sub)
+    distill_cli.add_parser(sub)
     serve_cli.add_parser(sub)
     recall_cli.add_parser(sub, int_list, name_list)
     probe_cli.add_parser(sub, int_list, name_list)

@@ -39,8 +39,8 @@ def tokens(model, length: int = 30) -> torch.Tensor:
 
 
 CASES = {
-    "gqa: a layer, a KV group, channels": ("gqa", {"n_layers": 3},
-                                           PrunePlan((0, 2), kv_heads={2: (1,)}, channels={0: tuple(range(0, 192, 3))})),
+    "gqa: a layer, a KV group, channels": (
+        "gqa", {"n_layers": 3}, PrunePlan((0, 2), kv_heads={2: (1,)}, channels={0: tuple(range(0, 192, 3))})),
     "mha: heads in every kept layer": ("mha", {}, PrunePlan((0, 1), kv_heads={0: (0, 3), 1: (2,)})),
     "gelu, biases off, channels only": ("gqa", {"mlp": "gelu"}, PrunePlan((0, 1), channels={1: (5, 6, 100)})),
     "cla: the sharing layer kept with its source": ("cla", {"n_layers": 4, "share": 2}, PrunePlan((2, 3))),

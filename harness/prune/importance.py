@@ -81,4 +81,5 @@ def measure_importance(model, windows: torch.Tensor, batch_size: int = 16) -> Im
     for i, norms in head_norms.items():
         mixer = model.blocks[i].mixer
         kv_heads[i] = (norms / tokens).view(mixer.n_kv_heads, -1).sum(dim=1).tolist()  # query heads grouped by KV head
-    return Importance((influence / tokens).tolist(), kv_heads, {i: (a / tokens).tolist() for i, a in activations.items()})
+    channels = {i: (a / tokens).tolist() for i, a in activations.items()}
+    return Importance((influence / tokens).tolist(), kv_heads, channels)

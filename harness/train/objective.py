@@ -49,6 +49,21 @@ def loss(model, windows: torch.Tensor, generator: torch.Generator | None = None)
     return F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
 
 
+def distillation_loss(student, teacher, windows: torch.Tensor, temperature: float,
+                      weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next-byte cross-entropy, the loss to train on) for windows [B, context + 1]: (1 - weight) x cross-entropy
+    + weight x T^2 x KL(teacher || student), both distributions softened by T (Hinton et al. 2015; the T^2 keeps the
+    soft term's gradients on the hard term's scale as T grows). The teacher runs without gradients."""
+    inputs, targets = windows[:, :-1], windows[:, 1:].flatten()
+    logits = student(inputs).float().flatten(0, 1)
+    with torch.no_grad():
+        teacher_logits = teacher(inputs).float().flatten(0, 1)
+    cross_entropy = F.cross_entropy(logits, targets)
+    kl = F.kl_div(F.log_softmax(logits / temperature, dim=-1), F.log_softmax(teacher_logits / temperature, dim=-1),
+                  log_target=True, reduction="batchmean")
+    return cross_entropy, (1 - weight) * cross_entropy + weight * temperature**2 * kl
+
+
 @torch.no_grad()
 def validation_bpb(model, windows: torch.Tensor, batch_size: int) -> float:
     """The model's validation figure (see `metric`) on windows [N, context + 1], in bits per byte, in the model's

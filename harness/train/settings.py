@@ -22,9 +22,11 @@ BYTE_VOCAB = 256  # token ids are raw bytes
 # faster on the project's 2-core EPYC (small preset, gqa and mamba); at the tiny preset (d_model 64) it ranged from
 # 0.67x to 1.3x by architecture, 0.92x for the CPU default (benchmarks/train_autocast.py; BENCHMARKS.md)
 AUTOCAST_MIN_WIDTH = 512
-# what a checkpoint written before the MoE auxiliary losses existed trained with
-OLDER_CHECKPOINTS = {"moe_balance_weight": 0.0, "moe_z_weight": 0.0}
-MOE_WEIGHTS = tuple(OLDER_CHECKPOINTS)  # settings that change nothing for a model without MoE layers
+# what a checkpoint written before the MoE auxiliary losses, or before distillation, existed trained with
+OLDER_CHECKPOINTS = {"moe_balance_weight": 0.0, "moe_z_weight": 0.0, "init": None, "init_weights": True,
+                     "teacher": None}
+MOE_WEIGHTS = ("moe_balance_weight", "moe_z_weight")  # settings that change nothing for a model without MoE layers
+DISTILL_WEIGHTS = ("distill_temperature", "distill_weight")  # likewise without a teacher
 
 
 @dataclass
@@ -47,6 +49,13 @@ class TrainSettings:
     # MoE auxiliary losses' weights (harness/train/moe_losses.py); 0 turns one off; no MoE layers: not applying
     moe_balance_weight: float = BALANCE_WEIGHT
     moe_z_weight: float = Z_WEIGHT
+    # distillation (`zoo distill`): start from a saved model (its config; its weights unless init_weights is False)
+    # instead of arch/preset/overrides, and learn from a teacher's next-byte distributions as well as the bytes
+    init: Path | None = None
+    init_weights: bool = True
+    teacher: Path | None = None
+    distill_temperature: float = 1.0  # both distributions softened by it; the KL term scaled by its square (Hinton)
+    distill_weight: float = 0.5  # the loss: (1 - w) x cross-entropy + w x T^2 x KL(teacher || student)
     out: Path | None = None  # default: results/train/ARCH-PRESET
 
     def __post_init__(self):
@@ -56,11 +65,15 @@ class TrainSettings:
 
     def validate(self) -> zoo.ModelConfig:
         """Every bad setting is reported before any work; returns the model config the settings build."""
-        zoo.registry.check_architecture(self.arch)
-        zoo.presets.preset_settings(self.preset)
-        if not isinstance(self.overrides, dict) or not all(isinstance(name, str) for name in self.overrides):
-            raise ValueError(f"overrides must map registry setting names to values, got {self.overrides!r}")
-        config = zoo.make_config(self.arch, self.preset, **self.overrides)
+        if self.init is not None:  # the saved model decides the architecture
+            config = zoo.checkpoint.load_config(self.init)
+            checks.boolean("init_weights", self.init_weights)
+        else:
+            zoo.registry.check_architecture(self.arch)
+            zoo.presets.preset_settings(self.preset)
+            if not isinstance(self.overrides, dict) or not all(isinstance(name, str) for name in self.overrides):
+                raise ValueError(f"overrides must map registry setting names to values, got {self.overrides!r}")
+            config = zoo.make_config(self.arch, self.preset, **self.overrides)
         checks.integer("context", self.context, minimum=1)
         if self.context > config.max_seq_len:
             raise ValueError(f"context {self.context} is longer than the model's max_seq_len {config.max_seq_len} "
@@ -88,12 +101,28 @@ class TrainSettings:
         checks.choice("autocast", self.autocast, AUTOCAST)
         checks.integer("seed", self.seed, minimum=0, maximum=2**63 - 1)  # torch.manual_seed and numpy both take it
         check_weights(self.moe_balance_weight, self.moe_z_weight)
+        if self.teacher is not None:
+            self.check_teacher(config)
         check_corpus_path(self.corpus)
         check_output_folder(self.out)
         saved = read_train_state(self.out)
         if saved is not None:
             self.check_resume(saved["settings"], config)
         return config
+
+    def check_teacher(self, student: zoo.ModelConfig) -> None:
+        """The teacher predicts the same ids over the same context, one byte at a time, as the student."""
+        teacher = zoo.checkpoint.load_config(self.teacher)
+        if teacher.vocab_size != student.vocab_size:
+            raise ValueError(f"the teacher's vocab_size {teacher.vocab_size} differs from the student's "
+                             f"{student.vocab_size}: distillation compares their next-token distributions id by id")
+        if not (teacher.causal and student.causal):
+            raise ValueError("distillation matches next-byte distributions: teacher and student must both be causal "
+                             f"(teacher causal={teacher.causal}, student causal={student.causal})")
+        if self.context > teacher.max_seq_len:
+            raise ValueError(f"context {self.context} is longer than the teacher's max_seq_len {teacher.max_seq_len}")
+        checks.real("distill_temperature", self.distill_temperature, minimum=0, open_min=True)
+        checks.real("distill_weight", self.distill_weight, minimum=0, maximum=1)
 
     def autocast_enabled(self, config: zoo.ModelConfig) -> bool:
         """auto: on for CUDA; on CPU for models of d_model >= AUTOCAST_MIN_WIDTH where oneDNN has bf16 kernels for
@@ -106,13 +135,16 @@ class TrainSettings:
 
     def fixed(self, config: zoo.ModelConfig) -> dict:
         """The settings a resumed run must share with its checkpoint, as they are recorded (the MoE weights only for
-        a model with MoE layers)."""
-        free = RESUMABLE_CHANGES + (() if has_moe_layers(config) else MOE_WEIGHTS)
+        a model with MoE layers, the distillation weights only with a teacher)."""
+        free = (RESUMABLE_CHANGES + (() if has_moe_layers(config) else MOE_WEIGHTS)
+                + (() if self.teacher is not None else DISTILL_WEIGHTS))
         return {name: value for name, value in self.record().items() if name not in free}
 
     def record(self) -> dict:
         """The settings as JSON values, the corpus as an absolute path (how a checkpoint records them)."""
-        return {**settings_dict(self), "corpus": None if self.corpus is None else str(Path(self.corpus).resolve())}
+        paths = {name: None if getattr(self, name) is None else str(Path(getattr(self, name)).resolve())
+                 for name in ("corpus", "init", "teacher")}
+        return {**settings_dict(self), **paths}
 
     def check_resume(self, saved: dict, config: zoo.ModelConfig) -> None:
         """OUT already holds a checkpoint: these settings may continue it only if they train the same model on the

@@ -45,6 +45,7 @@ class Run:
     corpus: Corpus
     state: dict
     moe: MoETraining  # the auxiliary losses' weights and the routing statistics since the last evaluation
+    teacher: nn.Module | None = None  # distillation: the model whose next-byte distributions the student learns
 
     def fraction_done(self) -> float:
         """Progress through the budget, in [0, 1]."""
@@ -75,7 +76,10 @@ def start_run(settings: TrainSettings) -> Run:
     check_window_fits(corpus, settings.context + 1)
     if saved is None:
         torch.manual_seed(settings.seed)
-        model = zoo.build(config).to(settings.device)
+        if settings.init is not None and settings.init_weights:  # a saved student: a pruned or converted model
+            model = zoo.load(settings.init, settings.device).float()
+        else:
+            model = zoo.build(config).to(settings.device)
         state = {"step": 0, "tokens": 0, "trained_s": 0.0, "wall_s": 0.0, "history": [],
                  "unigram_bpb": unigram_bpb(corpus.train, corpus.validation), "corpus": corpus.description,
                  "metric": objective.metric(model), "hardware": hardware(settings.device), "torch": torch.__version__}
@@ -87,7 +91,9 @@ def start_run(settings: TrainSettings) -> Run:
     if saved is not None:
         optimizer.load_state_dict(read_optimizer_state(checkpoint_folder(settings.out), settings.device))
     moe = MoETraining.for_model(model, settings.moe_balance_weight, settings.moe_z_weight)
-    return Run(settings, model, optimizer, corpus, {**state, "settings": settings.record()}, moe)  # budgets given now
+    teacher = None if settings.teacher is None else zoo.load(settings.teacher, settings.device).float().eval()
+    return Run(settings, model, optimizer, corpus, {**state, "settings": settings.record()}, moe,  # budgets given now
+               teacher)
 
 
 def check_same_corpus(saved: dict, corpus: Corpus) -> None:
@@ -100,17 +106,21 @@ def check_same_corpus(saved: dict, corpus: Corpus) -> None:
 
 
 def train_step(run: Run, lr: float, use_autocast: bool) -> float:
-    """One optimizer step at rate lr on the batch of the run's current step, on the task loss plus any MoE
-    auxiliary losses; returns the task loss in nats per token."""
+    """One optimizer step at rate lr on the batch of the run's current step, on the task loss (with a teacher, the
+    distillation loss) plus any MoE auxiliary losses; returns the task loss in nats per token."""
     settings, step = run.settings, run.state["step"]
     batch = training_batch(run.corpus, settings.seed, step, settings.batch_size, settings.context + 1)
     generator = None if run.model.config.causal else objective.masking_generator(settings.seed, step, settings.device)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     with objective.autocast(settings.device, use_autocast):
-        loss = objective.loss(run.model, batch.to(settings.device), generator)
+        if run.teacher is None:
+            loss = trained_on = objective.loss(run.model, batch.to(settings.device), generator)
+        else:
+            loss, trained_on = objective.distillation_loss(run.model, run.teacher, batch.to(settings.device),
+                                                           settings.distill_temperature, settings.distill_weight)
     run.optimizer.zero_grad(set_to_none=True)
-    (loss + run.moe.step_loss(run.model)).backward()
+    (trained_on + run.moe.step_loss(run.model)).backward()
     nn.utils.clip_grad_norm_(run.model.parameters(), CLIP_NORM)
     run.optimizer.step()
     return float(loss.detach())
