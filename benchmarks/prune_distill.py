@@ -1,0 +1,97 @@
+"""Pruning, then distillation, against the same architecture trained from scratch (Minitron's comparison,
+Muralidharan et al. 2024), on a `zoo train` gqa teacher:
+
+1. teacher: `zoo train --arch gqa --preset PRESET` for --teacher-steps steps (OUT/teacher);
+2. pruned: `zoo prune` to --share of its parameters, by FFN channels (mlp) and by whole layers then channels
+   (depth+mlp) (OUT/prune-BY);
+3. distilled: `zoo distill` of each pruned model from the teacher for --steps steps (OUT/distill-BY);
+4. scratch: the pruned architecture from random weights on the bytes alone for the same steps, at zoo train's
+   learning rate (OUT/scratch-BY): the same tokens as the distillation.
+
+Then each model's validation bits per byte (the same fixed windows for all), parameters, cache bytes a token and
+decode step time (batch --batch at context --context, caches filled as if prefilled; run alone) go to
+OUT/results.jsonl, and the chart (quality against decode time, a line a method) to OUT/quality_vs_decode.png.
+Every stage continues from what an earlier run left.
+
+    python benchmarks/prune_distill.py --preset small --teacher-steps 600 --steps 200
+"""
+import argparse
+from pathlib import Path
+
+import torch
+
+import zoo
+from harness import cli
+from harness.charts import line_chart
+from harness.decode_probe import decode_probe
+from harness.results import ResultStore
+from harness.train import TrainSettings, load_corpus, run_train, validation_windows
+from harness.train.objective import validation_bpb
+
+BY = ("mlp", "depth+mlp")
+SCRATCH_LR = TrainSettings().lr  # zoo train's: a model from random weights needs it; a trained student does not
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--teacher-steps", type=int, default=600)
+    parser.add_argument("--share", type=float, default=0.5, help="parameters kept")
+    parser.add_argument("--steps", type=int, default=200, help="distillation (and scratch) steps")
+    parser.add_argument("--batch", type=int, default=1, help="decode batch")
+    parser.add_argument("--context", type=int, default=256, help="decode context and training window")
+    parser.add_argument("--eval-windows", type=int, default=256)
+    parser.add_argument("--out", type=Path, default=Path("results/prune_distill"))
+    args = parser.parse_args()
+    out = args.out
+    steps = {"max_steps": args.steps, "minutes": None, "eval_every": max(1, args.steps // 4), "eval_windows": 64,
+             "context": args.context}
+    teacher = run_train(TrainSettings(arch="gqa", preset=args.preset, max_steps=args.teacher_steps, minutes=None,
+                                      context=args.context, out=out / "teacher"), show_progress=False)
+    print("teacher", teacher["val_bpb"], flush=True)
+    models = {"teacher": out / "teacher" / "checkpoint"}
+    for by in BY:
+        name = by.replace("+", "-")
+        cli.main(["prune", "--weights", str(out / "teacher"), "--target", str(args.share), "--by", by,
+                  "--context", str(args.context), "--out", str(out / f"prune-{name}")])
+        student = out / f"prune-{name}" / "model"
+        run_train(TrainSettings(arch=f"gqa-pruned-{name}", preset="saved", init=student, teacher=out / "teacher",
+                                lr=3e-3, out=out / f"distill-{name}", **steps), show_progress=False)
+        run_train(TrainSettings(arch=f"gqa-pruned-{name}", preset="saved", init=student, init_weights=False,
+                                lr=SCRATCH_LR, out=out / f"scratch-{name}", **steps), show_progress=False)
+        models.update({f"pruned {by}": student, f"distilled {by}": out / f"distill-{name}" / "checkpoint",
+                       f"scratch {by}": out / f"scratch-{name}" / "checkpoint"})
+    measure(models, args, out)
+
+
+def measure(models: dict[str, Path], args, out: Path) -> None:
+    store = ResultStore(out / "results.jsonl", ("model", "steps", "teacher_steps", "share", "batch", "context"))
+    windows = validation_windows(load_corpus(None), args.eval_windows, args.context + 1)
+    for name, folder in models.items():
+        cell = {"model": name, "steps": args.steps, "teacher_steps": args.teacher_steps, "share": args.share,
+                "batch": args.batch, "context": args.context}
+        if store.done(cell):
+            continue
+        model = zoo.load(folder).float().eval()
+        bpb = validation_bpb(model, windows, 16)
+        step = decode_probe(model.to(torch.bfloat16), args.batch, args.context).median_step()
+        store.append({**cell, "bpb": bpb, "parameters": zoo.parameter_counts(model).total,
+                      "cache_bytes_per_token": zoo.cache_bytes(model, 1, dtype=torch.bfloat16),
+                      "decode_ms": 1000 * step})
+        print(name, {k: v for k, v in store.rows[-1].items() if k not in cell}, flush=True)
+    rows = [r for r in store.rows if r["steps"] == args.steps and r["teacher_steps"] == args.teacher_steps]
+    series = {kind: tuple(zip(*sorted((r["decode_ms"], r["bpb"]) for r in rows if r["model"].startswith(kind))))
+              for kind in ("pruned", "distilled", "scratch")}
+    teacher = next(r for r in rows if r["model"] == "teacher")
+    series["teacher"] = ([teacher["decode_ms"]], [teacher["bpb"]])
+    line_chart(out / "quality_vs_decode.png", f"gqa {args.preset} pruned to {args.share:.0%}, {args.steps} steps",
+               f"decode step (ms, batch {args.batch}, context {args.context}, bf16)", "validation bits per byte",
+               series, logx=False)
+    print("| model | parameters | bits per byte | decode step (ms) | cache a token |\n|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['model']} | {r['parameters']:,} | {r['bpb']:.3f} | {r['decode_ms']:.2f} | "
+              f"{r['cache_bytes_per_token']:,} B |")
+
+
+if __name__ == "__main__":
+    main()
