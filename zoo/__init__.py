@@ -12,6 +12,7 @@ from zoo.quantize import QuantizeConfig, quantize, quantize_layers
 from zoo.entry_details import details
 from zoo.eviction import EvictionConfig, evict
 from zoo.pruning import PrunePlan, prune
+from zoo.convert import convert
 from zoo.registry import architectures, compare_defaults, describe, is_causal, make_config
 from zoo.tokenizer import ByteTokenizer
 

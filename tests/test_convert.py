@@ -1,0 +1,103 @@
+"""Architecture conversion (zoo/convert.py): mean-pooled KV heads are exact where the pooled heads were equal, a
+window changes nothing within it, a Gated DeltaNet layer starts from the attention's projections, and every
+converted model is a normal one (the float64 reference, the engine's cache)."""
+import pytest
+import torch
+
+import zoo
+from harness import Engine
+from zoo.convert import convert
+from zoo.reference import reference_forward
+from helpers import greedy, make_prompts, random_model  # tests/ is on sys.path under pytest
+
+
+def tokens(model, length: int = 24) -> torch.Tensor:
+    return torch.randint(0, model.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def test_pooling_kv_heads_that_were_equal_changes_nothing():
+    model = random_model("mha")  # 4 heads, 4 KV heads
+    for block in model.blocks:
+        for proj in (block.mixer.k_proj, block.mixer.v_proj):
+            rows = proj.weight.view(2, 2, block.mixer.head_dim, -1)
+            rows[:, 1] = rows[:, 0]  # KV heads 0 = 1 and 2 = 3
+    converted = convert(model, "gqa", kv_heads=2)
+    assert [spec.params["n_kv_heads"] for spec in converted.config.layers] == [2, 2]
+    x = tokens(model)
+    assert (converted(x) - model(x)).abs().max().item() <= 1e-5 * model(x).abs().max().item()
+
+
+def test_each_pooled_head_is_the_mean_of_its_group():
+    model = random_model("mha")
+    converted = convert(model, "gqa", kv_heads=1, layers=[1])
+    dim = model.blocks[1].mixer.head_dim
+    want = model.blocks[1].mixer.v_proj.weight.view(4, dim, -1).mean(dim=0)
+    assert torch.allclose(converted.blocks[1].mixer.v_proj.weight, want)
+    assert torch.equal(converted.blocks[0].mixer.k_proj.weight, model.blocks[0].mixer.k_proj.weight)  # not chosen
+
+
+@torch.no_grad()
+def test_a_window_changes_nothing_within_it_and_something_beyond():
+    model = random_model("gqa")
+    windowed = convert(model, "swa", window=10)
+    short, long = tokens(model, 10), tokens(model, 30)
+    assert torch.allclose(windowed(short), model(short), atol=1e-6)
+    assert not torch.allclose(windowed(long)[:, -1], model(long)[:, -1], atol=1e-3)
+
+
+def test_a_gdn_layer_starts_from_the_attention_s_projections():
+    model = random_model("gqa", n_layers=3)  # 4 query heads on 2 KV heads
+    converted = convert(model, "gdn", layers=[1])
+    assert [spec.kind for spec in converted.config.layers] == ["attention", "gdn", "attention"]
+    attention, gdn = model.blocks[1].mixer, converted.blocks[1].mixer
+    width, dim = attention.n_heads * attention.head_dim, attention.head_dim
+    q, k, v = gdn.in_proj.weight[:width], gdn.in_proj.weight[width:2 * width], gdn.in_proj.weight[2 * width:3 * width]
+    assert torch.equal(q, attention.q_proj.weight) and torch.equal(gdn.out_proj.weight, attention.o_proj.weight)
+    for head in range(4):  # query head h reads KV head h // 2
+        source = slice((head // 2) * dim, (head // 2 + 1) * dim)
+        assert torch.equal(k[head * dim:(head + 1) * dim], attention.k_proj.weight[source])
+        assert torch.equal(v[head * dim:(head + 1) * dim], attention.v_proj.weight[source])
+    x = torch.randn(1, 5, gdn.conv_dim)
+    padded = torch.nn.functional.pad(x.transpose(1, 2), (gdn.d_conv - 1, 0))
+    assert torch.equal(gdn.conv1d(padded).transpose(1, 2), x)  # the conv passes each token through
+    for name, tensor in model.state_dict().items():
+        if not name.startswith("blocks.1.mixer."):
+            assert torch.equal(converted.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("to, options", [("gqa", {"kv_heads": 1}), ("swa", {"window": 6}), ("gdn", {"layers": [0]})])
+def test_a_converted_model_holds_the_reference_and_the_engine_cache(to, options):
+    converted = convert(random_model("gqa"), to, **options)
+    x = tokens(converted, 30)
+    with torch.no_grad():
+        logits, want = converted(x), reference_forward(converted, x)
+    assert ((logits.double() - want).abs().max() / want.abs().max()).item() <= 1e-4
+    prompts = make_prompts([4, 19], converted.config.vocab_size, seed=2)
+    for kv_cache in ("contiguous", "paged"):
+        outputs = Engine(converted, max_batch=2, kv_cache=kv_cache, max_seq_len=48).generate(prompts, greedy(10))
+        for prompt, out in zip(prompts, outputs):
+            with torch.no_grad():
+                full = converted(torch.tensor([prompt + out.token_ids[:-1]]))[0, len(prompt) - 1:]
+            assert (full - torch.stack(out.logits)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch, to, options, message", [
+    ("gqa", "rwkv", {}, "unknown conversion target 'rwkv'; allowed: gqa, swa, gdn"),
+    ("gqa", "gqa", {"kv_heads": 3}, "kv_heads must divide layer 0's 2 KV heads"),
+    ("gqa", "swa", {"window": 0}, "window must be an integer >= 1"),
+    ("gqa", "gdn", {"layers": [2]}, r"layers \[2\] cannot be converted: attention layers .* are \[0, 1\]"),
+    ("mamba2", "gdn", {}, r"cannot be converted: attention layers that compute their own keys and values are \[\]"),
+    ("cla", "gdn", {"layers": [1]}, r"layers \[1\] cannot be converted"),
+])
+def test_what_cannot_be_converted_is_named(arch, to, options, message):
+    with pytest.raises(ValueError, match=message):
+        convert(random_model(arch), to, **options)
+
+
+def test_a_converted_model_saves_and_loads_as_itself(tmp_path):
+    converted = zoo.convert(random_model("gqa"), "gdn", layers=[1])
+    loaded = zoo.load(zoo.save(converted, tmp_path / "converted"))
+    x = tokens(converted)
+    with torch.no_grad():
+        assert loaded.config.layers == converted.config.layers and torch.equal(loaded(x), converted(x))
