@@ -16,6 +16,7 @@ from harness.compare_device import CPU_DEFAULTS, CUDA_DEFAULTS, is_cuda
 from harness.engine import Engine
 from harness.probe import cli as probe_cli
 from harness.prune import cli as prune_cli
+from harness import convert_cli
 from harness.recall import cli as recall_cli
 from harness.results import settings_dict, write_atomic
 from harness.engine.sampling import SamplingParams
@@ -404,6 +405,7 @@ def parser() -> argparse.ArgumentParser:
     recall_cli.add_parser(sub, int_list, name_list)
     probe_cli.add_parser(sub, int_list, name_list)
     prune_cli.add_parser(sub)
+    convert_cli.add_parser(sub)
     return p
 
 

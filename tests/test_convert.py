@@ -101,3 +101,17 @@ def test_a_converted_model_saves_and_loads_as_itself(tmp_path):
     x = tokens(converted)
     with torch.no_grad():
         assert loaded.config.layers == converted.config.layers and torch.equal(loaded(x), converted(x))
+
+
+def test_cli_converts_and_saves(tmp_path, capsys):
+    from harness import cli
+    weights = zoo.save(random_model("gqa", n_layers=3), tmp_path / "weights")
+    assert cli.main(["convert", "--weights", str(weights), "--to", "gdn", "--layers", "0,2",
+                     "--out", str(tmp_path / "out")]) == 0
+    assert [s.kind for s in zoo.load(tmp_path / "out").config.layers] == ["gdn", "attention", "gdn"]
+    assert "gqa -> gqa-to-gdn" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--layers must be comma-separated integers"):
+        cli.main(["convert", "--weights", str(weights), "--to", "gdn", "--layers", "a", "--out", str(tmp_path / "x")])
+    assert cli.main(["convert", "--weights", str(weights), "--to", "gqa", "--kv-heads", "3",
+                     "--out", str(tmp_path / "y")]) == 2
+    assert not (tmp_path / "y").exists()
