@@ -6,7 +6,10 @@ Muralidharan et al. 2024), on a `zoo train` gqa teacher:
    (depth+mlp) (OUT/prune-BY);
 3. distilled: `zoo distill` of each pruned model from the teacher for --steps steps (OUT/distill-BY);
 4. scratch: the pruned architecture from random weights on the bytes alone for the same steps, at zoo train's
-   learning rate (OUT/scratch-BY): the same tokens as the distillation.
+   learning rate (OUT/scratch-BY): the same tokens as the distillation;
+5. conversions (--conversions): the teacher turned into another architecture by `zoo.convert` ("mqa": one KV head a
+   layer, mean-pooled; "hybrid-gdn": every other layer Gated DeltaNet), each distilled and each with its scratch
+   twin, as the pruned ones (OUT/convert-NAME, distill-NAME, scratch-NAME).
 
 Then each model's validation bits per byte (the same fixed windows for all), parameters, cache bytes a token and
 decode step time (batch --batch at context --context, caches filled as if prefilled; run alone) go to
@@ -29,6 +32,8 @@ from harness.train import TrainSettings, load_corpus, run_train, validation_wind
 from harness.train.objective import validation_bpb
 
 BY = ("mlp", "depth+mlp")
+CONVERSIONS = {"mqa": {"to": "gqa", "kv_heads": 1},
+               "hybrid-gdn": {"to": "gdn", "layers": "odd"}}  # odd: layers 1, 3, 5, ...
 SCRATCH_LR = TrainSettings().lr  # zoo train's: a model from random weights needs it; a trained student does not
 
 
@@ -41,6 +46,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="decode batch")
     parser.add_argument("--context", type=int, default=256, help="decode context and training window")
     parser.add_argument("--eval-windows", type=int, default=256)
+    parser.add_argument("--conversions", default="mqa,hybrid-gdn", help=f"comma-separated, of {list(CONVERSIONS)}, "
+                        "or none")
     parser.add_argument("--out", type=Path, default=Path("results/prune_distill"))
     args = parser.parse_args()
     out = args.out
@@ -61,7 +68,30 @@ def main() -> None:
                                 lr=SCRATCH_LR, out=out / f"scratch-{name}", **steps), show_progress=False)
         models.update({f"pruned {by}": student, f"distilled {by}": out / f"distill-{name}" / "checkpoint",
                        f"scratch {by}": out / f"scratch-{name}" / "checkpoint"})
+    for name in filter(lambda n: n != "none", args.conversions.split(",")):
+        student = converted(out, name)
+        run_train(TrainSettings(arch=f"gqa-to-{name}", preset="saved", init=student, teacher=out / "teacher",
+                                lr=3e-3, out=out / f"distill-{name}", **steps), show_progress=False)
+        run_train(TrainSettings(arch=f"gqa-to-{name}", preset="saved", init=student, init_weights=False,
+                                lr=SCRATCH_LR, out=out / f"scratch-{name}", **steps), show_progress=False)
+        models.update({f"converted {name}": student, f"distilled {name}": out / f"distill-{name}" / "checkpoint",
+                       f"scratch {name}": out / f"scratch-{name}" / "checkpoint"})
     measure(models, args, out)
+
+
+def converted(out: Path, name: str) -> Path:
+    """The teacher converted and saved (once): OUT/convert-NAME."""
+    if name not in CONVERSIONS:
+        raise SystemExit(f"unknown conversion {name!r}; allowed: {', '.join(CONVERSIONS)}, none")
+    folder = out / f"convert-{name}"
+    if not folder.exists():
+        teacher = zoo.load(out / "teacher" / "checkpoint").float()
+        options = dict(CONVERSIONS[name])
+        if options.get("layers") == "odd":
+            options["layers"] = list(range(1, teacher.config.n_layers, 2))
+        torch.manual_seed(0)
+        zoo.save(zoo.convert(teacher, **options), out / f"convert-{name}.partial").rename(folder)
+    return folder
 
 
 def measure(models: dict[str, Path], args, out: Path) -> None:
@@ -76,21 +106,23 @@ def measure(models: dict[str, Path], args, out: Path) -> None:
         bpb = validation_bpb(model, windows, 16)
         step = decode_probe(model.to(torch.bfloat16), args.batch, args.context).median_step()
         store.append({**cell, "bpb": bpb, "parameters": zoo.parameter_counts(model).total,
-                      "cache_bytes_per_token": zoo.cache_bytes(model, 1, dtype=torch.bfloat16),
+                      "cache_bytes": zoo.cache_bytes(model, args.context, dtype=torch.bfloat16),
                       "decode_ms": 1000 * step})
         print(name, {k: v for k, v in store.rows[-1].items() if k not in cell}, flush=True)
     rows = [r for r in store.rows if r["steps"] == args.steps and r["teacher_steps"] == args.teacher_steps]
     series = {kind: tuple(zip(*sorted((r["decode_ms"], r["bpb"]) for r in rows if r["model"].startswith(kind))))
-              for kind in ("pruned", "distilled", "scratch")}
+              for kind in ("pruned", "converted", "distilled", "scratch")
+              if any(r["model"].startswith(kind) for r in rows)}
     teacher = next(r for r in rows if r["model"] == "teacher")
     series["teacher"] = ([teacher["decode_ms"]], [teacher["bpb"]])
     line_chart(out / "quality_vs_decode.png", f"gqa {args.preset} pruned to {args.share:.0%}, {args.steps} steps",
                f"decode step (ms, batch {args.batch}, context {args.context}, bf16)", "validation bits per byte",
                series, logx=False)
-    print("| model | parameters | bits per byte | decode step (ms) | cache a token |\n|---|---:|---:|---:|---:|")
+    print(f"| model | parameters | bits per byte | decode step (ms) | cache at {args.context} tokens (bf16) |\n"
+          "|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['model']} | {r['parameters']:,} | {r['bpb']:.3f} | {r['decode_ms']:.2f} | "
-              f"{r['cache_bytes_per_token']:,} B |")
+              f"{r['cache_bytes']:,} B |")
 
 
 if __name__ == "__main__":
