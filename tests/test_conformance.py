@@ -26,13 +26,25 @@ def engine_for(model, kv_cache: str, max_batch: int, **kwargs) -> Engine:
     return Engine(model, max_batch=max_batch, kv_cache=kv_cache, **kwargs)
 
 
-@pytest.fixture(params=ARCHS)
+# models made by surgery on a registry model (zoo.prune, zoo.convert): their configs hold per-layer sizes and mixed
+# mixers no registry entry builds, and they must meet the same contract
+SURGERY = {
+    "gqa-pruned": lambda: zoo.prune(random_model("gqa", n_layers=3), zoo.PrunePlan(
+        (0, 2), kv_heads={0: (1,)}, channels={0: tuple(range(0, 192, 2)), 2: tuple(range(100))})),
+    "mha-to-gqa": lambda: zoo.convert(random_model("mha"), "gqa", kv_heads=2),
+    "gqa-to-gdn": lambda: zoo.convert(random_model("gqa", n_layers=3), "gdn", layers=[1]),
+}
+
+
+@pytest.fixture(params=ARCHS + list(SURGERY))
 def arch_name(request) -> str:
     return request.param
 
 
 @pytest.fixture
 def model(arch_name):
+    if arch_name in SURGERY:
+        return SURGERY[arch_name]()
     return random_model(arch_name, seed=ARCHS.index(arch_name))
 
 
