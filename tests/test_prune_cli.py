@@ -68,13 +68,15 @@ def plan_of(out: Path) -> zoo.PrunePlan:
     from harness.prune.plan import plan_for_target
     report, scores = (json.loads((out / name).read_text()) for name in ("prune.json", "importance.json"))
     model = zoo.load(Path(report["calibration"]["weights"]))
-    return plan_for_target(model, Importance.from_json(scores["importance"]), report["target"], report["by"])
+    return plan_for_target(model, Importance.from_json(scores["importance"]), report["target"], report["by"],
+                           report["kv_heads"])
 
 
 @pytest.mark.parametrize("args, message", [
     (["--target", "1e9"], "is not below the model's"),
     (["--target", "50"], "below the .* that cutting by mlp can reach"),
     (["--target", "0.5", "--windows", "0"], "--windows must be >= 1"),
+    (["--target", "0.5", "--by", "heads+mlp", "--kv-heads", "3"], "kv_heads must be between 1 and 2"),
     (["--target", "0.5", "--context", "5000"], "--context 5000 needs 5001 positions"),
 ])
 def test_bad_input_is_refused_before_any_work(saved, tmp_path, args, message):

@@ -84,3 +84,14 @@ def test_what_no_plan_can_reach_is_refused_before_calibration():
         check_by(model, "width", 10**5)
     with pytest.raises(ValueError, match="no feed-forward channels to cut"):
         check_by(random_model("gqa", mlp="none"), "mlp", 10**4)
+
+
+def test_a_kv_head_count_is_kept_exactly_or_refused_by_name():
+    model = random_model("mha", n_layers=2)  # 4 KV heads a layer
+    importance = measure_importance(model, windows(model))
+    plan = plan_for_target(model, importance, resolve_target(model, 0.6), "heads+mlp", kv_heads=2)
+    assert {i: len(kept) for i, kept in plan.kv_heads.items()} == {0: 2, 1: 2}
+    with pytest.raises(ValueError, match="kv_heads must be between 1 and 4 .* got 5"):
+        check_by(model, "heads+mlp", 10**4, kv_heads=5)
+    with pytest.raises(ValueError, match="kv_heads is a heads\\+mlp setting, not mlp's"):
+        check_by(model, "mlp", 10**4, kv_heads=2)

@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
                                                                "share of the model's (between 0 and 1)")
     p.add_argument("--by", default="mlp", choices=BY, help="what is cut: FFN channels only, KV groups then "
                                                            "channels, or whole layers then channels (default: mlp)")
+    p.add_argument("--kv-heads", type=int, help="with --by heads+mlp: the KV groups every attention layer keeps "
+                                                "(default: the target's share of them, rounded up)")
     p.add_argument("--corpus", metavar="PATH", help="calibration and validation text (default: the corpus the model "
                                                     "was trained on, else this Python's standard library sources)")
     p.add_argument("--windows", type=int, default=64, help="calibration windows (default: 64)")
@@ -60,7 +62,7 @@ def cmd_prune(args) -> None:
     try:  # everything checked before calibration runs
         model, trained_corpus = load_weights(weights)
         target = resolve_target(model, args.target)
-        check_by(model, args.by, target)
+        check_by(model, args.by, target, args.kv_heads)
         if args.context + 1 > model.config.max_seq_len:
             raise ValueError(f"--context {args.context} needs {args.context + 1} positions; the model holds "
                              f"{model.config.max_seq_len}")
@@ -70,7 +72,7 @@ def cmd_prune(args) -> None:
         raise SystemExit(str(error)) from None
     calibration = {"weights": str(weights.resolve()), "windows": args.windows, "context": args.context,
                    "corpus": corpus.description, "seed": CALIBRATION_SEED}
-    request = {"target": target, "by": args.by, "eval_windows": args.eval_windows, "calibration": calibration}
+    request = {"target": target, "by": args.by, "kv_heads": args.kv_heads, "eval_windows": args.eval_windows, "calibration": calibration}
     done = read_json(out / "prune.json")
     if done is not None and {k: done.get(k) for k in request} == request and (out / "model").is_dir():
         print(summary(done, out))  # this exact run finished before
@@ -83,7 +85,7 @@ def cmd_prune(args) -> None:
         windows = training_batch(corpus, CALIBRATION_SEED, 0, args.windows, args.context)
         importance = measure_importance(model, windows)
         write_json(out / "importance.json", {"calibration": calibration, "importance": importance.to_json()})
-    plan = plan_for_target(model, importance, target, args.by)
+    plan = plan_for_target(model, importance, target, args.by, args.kv_heads)
     pruned = zoo.prune(model, plan)
     partial = out / "model.partial"
     shutil.rmtree(partial, ignore_errors=True)

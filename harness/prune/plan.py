@@ -3,7 +3,7 @@
 `by` names what is cut, coarse parts first, feed-forward channels last (the fine step that lands on the target):
 - "mlp": channels only, the same share of each FFN layer's, its least active ones (Minitron's MLP width);
 - "heads+mlp": first KV groups, each attention layer keeping ceil(target share x its KV heads) of its most
-  important (at least one), then channels;
+  important (at least one), or exactly kv_heads of them when given, then channels;
 - "depth+mlp": first whole layers, least block influence first, while the model stays above the target (ShortGPT),
   then channels.
 The plan's parameter count is exact (the pruned config built on the meta device, counted as zoo counts), and lands
@@ -41,38 +41,47 @@ def resolve_target(model, target: float) -> int:
     return count
 
 
-def check_by(model, by: str, target: int) -> None:
-    """by is known, the model has channels to cut, and cutting every FFN to one channel (and, with heads, every
-    attention layer to one KV group) reaches the target."""
+def check_by(model, by: str, target: int, kv_heads: int | None = None) -> None:
+    """by is known, the model has channels to cut, kv_heads (with heads+mlp only) is a count every cut attention
+    layer has, and cutting every FFN to one channel (and, with heads, every attention layer to one KV group, or
+    kv_heads) reaches the target."""
     if by not in BY:
         raise ValueError(f"unknown pruning axes by={by!r}; allowed: {', '.join(BY)}")
     heads, ffns = cut_layers(model)
+    if kv_heads is not None:
+        if by != "heads+mlp":
+            raise ValueError(f"kv_heads is a heads+mlp setting, not {by}'s")
+        most = min((model.blocks[i].mixer.n_kv_heads for i in heads), default=0)
+        if not isinstance(kv_heads, int) or not 1 <= kv_heads <= most:
+            raise ValueError(f"kv_heads must be between 1 and {most} (the fewest KV heads of a layer that can lose "
+                             f"them), got {kv_heads!r}" if most else "this model has no attention layer whose KV "
+                             "heads can be cut")
     if not ffns:
         raise ValueError(f"this model has no feed-forward channels to cut (its FFNs: "
                          f"{sorted({model.config.ffn(i).kind for i in range(model.config.n_layers)})}; cuttable: "
                          f"swiglu, gelu), and channels are what lands a plan on its target")
     if by == "depth+mlp":
         return  # layers go while the count stays above the target, so channels only trim the rest
-    floor = PrunePlan(tuple(range(model.config.n_layers)), {i: (0,) for i in heads} if by == "heads+mlp" else {},
-                      {i: (0,) for i in ffns})
-    least = parameter_count(model, floor)
+    groups = {i: tuple(range(kv_heads or 1)) for i in heads} if by == "heads+mlp" else {}
+    least = parameter_count(model, PrunePlan(tuple(range(model.config.n_layers)), groups, {i: (0,) for i in ffns}))
     if target < least * (1 - TOLERANCE):
+        kept = f", {kv_heads or 1} KV group(s) per attention layer" if by == "heads+mlp" else ""
         raise ValueError(f"target {target:,} parameters is below the {least:,} that cutting by {by} can reach "
-                         f"(one channel per FFN{', one KV group per attention layer' if by == 'heads+mlp' else ''})")
+                         f"(one channel per FFN{kept})")
 
 
-def plan_for_target(model, importance: Importance, target: int, by: str) -> PrunePlan:
-    check_by(model, by, target)
+def plan_for_target(model, importance: Importance, target: int, by: str, kv_heads: int | None = None) -> PrunePlan:
+    check_by(model, by, target, kv_heads)
     layers = list(range(model.config.n_layers))
     heads, ffns = cut_layers(model)
     if by == "depth+mlp":
         layers = drop_layers(model, importance, target)
-    kv_heads = {}
+    cut_heads = {}
     if by == "heads+mlp":
         share = target / parameter_count(model, PrunePlan(tuple(layers)))
-        kv_heads = {i: most_important(importance.kv_heads[i], math.ceil(share * len(importance.kv_heads[i])))
-                    for i in heads if i in layers}
-    plan = fit_channels(model, importance, target, PrunePlan(tuple(layers), kv_heads),
+        kept = {i: kv_heads or math.ceil(share * len(importance.kv_heads[i])) for i in heads if i in layers}
+        cut_heads = {i: most_important(importance.kv_heads[i], count) for i, count in kept.items()}
+    plan = fit_channels(model, importance, target, PrunePlan(tuple(layers), cut_heads),
                         [i for i in ffns if i in layers])
     count = parameter_count(model, plan)
     if abs(count - target) > TOLERANCE * target:
