@@ -72,7 +72,8 @@ def cmd_prune(args) -> None:
         raise SystemExit(str(error)) from None
     calibration = {"weights": str(weights.resolve()), "windows": args.windows, "context": args.context,
                    "corpus": corpus.description, "seed": CALIBRATION_SEED}
-    request = {"target": target, "by": args.by, "kv_heads": args.kv_heads, "eval_windows": args.eval_windows, "calibration": calibration}
+    request = {"target": target, "by": args.by, "kv_heads": args.kv_heads, "eval_windows": args.eval_windows,
+               "calibration": calibration}
     done = read_json(out / "prune.json")
     if done is not None and {k: done.get(k) for k in request} == request and (out / "model").is_dir():
         print(summary(done, out))  # this exact run finished before
