@@ -35,6 +35,7 @@ BY = ("mlp", "depth+mlp")
 CONVERSIONS = {"mqa": {"to": "gqa", "kv_heads": 1},
                "hybrid-gdn": {"to": "gdn", "layers": "odd"}}  # odd: layers 1, 3, 5, ...
 SCRATCH_LR = TrainSettings().lr  # zoo train's: a model from random weights needs it; a trained student does not
+DISTILL_LR = 3e-3  # zoo distill's default
 
 
 def main() -> None:
@@ -62,21 +63,25 @@ def main() -> None:
         cli.main(["prune", "--weights", str(out / "teacher"), "--target", str(args.share), "--by", by,
                   "--context", str(args.context), "--out", str(out / f"prune-{name}")])
         student = out / f"prune-{name}" / "model"
-        run_train(TrainSettings(arch=f"gqa-pruned-{name}", preset="saved", init=student, teacher=out / "teacher",
-                                lr=3e-3, out=out / f"distill-{name}", **steps), show_progress=False)
-        run_train(TrainSettings(arch=f"gqa-pruned-{name}", preset="saved", init=student, init_weights=False,
-                                lr=SCRATCH_LR, out=out / f"scratch-{name}", **steps), show_progress=False)
-        models.update({f"pruned {by}": student, f"distilled {by}": out / f"distill-{name}" / "checkpoint",
-                       f"scratch {by}": out / f"scratch-{name}" / "checkpoint"})
+        models.update({f"pruned {by}": student,
+                       **distilled_and_twin(out, name, by, f"gqa-pruned-{name}", student, steps)})
     for name in filter(lambda n: n != "none", args.conversions.split(",")):
         student = converted(out, name)
-        run_train(TrainSettings(arch=f"gqa-to-{name}", preset="saved", init=student, teacher=out / "teacher",
-                                lr=3e-3, out=out / f"distill-{name}", **steps), show_progress=False)
-        run_train(TrainSettings(arch=f"gqa-to-{name}", preset="saved", init=student, init_weights=False,
-                                lr=SCRATCH_LR, out=out / f"scratch-{name}", **steps), show_progress=False)
-        models.update({f"converted {name}": student, f"distilled {name}": out / f"distill-{name}" / "checkpoint",
-                       f"scratch {name}": out / f"scratch-{name}" / "checkpoint"})
+        models.update({f"converted {name}": student,
+                       **distilled_and_twin(out, name, name, f"gqa-to-{name}", student, steps)})
     measure(models, args, out)
+
+
+def distilled_and_twin(out: Path, name: str, label: str, arch: str, student: Path, steps: dict) -> dict[str, Path]:
+    """The student distilled from the teacher, and its architecture from random weights on the bytes alone, for
+    the same steps (runs named `arch`, in OUT/distill-NAME and OUT/scratch-NAME): {"distilled LABEL": checkpoint,
+    "scratch LABEL": checkpoint}."""
+    run_train(TrainSettings(arch=arch, preset="saved", init=student, teacher=out / "teacher", lr=DISTILL_LR,
+                            out=out / f"distill-{name}", **steps), show_progress=False)
+    run_train(TrainSettings(arch=arch, preset="saved", init=student, init_weights=False, lr=SCRATCH_LR,
+                            out=out / f"scratch-{name}", **steps), show_progress=False)
+    return {f"distilled {label}": out / f"distill-{name}" / "checkpoint",
+            f"scratch {label}": out / f"scratch-{name}" / "checkpoint"}
 
 
 def converted(out: Path, name: str) -> Path:
