@@ -6,10 +6,11 @@ Muralidharan et al. 2024), on a `zoo train` gqa teacher:
    (depth+mlp) (OUT/prune-BY);
 3. distilled: `zoo distill` of each pruned model from the teacher for --steps steps (OUT/distill-BY);
 4. scratch: the pruned architecture from random weights on the bytes alone for the same steps, at zoo train's
-   learning rate (OUT/scratch-BY): the same tokens as the distillation;
+   learning rate (OUT/scratch-BY): the same tokens as the distillation; and finetuned: the pruned model on the
+   bytes alone for the same steps at the distillation's rate (OUT/finetune-BY), what the teacher adds;
 5. conversions (--conversions): the teacher turned into another architecture by `zoo.convert` ("mqa": one KV head a
-   layer, mean-pooled; "hybrid-gdn": every other layer Gated DeltaNet), each distilled and each with its scratch
-   twin, as the pruned ones (OUT/convert-NAME, distill-NAME, scratch-NAME).
+   layer, mean-pooled; "hybrid-gdn": every other layer Gated DeltaNet), each distilled, finetuned and with its
+   scratch twin, as the pruned ones (OUT/convert-NAME, distill-NAME, finetune-NAME, scratch-NAME).
 
 Then each model's validation bits per byte (the same fixed windows for all), parameters, cache bytes a token and
 decode step time (batch --batch at context --context, caches filled as if prefilled; run alone) go to
@@ -73,14 +74,17 @@ def main() -> None:
 
 
 def distilled_and_twin(out: Path, name: str, label: str, arch: str, student: Path, steps: dict) -> dict[str, Path]:
-    """The student distilled from the teacher, and its architecture from random weights on the bytes alone, for
-    the same steps (runs named `arch`, in OUT/distill-NAME and OUT/scratch-NAME): {"distilled LABEL": checkpoint,
-    "scratch LABEL": checkpoint}."""
+    """The student distilled from the teacher, the student on the bytes alone, and its architecture from random
+    weights on the bytes alone, for the same steps (runs named `arch`, in OUT/distill-NAME, OUT/finetune-NAME and
+    OUT/scratch-NAME): {"distilled LABEL": checkpoint, "finetuned LABEL": ..., "scratch LABEL": ...}."""
     run_train(TrainSettings(arch=arch, preset="saved", init=student, teacher=out / "teacher", lr=DISTILL_LR,
                             out=out / f"distill-{name}", **steps), show_progress=False)
     run_train(TrainSettings(arch=arch, preset="saved", init=student, init_weights=False, lr=SCRATCH_LR,
                             out=out / f"scratch-{name}", **steps), show_progress=False)
+    run_train(TrainSettings(arch=arch, preset="saved", init=student, lr=DISTILL_LR, out=out / f"finetune-{name}",
+                            **steps), show_progress=False)
     return {f"distilled {label}": out / f"distill-{name}" / "checkpoint",
+            f"finetuned {label}": out / f"finetune-{name}" / "checkpoint",
             f"scratch {label}": out / f"scratch-{name}" / "checkpoint"}
 
 
@@ -116,7 +120,7 @@ def measure(models: dict[str, Path], args, out: Path) -> None:
         print(name, {k: v for k, v in store.rows[-1].items() if k not in cell}, flush=True)
     rows = [r for r in store.rows if r["steps"] == args.steps and r["teacher_steps"] == args.teacher_steps]
     series = {kind: tuple(zip(*sorted((r["decode_ms"], r["bpb"]) for r in rows if r["model"].startswith(kind))))
-              for kind in ("pruned", "converted", "distilled", "scratch")
+              for kind in ("pruned", "converted", "distilled", "finetuned", "scratch")
               if any(r["model"].startswith(kind) for r in rows)}
     teacher = next(r for r in rows if r["model"] == "teacher")
     series["teacher"] = ([teacher["decode_ms"]], [teacher["bpb"]])
