@@ -19,15 +19,9 @@ import torch
 
 from zoo.config import MixerSpec
 from zoo.model import DecoderLM
+from zoo.pruning import head_cut_layers
 
 TARGETS = ("gqa", "swa", "gdn")
-
-
-def attention_layers(model: DecoderLM) -> list[int]:
-    """Layers with attention mixers that compute their own keys and values."""
-    sources = {spec.params.get("kv_source") for spec in model.config.layers} - {None}
-    return [i for i, spec in enumerate(model.config.layers)
-            if spec.kind == "attention" and spec.params.get("kv_source") is None and i not in sources]
 
 
 def convert(model: DecoderLM, to: str, *, kv_heads: int | None = None, window: int | None = None,
@@ -36,7 +30,7 @@ def convert(model: DecoderLM, to: str, *, kv_heads: int | None = None, window: i
     the attention layers given (default: all that compute their own keys and values)."""
     if to not in TARGETS:
         raise ValueError(f"unknown conversion target {to!r}; allowed: {', '.join(TARGETS)}")
-    eligible = attention_layers(model)
+    eligible = head_cut_layers(model.config)
     chosen = eligible if layers is None else list(layers)
     bad = [i for i in chosen if i not in eligible]
     if not chosen or bad:

@@ -33,6 +33,20 @@ class PrunePlan:
     channels: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
+def sharing_layers(config: ModelConfig) -> set[int]:
+    """Layers that read another layer's keys and values (kv_source), and the layers they read."""
+    readers = {i: spec.params["kv_source"] for i, spec in enumerate(config.layers)
+               if spec.params.get("kv_source") is not None}
+    return set(readers) | set(readers.values())
+
+
+def head_cut_layers(config: ModelConfig) -> list[int]:
+    """Attention layers whose KV groups can be cut, or that can be converted: those that compute their own keys
+    and values, which no other layer reads."""
+    shared = sharing_layers(config)
+    return [i for i, spec in enumerate(config.layers) if spec.kind in WIDTH_MIXERS and i not in shared]
+
+
 def layer_heads(model: DecoderLM, layer: int) -> tuple[int, int]:
     """(n_heads, n_kv_heads) of an attention layer."""
     mixer = model.blocks[layer].mixer
@@ -64,7 +78,7 @@ def check_plan(model: DecoderLM, plan: PrunePlan) -> None:
         kind = config.layers[i].kind
         if kind not in WIDTH_MIXERS:
             raise ValueError(f"layer {i} is a {kind!r} mixer: only {', '.join(WIDTH_MIXERS)} layers can lose heads")
-        if sources[i] is not None or i in sources.values():
+        if i in sharing_layers(config):
             raise ValueError(f"layer {i} shares its keys and values (kv_source): its heads cannot be cut alone")
         _, kv_heads = layer_heads(model, i)
         check_indices(f"kv_heads of layer {i}", kept, kv_heads)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from zoo.pruning import WIDTH_FFNS, WIDTH_MIXERS
+from zoo.pruning import WIDTH_FFNS, head_cut_layers
 
 
 @dataclass
@@ -33,10 +33,7 @@ class Importance:
 def cut_layers(model) -> tuple[list[int], list[int]]:
     """(attention layers whose KV groups can be cut, FFN layers whose channels can be cut)."""
     config = model.config
-    sources = {spec.params.get("kv_source") for spec in config.layers} - {None}
-    heads = [i for i, spec in enumerate(config.layers)
-             if spec.kind in WIDTH_MIXERS and spec.params.get("kv_source") is None and i not in sources]
-    return heads, [i for i in range(config.n_layers) if config.ffn(i).kind in WIDTH_FFNS]
+    return head_cut_layers(config), [i for i in range(config.n_layers) if config.ffn(i).kind in WIDTH_FFNS]
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ import torch
 from harness.prune.importance import Importance, cut_layers
 from zoo.model import DecoderLM
 from zoo.parameters import parameter_counts
-from zoo.pruning import PrunePlan, check_plan, pruned_config
+from zoo.pruning import PrunePlan, check_plan, pruned_config, sharing_layers
 
 BY = ("mlp", "heads+mlp", "depth+mlp")
 TOLERANCE = 0.02  # of the target
@@ -99,8 +99,7 @@ def most_important(scores: list[float], keep: int) -> tuple[int, ...]:
 def drop_layers(model, importance: Importance, target: int) -> list[int]:
     """Layers kept after dropping the least influential while the count stays at or above target (a layer another
     reads keys from, or that reads another's, stays)."""
-    shared = {i for i, spec in enumerate(model.config.layers) if spec.params.get("kv_source") is not None}
-    shared |= {spec.params["kv_source"] for i, spec in enumerate(model.config.layers) if i in shared}
+    shared = sharing_layers(model.config)
     kept = list(range(model.config.n_layers))
     for layer in sorted((i for i in kept if i not in shared), key=lambda i: importance.layers[i]):
         trial = [i for i in kept if i != layer]
