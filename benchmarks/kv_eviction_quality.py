@@ -40,7 +40,7 @@ from harness.charts import line_chart
 from harness.recall.suite import RecallSettings, make_data, train_config
 from harness.recall.train import RECIPE_LAYERS, train_recall
 from harness.passkey import DIGITS, PasskeyTraining, answered, passkey_examples, train_passkey
-from harness.results import ResultStore
+from harness.results import ResultStore, save_whole
 from harness.train.corpus import load_corpus, validation_windows
 from harness.train.checkpoint import checkpoint_folder, read_train_state
 
@@ -211,7 +211,7 @@ def passkey_model(out: Path, text):
         return zoo.load(folder).float().eval()
     model = train_passkey(PasskeyTraining(), text, progress=lambda length, steps, loss: print(
         f"passkey stage {length}: {steps} steps, loss {loss:.4f}", flush=True))
-    zoo.save(model, out / "passkey_model.partial").rename(folder)
+    save_whole(model, folder)
     return model
 
 

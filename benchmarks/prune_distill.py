@@ -28,7 +28,7 @@ import zoo
 from harness import cli
 from harness.charts import line_chart
 from harness.decode_probe import decode_probe
-from harness.results import ResultStore
+from harness.results import ResultStore, save_whole
 from harness.train import TrainSettings, load_corpus, run_train, validation_windows
 from harness.train.objective import validation_bpb
 
@@ -99,7 +99,7 @@ def converted(out: Path, name: str) -> Path:
         if options.get("layers") == "odd":
             options["layers"] = list(range(1, teacher.config.n_layers, 2))
         torch.manual_seed(0)
-        zoo.save(zoo.convert(teacher, **options), out / f"convert-{name}.partial").rename(folder)
+        save_whole(zoo.convert(teacher, **options), folder)
     return folder
 
 

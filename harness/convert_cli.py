@@ -1,11 +1,11 @@
 """`zoo convert`: a trained model turned into another architecture (zoo/convert.py), saved for `zoo distill
 --student` to recover from the original."""
-import shutil
 from pathlib import Path
 
 import torch
 
 import zoo
+from harness.results import save_whole
 from zoo.convert import TARGETS
 
 
@@ -34,12 +34,7 @@ def cmd_convert(args) -> None:
     model = zoo.load(args.weights).float()
     torch.manual_seed(args.seed)
     converted = zoo.convert(model, args.to, kv_heads=args.kv_heads, window=args.window, layers=layers)
-    out = Path(args.out)
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    zoo.save(converted, partial)
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
+    out = save_whole(converted, Path(args.out))
     before, after = (zoo.parameter_counts(m).total for m in (model, converted))
     print(f"{model.config.name} -> {converted.config.name}: {before:,} -> {after:,} parameters, cache "
           f"{zoo.cache_bytes(model, 1024):,} -> {zoo.cache_bytes(converted, 1024):,} bytes a sequence at 1,024 "

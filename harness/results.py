@@ -1,10 +1,14 @@
-"""results.jsonl: one row per measured cell, rewritten atomically after each cell so a crash loses at most the cell in flight."""
+"""results.jsonl: one row per measured cell, rewritten atomically after each cell so a crash loses at most the cell in flight.
+Beside it, the other outputs a run writes whole: a text file (write_atomic), a saved model (save_whole)."""
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
+
+import zoo
 
 
 class ResultStore:
@@ -97,6 +101,18 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = Path(str(path) + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def save_whole(model, folder: Path) -> Path:
+    """zoo.save into FOLDER.partial, then renamed to FOLDER (replacing one there): a killed run leaves a whole
+    model or none, never half of one."""
+    folder = Path(folder)
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    zoo.save(model, partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+    return folder
 
 
 def settings_dict(settings) -> dict:

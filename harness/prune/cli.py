@@ -7,13 +7,12 @@ loadable with zoo.load), and prune.json (counts and validation bits per byte bef
 whole, then renamed into place, so a killed run leaves either the file or nothing, and a re-run continues.
 """
 import json
-import shutil
 from pathlib import Path
 
 import zoo
 from harness.prune.importance import Importance, measure_importance
 from harness.prune.plan import BY, check_by, plan_for_target, resolve_target
-from harness.results import write_atomic
+from harness.results import save_whole, write_atomic
 from harness.train.checkpoint import checkpoint_folder, read_train_state
 from harness.train.corpus import check_window_fits, load_corpus, training_batch, validation_windows
 from harness.train.objective import validation_bpb
@@ -88,11 +87,7 @@ def cmd_prune(args) -> None:
         write_json(out / "importance.json", {"calibration": calibration, "importance": importance.to_json()})
     plan = plan_for_target(model, importance, target, args.by, args.kv_heads)
     pruned = zoo.prune(model, plan)
-    partial = out / "model.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    zoo.save(pruned, partial)
-    shutil.rmtree(out / "model", ignore_errors=True)
-    partial.rename(out / "model")
+    save_whole(pruned, out / "model")
     validation = validation_windows(corpus, args.eval_windows, args.context + 1)
     report = {**request, "parameters_before": zoo.parameter_counts(model).total,
               "parameters_after": zoo.parameter_counts(pruned).total, "layers_kept": list(plan.layers),
