@@ -1,7 +1,8 @@
 """Dense vs MoE at decode, by batch: the registry's moe entry beside two gqa models with the same attention and a
 SwiGLU feed-forward, one as wide as the experts a token applies (dense, equal active: top_k x expert_hidden) and one
 as wide as all of them (dense, equal total: n_experts x expert_hidden), shared experts' width added to both; one
-preset, random fp32 weights, on the CPU. The parameter equalities are checked before anything is measured.
+preset, random weights, fp32 on the CPU by default (--device cuda --dtype bfloat16 on a GPU, where --layers keeps
+the large preset's models in memory). The parameter equalities are checked before anything is measured.
 
 At batch 1 an MoE step reads the top_k experts its token is routed to; at batch B it reads the union over the batch,
 for a uniform router E (1 - (1 - k/E)^B) of the E experts, which approaches all of them as B grows: the MoE step then
@@ -15,6 +16,7 @@ OUT/table.md and the chart to OUT/tradeoff.png, with two crossovers: the smalles
 
     python benchmarks/moe_tradeoff.py                             # small preset, batches 1..64, context 128
     python benchmarks/moe_tradeoff.py --preset tiny --batches 1,2 --steps 2 --out /tmp/moe_tradeoff
+    python benchmarks/moe_tradeoff.py --device cuda --dtype bfloat16 --preset large --layers 8 --context 1024
 """
 import argparse
 import gc
@@ -35,7 +37,10 @@ from zoo import checks
 from zoo.ffn.moe import MoE
 
 MODELS = ("moe", "dense-active", "dense-total")
-CELL_KEY = ("model", "preset", "batch", "context")
+CELL_KEY = ("model", "preset", "layers", "batch", "context", "device", "dtype")
+# rows written before the device, dtype and layer options: the preset's depth in fp32 on the CPU
+OLDER_ROWS = {"layers": None, "device": "cpu", "dtype": "float32"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SATURATION = 0.9  # a crossover: MoE's step at 90% of the equal-total dense step's, its experts read at 90% of E
 # how a cell is timed, in zoo compare's fields (its floor_fields reads them): a contiguous cache in the model's dtype
 PROBE = {"measure": "decode-probe", "kv_cache": "contiguous", "kv_dtype": "auto"}
@@ -54,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated batch sizes (default: 1,2,4,8,16,32,64)")
     p.add_argument("--context", type=int, default=128, help="cached tokens per sequence (default: 128)")
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per cell, median (default: 8)")
+    p.add_argument("--layers", type=int, help="decoder layers of all three models (default: the preset's)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu); on CUDA the steps replay graphs")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights and cache (default: float32)")
     p.add_argument("--out", default="results/moe_tradeoff", help="results folder (default: results/moe_tradeoff)")
     return p
 
@@ -66,6 +74,13 @@ def validate(args) -> None:
         raise ValueError(f"batches must be distinct, got {','.join(map(str, args.batches))}")
     checks.integer("context", args.context, minimum=1)
     checks.integer("steps", args.steps, minimum=1)
+    if args.layers is not None:
+        checks.integer("layers", args.layers, minimum=1)
+    kind = args.device.split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device {args.device!r} is not supported; allowed: cpu, cuda")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {args.device!r}: no CUDA device here; allowed: cpu")
     limit = zoo.PRESETS[args.preset].max_seq_len
     if args.context + HEADROOM > limit:
         raise ValueError(f"context {args.context} + {HEADROOM} exceeds the {args.preset!r} preset's "
@@ -91,11 +106,13 @@ def router_weights(model) -> int:
     return sum(p.numel() for gate in gates for p in gate.parameters())
 
 
-def build(name: str, preset: str, widths: dict[str, int]):
+def build(name: str, preset: str, widths: dict[str, int], layers: int | None = None, dtype: str = "float32"):
+    """On the current default device (a GPU's `with torch.device("cuda")` builds there: no host copy of the weights)."""
     torch.manual_seed(0)
-    model = (zoo.build("moe", preset=preset) if name == "moe"
-             else zoo.build("gqa", preset=preset, mlp_hidden=widths[name]))
-    return model.float().eval()
+    depth = {} if layers is None else {"n_layers": layers}
+    model = (zoo.build("moe", preset=preset, **depth) if name == "moe"
+             else zoo.build("gqa", preset=preset, mlp_hidden=widths[name], **depth))
+    return model.to(DTYPES[dtype]).eval()
 
 
 def equal_ffn_widths(preset: str) -> dict[str, int]:
@@ -115,7 +132,8 @@ def equal_ffn_widths(preset: str) -> dict[str, int]:
 
 def cells(args) -> list[dict]:
     """Grouped by model so each is built once."""
-    return [{"model": m, "preset": args.preset, "batch": b, "context": args.context, "steps": args.steps, **PROBE}
+    return [{"model": m, "preset": args.preset, "layers": args.layers, "batch": b, "context": args.context,
+             "device": args.device, "dtype": args.dtype, "steps": args.steps, **PROBE}
             for m in MODELS for b in args.batches]
 
 
@@ -125,7 +143,12 @@ def model_fields(name: str, model) -> dict:
     moe = first_moe(model) if name == "moe" else None
     return {"arch": model.config.name, "params_total": counts.total, "params_active": counts.active,
             "ffn_hidden": moe.expert_hidden if moe else model.config.mlp_hidden,  # each expert's, or the SwiGLU's
-            "top_k": moe.top_k if moe else None, "threads": torch.get_num_threads()}
+            "top_k": moe.top_k if moe else None, "threads": torch.get_num_threads(), "device_name": device_name(model)}
+
+
+def device_name(model) -> str:
+    device = next(model.parameters()).device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def fill_distinct(layers: list, seed: int = 0) -> None:
@@ -133,10 +156,10 @@ def fill_distinct(layers: list, seed: int = 0) -> None:
     attends over the same cache, the routers see nearly the same hidden state in every row, and a batch of 16 read 3
     to 5 of 8 experts where distinct caches read all 8 (tiny and small presets, random weights): MoE's large-batch
     steps would look cheaper than they are."""
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=layers[0].k.device).manual_seed(seed)  # drawn where the cache lives
     for layer in {id(layer): layer for layer in layers}.values():  # a layer object shared by several: once
         for t in (layer.k, layer.v):
-            t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
+            t.copy_(torch.randn(t.shape, generator=generator, device=t.device).to(t.dtype))
 
 
 @torch.no_grad()
@@ -154,10 +177,13 @@ def measure(model, cell: dict, rates: roofline.MachineRates) -> dict:
             **routing_fields(probe.engine.model, cell["batch"], experts_read)}
 
 
-def measure_rates(preset: str) -> roofline.MachineRates:
+def measure_rates(args) -> roofline.MachineRates:
     """Once per run, on the preset's gqa weights, as zoo compare does: a yardstick that is none of the three."""
-    torch.manual_seed(0)
-    rates = roofline.measure_machine(zoo.build("gqa", preset=preset).float().eval(), "cpu")
+    with torch.device(args.device):
+        yardstick = build("dense-active", args.preset, {"dense-active": zoo.PRESETS[args.preset].mlp_hidden},
+                          args.layers, args.dtype)
+    rates = roofline.measure_machine(yardstick, args.device)
+    del yardstick
     print(f"memory read {rates.stream_bytes_per_s / 1e9:.1f} GB/s past any cache, "
           f"{rates.matmul_flops_per_s / 1e9:.1f} GFLOP/s matmul ({rates.how})", flush=True)
     return rates
@@ -165,15 +191,17 @@ def measure_rates(preset: str) -> roofline.MachineRates:
 
 def run(args) -> list[dict]:
     widths = equal_ffn_widths(args.preset)
-    store = ResultStore(Path(args.out) / "results.jsonl", CELL_KEY)
+    store = ResultStore(Path(args.out) / "results.jsonl", CELL_KEY, OLDER_ROWS)
     todo = [c for c in cells(args) if not store.done(c)]
-    rates = measure_rates(args.preset) if todo else None
+    rates = measure_rates(args) if todo else None
     model, built, fields = None, None, {}
     for i, cell in enumerate(todo, 1):
         if cell["model"] != built:
             model = None
             gc.collect()  # the previous model's weights, before the next one's are allocated
-            model, built = build(cell["model"], args.preset, widths), cell["model"]
+            torch.cuda.empty_cache()
+            with torch.device(args.device):
+                model, built = build(cell["model"], args.preset, widths, args.layers, args.dtype), cell["model"]
             fields = model_fields(built, model)
         row = {**measure(model, cell, rates), **fields}
         store.append(row)
@@ -274,8 +302,10 @@ def chart(rows: list[dict], c: dict, path: Path) -> Path:
     steps.set(ylabel="decode step (ms, log)", title="decode step vs batch (dashed: roofline floor)")
     experts.set(ylabel="distinct experts read per step, per layer", title="MoE experts read per step", ylim=(0, None))
     r = rows[0]
-    fig.suptitle(f"Dense vs MoE decode, {r['preset']} preset, context {r['context']}, fp32, CPU, "
-                 f"{r['threads']} threads", x=0.01, ha="left", fontsize=10)
+    depth = "" if r.get("layers") is None else f", {r['layers']} layers"
+    where = "CPU, {} threads".format(r["threads"]) if r.get("device", "cpu") == "cpu" else r["device_name"]
+    fig.suptitle(f"Dense vs MoE decode, {r['preset']} preset{depth}, context {r['context']}, "
+                 f"{r.get('dtype', 'float32')}, {where}", x=0.01, ha="left", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
