@@ -1,6 +1,6 @@
 """One command for a GPU visit: everything a visit should record, each part time-boxed, written as it goes.
 
-    PYTHONPATH=. python3 benchmarks/gpu_check.py --out DIR            # one H100 / H200: about 7 minutes
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --out DIR            # one H100 / H200: about 7.5 minutes
     PYTHONPATH=. python3 benchmarks/gpu_check.py --out DIR --smoke    # the same flow on the CPU, tiny, < 90 s
 
 Sections, in order (a failing one records its error and the next runs; each stops starting work when its share of
