@@ -2,8 +2,8 @@
 Muralidharan et al. 2024), on a `zoo train` gqa teacher:
 
 1. teacher: `zoo train --arch gqa --preset PRESET` for --teacher-steps steps (OUT/teacher);
-2. pruned: `zoo prune` to --share of its parameters, by FFN channels (mlp) and by whole layers then channels
-   (depth+mlp) (OUT/prune-BY);
+2. pruned: `zoo prune` to --share of its parameters, by each of --by: FFN channels (mlp), whole layers then
+   channels (depth+mlp), embedding then FFN channels (embedding+mlp) (OUT/prune-BY);
 3. distilled: `zoo distill` of each pruned model from the teacher for --steps steps (OUT/distill-BY);
 4. scratch: the pruned architecture from random weights on the bytes alone for the same steps, at zoo train's
    learning rate (OUT/scratch-BY): the same tokens as the distillation; and finetuned: the pruned model on the
@@ -32,7 +32,7 @@ from harness.results import ResultStore, save_whole
 from harness.train import TrainSettings, load_corpus, run_train, validation_windows
 from harness.train.objective import validation_bpb
 
-BY = ("mlp", "depth+mlp")
+BY = ("mlp", "depth+mlp", "embedding+mlp")
 CONVERSIONS = {"mqa": {"to": "gqa", "kv_heads": 1},
                "hybrid-gdn": {"to": "gdn", "layers": "odd"}}  # odd: layers 1, 3, 5, ...
 SCRATCH_LR = TrainSettings().lr  # zoo train's: a model from random weights needs it; a trained student does not
@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="decode batch")
     parser.add_argument("--context", type=int, default=256, help="decode context and training window")
     parser.add_argument("--eval-windows", type=int, default=256)
+    parser.add_argument("--by", default=",".join(BY), help=f"comma-separated `zoo prune --by` axes (default: "
+                        f"{','.join(BY)})")
     parser.add_argument("--conversions", default="mqa,hybrid-gdn", help=f"comma-separated, of {list(CONVERSIONS)}, "
                         "or none")
     parser.add_argument("--out", type=Path, default=Path("results/prune_distill"))
@@ -59,7 +61,7 @@ def main() -> None:
                                       context=args.context, out=out / "teacher"), show_progress=False)
     print("teacher", teacher["val_bpb"], flush=True)
     models = {"teacher": out / "teacher" / "checkpoint"}
-    for by in BY:
+    for by in args.by.split(","):
         name = by.replace("+", "-")
         cli.main(["prune", "--weights", str(out / "teacher"), "--target", str(args.share), "--by", by,
                   "--context", str(args.context), "--out", str(out / f"prune-{name}")])

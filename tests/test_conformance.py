@@ -30,7 +30,8 @@ def engine_for(model, kv_cache: str, max_batch: int, **kwargs) -> Engine:
 # mixers no registry entry builds, and they must meet the same contract
 SURGERY = {
     "gqa-pruned": lambda: zoo.prune(random_model("gqa", n_layers=3), zoo.PrunePlan(
-        (0, 2), kv_heads={0: (1,)}, channels={0: tuple(range(0, 192, 2)), 2: tuple(range(100))})),
+        (0, 2), kv_heads={0: (1,)}, channels={0: tuple(range(0, 192, 2)), 2: tuple(range(100))},
+        embedding=tuple(range(0, 64, 2)))),
     "mha-to-gqa": lambda: zoo.convert(random_model("mha"), "gqa", kv_heads=2),
     "gqa-to-gdn": lambda: zoo.convert(random_model("gqa", n_layers=3), "gdn", layers=[1]),
 }

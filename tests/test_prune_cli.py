@@ -72,12 +72,24 @@ def plan_of(out: Path) -> zoo.PrunePlan:
                            report["kv_heads"])
 
 
+def test_embedding_channels_prune_to_the_target_and_report_the_cache(saved, tmp_path):
+    weights, corpus = saved
+    prune(weights, corpus, tmp_path / "out", "--target", "0.5", "--by", "embedding")
+    report = json.loads((tmp_path / "out" / "prune.json").read_text())
+    pruned = zoo.load(tmp_path / "out" / "model")
+    assert pruned.config.d_model == report["embedding_kept"] < 64
+    assert abs(report["parameters_after"] - report["target"]) <= 0.02 * report["target"]
+    assert report["cache_bytes_per_token_after"] == report["cache_bytes_per_token_before"]  # head_dim kept
+    assert report["decode_weight_bytes_after"] < report["decode_weight_bytes_before"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--target", "1e9"], "is not below the model's"),
     (["--target", "50"], "below the .* that cutting by mlp can reach"),
     (["--target", "0.5", "--windows", "0"], "--windows must be >= 1"),
     (["--target", "0.5", "--by", "heads+mlp", "--kv-heads", "3"], "kv_heads must be between 1 and 2"),
     (["--target", "0.5", "--context", "5000"], "--context 5000 needs 5001 positions"),
+    (["--target", "1000", "--by", "embedding"], "below the .* that cutting by embedding can reach .*one embedding"),
 ])
 def test_bad_input_is_refused_before_any_work(saved, tmp_path, args, message):
     weights, corpus = saved

@@ -41,8 +41,30 @@ def test_a_silenced_kv_head_and_channel_score_zero_and_the_rest_do_not():
     assert scores.channels[0][7] == 0 and sum(c > 0 for c in scores.channels[0]) == len(scores.channels[0]) - 1
 
 
+@torch.no_grad()
+def test_an_embedding_channel_nothing_writes_scores_zero_and_the_score_is_the_norms_mean_magnitude():
+    model = random_model("gqa")
+    model.embed.weight[:, 5] = 0
+    for block in model.blocks:
+        block.mixer.o_proj.weight[5] = 0
+        block.mlp.down_proj.weight[5] = 0
+    x = windows(model)
+    scores = measure_importance(model, x).embedding
+    assert scores[5] == 0 and sum(s > 0 for s in scores) == model.config.d_model - 1
+    h, want = model.embed(x), torch.zeros(model.config.d_model, dtype=torch.float64)
+    positions = torch.arange(x.shape[1]).expand(x.shape)
+    for block in model.blocks:  # every norm reading the stream: each block's two, then the final one
+        want += block.mixer_norm(h).double().abs().mean(dim=(0, 1))
+        mid = h + block.mixer(block.mixer_norm(h), positions)
+        want += block.mlp_norm(mid).double().abs().mean(dim=(0, 1))
+        h = block(h, positions)
+    want += model.norm(h).double().abs().mean(dim=(0, 1))
+    assert torch.allclose(torch.tensor(scores, dtype=torch.float64), want, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch, by", [("gqa", "mlp"), ("mha", "heads+mlp"), ("gqa", "depth+mlp"),
-                                      ("cla", "depth+mlp"), ("mha", "mlp")])
+                                      ("cla", "depth+mlp"), ("mha", "mlp"), ("gqa", "embedding"),
+                                      ("swa", "embedding+mlp")])
 @pytest.mark.parametrize("share", [0.8, 0.5])
 def test_a_plan_lands_within_two_percent_of_its_target(arch, by, share):
     model = random_model(arch, n_layers=4)
@@ -84,6 +106,9 @@ def test_what_no_plan_can_reach_is_refused_before_calibration():
         check_by(model, "width", 10**5)
     with pytest.raises(ValueError, match="no feed-forward channels to cut"):
         check_by(random_model("gqa", mlp="none"), "mlp", 10**4)
+    check_by(random_model("gqa", mlp="none"), "embedding", 10**4)  # the embedding axis needs no channels
+    with pytest.raises(ValueError, match="layer 0 \\('mamba2' mixer, 'swiglu' feed-forward\\): embedding channels"):
+        check_by(random_model("mamba2"), "embedding+mlp", 10**4)
 
 
 def test_a_kv_head_count_is_kept_exactly_or_refused_by_name():

@@ -13,9 +13,16 @@ from helpers import random_model  # tests/ is on sys.path under pytest
 @torch.no_grad()
 def zeroed(model, plan: PrunePlan):
     """The original model with what plan cuts silenced: a dropped layer's o_proj and down_proj, a cut KV group's
-    query heads' o_proj columns, a cut channel's down_proj column."""
+    query heads' o_proj columns, a cut channel's down_proj column, a cut embedding channel's embedding column and
+    o_proj and down_proj rows (so the residual stream carries nothing there)."""
     silent = zoo.build(model.config)
     silent.load_state_dict(model.state_dict())
+    if plan.embedding is not None:
+        residual = sorted(set(range(model.config.d_model)) - set(plan.embedding))
+        silent.embed.weight[:, residual] = 0
+        for block in silent.blocks:
+            for linear in (block.mixer.o_proj, *([block.mlp.down_proj] if block.mlp is not None else [])):
+                linear.weight[residual] = 0
     for i, block in enumerate(silent.blocks):
         if i not in plan.layers:
             block.mixer.o_proj.weight.zero_()
@@ -44,6 +51,13 @@ CASES = {
     "gelu, biases off, channels only": ("gqa", {"mlp": "gelu"}, PrunePlan((0, 1), channels={1: (5, 6, 100)})),
     "cla: the sharing layer kept with its source": ("cla", {"n_layers": 4, "share": 2}, PrunePlan((2, 3))),
     "qk_norm per head": ("gqa", {"qk_norm": "head"}, PrunePlan((0, 1), kv_heads={1: (0,)})),
+    # an RMSNorm's eps is added to a mean over the channels: over fewer it weighs more (4e-4 of the logits at the
+    # tiny preset's 1e-5), so the embedding cases test the cut itself at a negligible eps
+    "embedding channels with a KV group and channels": (
+        "gqa", {"n_layers": 3, "norm_eps": 1e-12}, PrunePlan((0, 1, 2), kv_heads={1: (0,)}, channels={2: tuple(range(50))},
+                                          embedding=tuple(range(1, 64, 3)))),
+    "embedding channels, tied head, gelu, a layer dropped": (
+        "mha", {"tie_embeddings": True, "mlp": "gelu", "norm_eps": 1e-12}, PrunePlan((1,), embedding=(0, 5, 9, 20, 33, 60, 63))),
 }
 
 
@@ -100,3 +114,14 @@ def test_what_cannot_be_cut_is_named():
         prune(random_model("mamba2"), PrunePlan((0,), kv_heads={0: (0,)}))
     with pytest.raises(ValueError, match="feed-forward is 'none'"):
         prune(random_model("gqa", mlp="none"), PrunePlan((0,), channels={0: (0,)}))
+    with pytest.raises(ValueError, match=r"layer 0 \('mamba2' mixer, 'swiglu' feed-forward\): embedding channels"):
+        prune(random_model("mamba2"), PrunePlan((0,), embedding=(0, 1)))
+    with pytest.raises(ValueError, match=r"embedding channels must be distinct ascending indices in \[0, 64\)"):
+        prune(random_model("gqa"), PrunePlan((0, 1), embedding=(3, 64)))
+
+
+def test_an_embedding_cut_shrinks_every_residual_weight():
+    pruned = prune(random_model("gqa"), PrunePlan((0, 1), embedding=tuple(range(24))))
+    assert pruned.config.d_model == 24 and pruned.embed.weight.shape[1] == 24
+    assert [b.mixer.head_dim for b in pruned.blocks] == [16, 16]  # the original's, not 24 // n_heads
+    assert pruned.blocks[0].mlp.down_proj.weight.shape == (24, 192)

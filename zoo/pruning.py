@@ -1,13 +1,17 @@
 """Structured pruning: a smaller archzoo model cut from a bigger one's weights, by whole layers (depth), whole KV
-groups of an attention layer (a KV head with the query heads that read it, so a GQA model keeps its ratio), and
-feed-forward hidden channels (width). The result is a normal model: its config says what it is (each kept layer's
-own n_heads, n_kv_heads, head_dim and FFN hidden), `zoo.save` writes it, the engine runs it.
+groups of an attention layer (a KV head with the query heads that read it, so a GQA model keeps its ratio),
+feed-forward hidden channels, and embedding channels (d_model: the residual stream's width, in every layer at once;
+Minitron's "embedding" axis). The result is a normal model: its config says what it is (each kept layer's own
+n_heads, n_kv_heads, head_dim and FFN hidden), `zoo.save` writes it, the engine runs it.
 
 Which parts to keep is the caller's choice (a PrunePlan); harness/prune scores them on calibration text (ShortGPT's
 block influence for layers, Minitron's activation magnitudes for heads and channels) and picks the least important
 to drop. Cutting is exact where the model allows: a kept KV group's query, key, value and output columns are the
 original ones, a kept channel's gate, up and down weights too. With qk_norm "all" the norm's gains are cut with
 their heads, but the RMS it divides by is then over fewer heads: the kept heads' outputs move a little.
+Cutting embedding channels keeps each norm's gains on the kept channels times sqrt(d_model / kept): an RMSNorm
+then divides by the RMS over the kept channels only, and where the cut channels carry nothing that is the original
+norm exactly (up to its eps). LayerNorm also subtracts a mean over the channels: there the cut is approximate.
 """
 import copy
 import dataclasses
@@ -20,17 +24,24 @@ from zoo.model import DecoderLM
 
 WIDTH_MIXERS = ("attention",)  # mixers whose KV groups can be cut
 WIDTH_FFNS = ("swiglu", "gelu")  # feed-forwards whose hidden channels can be cut
+# parameter names, within a block, of the linears that read the residual stream (input columns = embedding channels)
+# and of those that write it (output rows); every other tensor of an attention + SwiGLU / GELU block has no d_model axis
+READS_RESIDUAL = ("mixer.q_proj.weight", "mixer.k_proj.weight", "mixer.v_proj.weight", "mlp.gate_proj.weight",
+                  "mlp.up_proj.weight")
+WRITES_RESIDUAL = ("mixer.o_proj.weight", "mixer.o_proj.bias", "mlp.down_proj.weight", "mlp.down_proj.bias")
+NORMS = ("mixer_norm", "mlp_norm")
 
 
 @dataclass(frozen=True)
 class PrunePlan:
     """layers: the original indices of the layers kept, ascending. kv_heads: per kept layer (original index), the KV
     heads it keeps, ascending (a layer not named keeps all). channels: per kept layer, the FFN hidden channels it
-    keeps, ascending (likewise)."""
+    keeps, ascending (likewise). embedding: the residual-stream channels every layer keeps, ascending (None: all)."""
 
     layers: tuple[int, ...]
     kv_heads: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     channels: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    embedding: tuple[int, ...] | None = None
 
 
 def sharing_layers(config: ModelConfig) -> set[int]:
@@ -87,6 +98,20 @@ def check_plan(model: DecoderLM, plan: PrunePlan) -> None:
         if kind not in WIDTH_FFNS:
             raise ValueError(f"layer {i}'s feed-forward is {kind!r}: only {', '.join(WIDTH_FFNS)} can lose channels")
         check_indices(f"channels of layer {i}", kept, ffn_hidden(model, i))
+    if plan.embedding is not None:
+        check_embedding_cut(config, layers, plan.embedding)
+
+
+def check_embedding_cut(config: ModelConfig, layers: list[int], kept) -> None:
+    """Embedding channels can go where every kept layer is an attention mixer with a SwiGLU / GELU (or no)
+    feed-forward: the blocks whose residual-stream weights READS_RESIDUAL and WRITES_RESIDUAL name."""
+    for i in layers:
+        mixer, ffn = config.layers[i].kind, config.ffn(i).kind
+        if mixer not in WIDTH_MIXERS or ffn not in (*WIDTH_FFNS, "none"):
+            raise ValueError(f"layer {i} ({mixer!r} mixer, {ffn!r} feed-forward): embedding channels can be cut "
+                             f"only where every kept layer is an {' / '.join(WIDTH_MIXERS)} mixer with a "
+                             f"{' / '.join(WIDTH_FFNS)} feed-forward or none")
+    check_indices("embedding channels", kept, config.d_model)
 
 
 def check_indices(what: str, kept, size: int) -> None:
@@ -111,12 +136,15 @@ def pruned_config(model: DecoderLM, plan: PrunePlan) -> ModelConfig:
             kept = len(plan.kv_heads[old])
             spec.params.update(n_heads=n_heads // n_kv_heads * kept, n_kv_heads=kept,
                                head_dim=model.blocks[old].mixer.head_dim)
+        elif plan.embedding is not None:  # head_dim defaults to d_model // n_heads, which the cut changes
+            spec.params["head_dim"] = model.blocks[old].mixer.head_dim
         layers.append(spec)
         ffn = config.ffn(old)
         hidden = len(plan.channels[old]) if old in plan.channels else (
             ffn_hidden(model, old) if ffn.kind in WIDTH_FFNS else None)
         ffns.append(FFNSpec(ffn.kind, {**ffn.params, "hidden": hidden}) if hidden is not None else ffn)
-    return dataclasses.replace(config, layers=layers, ffns=ffns, name=f"{config.name}-pruned")
+    d_model = config.d_model if plan.embedding is None else len(plan.embedding)
+    return dataclasses.replace(config, layers=layers, ffns=ffns, d_model=d_model, name=f"{config.name}-pruned")
 
 
 def prune(model: DecoderLM, plan: PrunePlan) -> DecoderLM:
@@ -137,8 +165,31 @@ def pruned_state(model: DecoderLM, plan: PrunePlan, renumber: dict[int, int]) ->
             block = cut_heads(block, model.blocks[old].mixer, plan.kv_heads[old])
         if old in plan.channels:
             block = cut_channels(block, plan.channels[old])
+        if plan.embedding is not None:
+            block = cut_embedding(block, plan.embedding, model.config.d_model, norms=NORMS)
         out.update({f"blocks.{new}.{name}": tensor for name, tensor in block.items()})
+    if plan.embedding is not None:
+        out.update(cut_embedding({name: out[name] for name in ("embed.weight", "head.weight", "norm.weight",
+                                                               "norm.bias") if name in out},
+                                 plan.embedding, model.config.d_model, norms=("norm",)))
     return out
+
+
+def cut_embedding(tensors: dict, channels: tuple[int, ...], d_model: int, norms: tuple[str, ...]) -> dict:
+    """These tensors on the kept residual channels: embedding and head columns, READS_RESIDUAL columns,
+    WRITES_RESIDUAL rows, norm gains (times sqrt(d_model / kept), so the norm's RMS over fewer channels keeps its
+    scale) and norm biases."""
+    index = torch.tensor(channels)
+    rescale = (d_model / len(channels)) ** 0.5
+    cut = dict(tensors)
+    for name, tensor in tensors.items():
+        if name in ("embed.weight", "head.weight") or name in READS_RESIDUAL:
+            cut[name] = tensor[:, index].clone()
+        elif name in WRITES_RESIDUAL or name in {f"{n}.bias" for n in norms}:
+            cut[name] = tensor[index].clone()
+        elif name in {f"{n}.weight" for n in norms}:
+            cut[name] = tensor[index] * rescale
+    return cut
 
 
 def cut_heads(block: dict, mixer, kv_heads: tuple[int, ...]) -> dict:

@@ -22,14 +22,17 @@ EVAL_BATCH = 16
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("prune", help="cut a trained model's layers, KV groups or FFN channels to a parameter target, "
+    p = sub.add_parser("prune", help="cut a trained model's layers, KV groups, FFN or embedding channels to a "
+                                     "parameter target, "
                                      "by importance measured on calibration text (resumable)",
                        description=__doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("--weights", required=True, help="a `zoo train` output folder or a `zoo.save` folder")
     p.add_argument("--target", required=True, type=float, help="parameters to keep: a count (>= 1, e.g. 2e6) or a "
                                                                "share of the model's (between 0 and 1)")
     p.add_argument("--by", default="mlp", choices=BY, help="what is cut: FFN channels only, KV groups then "
-                                                           "channels, or whole layers then channels (default: mlp)")
+                                                           "channels, whole layers then channels, embedding "
+                                                           "(d_model) channels only, or embedding then FFN "
+                                                           "channels (default: mlp)")
     p.add_argument("--kv-heads", type=int, help="with --by heads+mlp: the KV groups every attention layer keeps "
                                                 "(default: the target's share of them, rounded up)")
     p.add_argument("--corpus", metavar="PATH", help="calibration and validation text (default: the corpus the model "
@@ -79,9 +82,10 @@ def cmd_prune(args) -> None:
         return
     out.mkdir(parents=True, exist_ok=True)
     cached = read_json(out / "importance.json")
+    importance = None
     if cached is not None and cached.get("calibration") == calibration:
         importance = Importance.from_json(cached["importance"])
-    else:
+    if importance is None or importance.embedding is None:  # none, or written before embedding scores were
         windows = training_batch(corpus, CALIBRATION_SEED, 0, args.windows, args.context)
         importance = measure_importance(model, windows)
         write_json(out / "importance.json", {"calibration": calibration, "importance": importance.to_json()})
@@ -93,6 +97,10 @@ def cmd_prune(args) -> None:
               "parameters_after": zoo.parameter_counts(pruned).total, "layers_kept": list(plan.layers),
               "kv_heads_kept": {str(i): len(h) for i, h in plan.kv_heads.items()},
               "channels_kept": {str(i): len(c) for i, c in plan.channels.items()},
+              "embedding_kept": None if plan.embedding is None else len(plan.embedding),
+              "cache_bytes_per_token_before": zoo.cache_bytes(model, 1), "cache_bytes_per_token_after":
+                  zoo.cache_bytes(pruned, 1), "decode_weight_bytes_before": zoo.decode_weight_bytes(model),
+              "decode_weight_bytes_after": zoo.decode_weight_bytes(pruned),
               "bpb_before": validation_bpb(model, validation, EVAL_BATCH),
               "bpb_after": validation_bpb(pruned, validation, EVAL_BATCH)}
     write_json(out / "prune.json", report)
@@ -100,9 +108,11 @@ def cmd_prune(args) -> None:
 
 
 def summary(report: dict, out: Path) -> str:
+    cache = (f"; cache {report['cache_bytes_per_token_before']:,} -> {report['cache_bytes_per_token_after']:,} "
+             f"bytes a token" if "cache_bytes_per_token_after" in report else "")
     return (f"{report['parameters_before']:,} -> {report['parameters_after']:,} parameters (target "
-            f"{report['target']:,}, by {report['by']}); validation bits per byte {report['bpb_before']:.4f} -> "
-            f"{report['bpb_after']:.4f}; model in {out / 'model'}")
+            f"{report['target']:,}, by {report['by']}){cache}; validation bits per byte {report['bpb_before']:.4f} "
+            f"-> {report['bpb_after']:.4f}; model in {out / 'model'}")
 
 
 def read_json(path: Path) -> dict | None:

@@ -4,7 +4,9 @@
   over every token (ShortGPT, Men et al. 2024): a block that barely turns the stream can go;
 - a KV head of an attention layer: the summed importance of the query heads that read it, a query head's being the
   mean L2 norm of its attention output, the slice of o_proj's input it owns (Minitron, Muralidharan et al. 2024);
-- a feed-forward hidden channel: the mean absolute value of its activation, down_proj's input (Minitron).
+- a feed-forward hidden channel: the mean absolute value of its activation, down_proj's input (Minitron);
+- an embedding channel (of the residual stream): the mean absolute value of its normalized activation, summed over
+  every norm that reads the stream (each block's two and the final one), Minitron's embedding score.
 
 Each score is a mean over every calibration token, so the windows' count and length only sharpen it.
 """
@@ -20,6 +22,7 @@ class Importance:
     layers: list[float]  # block influence of each layer
     kv_heads: dict[int, list[float]]  # attention layer index -> each KV head's
     channels: dict[int, list[float]]  # FFN layer index -> each hidden channel's
+    embedding: list[float] | None = None  # each residual channel's (None: read from a file written before it was)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -27,7 +30,7 @@ class Importance:
     @classmethod
     def from_json(cls, data: dict) -> "Importance":
         return cls(list(data["layers"]), {int(k): list(v) for k, v in data["kv_heads"].items()},
-                   {int(k): list(v) for k, v in data["channels"].items()})
+                   {int(k): list(v) for k, v in data["channels"].items()}, data.get("embedding"))
 
 
 def cut_layers(model) -> tuple[list[int], list[int]]:
@@ -43,6 +46,7 @@ def measure_importance(model, windows: torch.Tensor, batch_size: int = 16) -> Im
     influence = torch.zeros(model.config.n_layers, dtype=torch.float64)
     head_norms = {i: torch.zeros(model.blocks[i].mixer.n_heads, dtype=torch.float64) for i in heads}
     activations = {i: torch.zeros(model.blocks[i].mlp.down_proj.weight.shape[1], dtype=torch.float64) for i in ffns}
+    residual = torch.zeros(model.config.d_model, dtype=torch.float64)
 
     def block_hook(i):
         def hook(module, args, output):
@@ -61,7 +65,12 @@ def measure_importance(model, windows: torch.Tensor, batch_size: int = 16) -> Im
             activations[i] += args[0].double().abs().sum(dim=(0, 1))
         return hook
 
+    def norm_hook(module, args, output):
+        residual.add_(output.double().abs().sum(dim=(0, 1)))
+
+    norms = [model.norm, *(n for block in model.blocks for n in (block.mixer_norm, block.mlp_norm) if n is not None)]
     handles = [block.register_forward_hook(block_hook(i)) for i, block in enumerate(model.blocks)]
+    handles += [norm.register_forward_hook(norm_hook) for norm in norms]
     handles += [model.blocks[i].mixer.o_proj.register_forward_pre_hook(head_hook(i)) for i in heads]
     handles += [model.blocks[i].mlp.down_proj.register_forward_pre_hook(channel_hook(i)) for i in ffns]
     was_training = model.training
@@ -79,4 +88,4 @@ def measure_importance(model, windows: torch.Tensor, batch_size: int = 16) -> Im
         mixer = model.blocks[i].mixer
         kv_heads[i] = (norms / tokens).view(mixer.n_kv_heads, -1).sum(dim=1).tolist()  # query heads grouped by KV head
     channels = {i: (a / tokens).tolist() for i, a in activations.items()}
-    return Importance((influence / tokens).tolist(), kv_heads, channels)
+    return Importance((influence / tokens).tolist(), kv_heads, channels, (residual / tokens).tolist())

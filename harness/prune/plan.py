@@ -5,10 +5,14 @@
 - "heads+mlp": first KV groups, each attention layer keeping ceil(target share x its KV heads) of its most
   important (at least one), or exactly kv_heads of them when given, then channels;
 - "depth+mlp": first whole layers, least block influence first, while the model stays above the target (ShortGPT),
-  then channels.
+  then channels;
+- "embedding": the residual stream's channels only (d_model, in every layer at once), its least active ones;
+- "embedding+mlp": embedding channels to the square root of the target share (a block's FFN weights shrink with
+  both axes), then channels (Minitron's width pruning over both).
 The plan's parameter count is exact (the pruned config built on the meta device, counted as zoo counts), and lands
 within TOLERANCE of the target, or the plan is refused with what it could reach.
 """
+import dataclasses
 import math
 
 import torch
@@ -16,9 +20,9 @@ import torch
 from harness.prune.importance import Importance, cut_layers
 from zoo.model import DecoderLM
 from zoo.parameters import parameter_counts
-from zoo.pruning import PrunePlan, check_plan, pruned_config, sharing_layers
+from zoo.pruning import PrunePlan, check_embedding_cut, check_plan, pruned_config, sharing_layers
 
-BY = ("mlp", "heads+mlp", "depth+mlp")
+BY = ("mlp", "heads+mlp", "depth+mlp", "embedding", "embedding+mlp")
 TOLERANCE = 0.02  # of the target
 
 
@@ -48,6 +52,9 @@ def check_by(model, by: str, target: int, kv_heads: int | None = None) -> None:
     if by not in BY:
         raise ValueError(f"unknown pruning axes by={by!r}; allowed: {', '.join(BY)}")
     heads, ffns = cut_layers(model)
+    layers = tuple(range(model.config.n_layers))
+    if by.startswith("embedding"):
+        check_embedding_cut(model.config, list(layers), range(model.config.d_model))
     if kv_heads is not None:
         if by != "heads+mlp":
             raise ValueError(f"kv_heads is a heads+mlp setting, not {by}'s")
@@ -56,18 +63,21 @@ def check_by(model, by: str, target: int, kv_heads: int | None = None) -> None:
             raise ValueError(f"kv_heads must be between 1 and {most} (the fewest KV heads of a layer that can lose "
                              f"them), got {kv_heads!r}" if most else "this model has no attention layer whose KV "
                              "heads can be cut")
-    if not ffns:
+    if not ffns and by.endswith("mlp"):
         raise ValueError(f"this model has no feed-forward channels to cut (its FFNs: "
                          f"{sorted({model.config.ffn(i).kind for i in range(model.config.n_layers)})}; cuttable: "
                          f"swiglu, gelu), and channels are what lands a plan on its target")
     if by == "depth+mlp":
         return  # layers go while the count stays above the target, so channels only trim the rest
     groups = {i: tuple(range(kv_heads or 1)) for i in heads} if by == "heads+mlp" else {}
-    least = parameter_count(model, PrunePlan(tuple(range(model.config.n_layers)), groups, {i: (0,) for i in ffns}))
+    channels = {i: (0,) for i in ffns} if by.endswith("mlp") else {}
+    least = parameter_count(model, PrunePlan(layers, groups, channels, (0,) if by.startswith("embedding") else None))
     if target < least * (1 - TOLERANCE):
-        kept = f", {kv_heads or 1} KV group(s) per attention layer" if by == "heads+mlp" else ""
+        kept = [f"{kv_heads or 1} KV group(s) per attention layer"] if by == "heads+mlp" else []
+        kept += ["one channel per FFN"] if by.endswith("mlp") else []
+        kept += ["one embedding channel"] if by.startswith("embedding") else []
         raise ValueError(f"target {target:,} parameters is below the {least:,} that cutting by {by} can reach "
-                         f"(one channel per FFN{kept})")
+                         f"({', '.join(kept)})")
 
 
 def plan_for_target(model, importance: Importance, target: int, by: str, kv_heads: int | None = None) -> PrunePlan:
@@ -81,8 +91,14 @@ def plan_for_target(model, importance: Importance, target: int, by: str, kv_head
         share = target / parameter_count(model, PrunePlan(tuple(layers)))
         kept = {i: kv_heads or math.ceil(share * len(importance.kv_heads[i])) for i in heads if i in layers}
         cut_heads = {i: most_important(importance.kv_heads[i], count) for i, count in kept.items()}
-    plan = fit_channels(model, importance, target, PrunePlan(tuple(layers), cut_heads),
-                        [i for i in ffns if i in layers])
+    plan = PrunePlan(tuple(layers), cut_heads)
+    if by == "embedding":
+        plan = fit_embedding(model, importance, target, plan)
+    else:
+        if by == "embedding+mlp":
+            share = math.sqrt(target / parameter_count(model, plan))
+            plan = with_embedding(plan, importance, share)
+        plan = fit_channels(model, importance, target, plan, [i for i in ffns if i in layers])
     count = parameter_count(model, plan)
     if abs(count - target) > TOLERANCE * target:
         raise ValueError(f"cutting by {by} lands at {count:,} parameters, more than {TOLERANCE:.0%} from the target "
@@ -115,9 +131,26 @@ def fit_channels(model, importance: Importance, target: int, plan: PrunePlan, ff
     hidden = {i: len(importance.channels[i]) for i in ffns}
 
     def with_share(share: float) -> PrunePlan:
-        return PrunePlan(plan.layers, plan.kv_heads,
-                         {i: most_important(importance.channels[i], round(share * hidden[i])) for i in ffns})
+        return dataclasses.replace(
+            plan, channels={i: most_important(importance.channels[i], round(share * hidden[i])) for i in ffns})
 
+    return with_share(closest_share(model, target, plan, with_share))
+
+
+def with_embedding(plan: PrunePlan, importance: Importance, share: float) -> PrunePlan:
+    """plan keeping that share of the embedding channels, the most active."""
+    return dataclasses.replace(
+        plan, embedding=most_important(importance.embedding, round(share * len(importance.embedding))))
+
+
+def fit_embedding(model, importance: Importance, target: int, plan: PrunePlan) -> PrunePlan:
+    """plan keeping the share of the embedding channels whose count is the closest to target from above."""
+    with_share = lambda share: with_embedding(plan, importance, share)  # noqa: E731
+    return with_share(closest_share(model, target, plan, with_share))
+
+
+def closest_share(model, target: int, plan: PrunePlan, with_share) -> float:
+    """The smallest share in (0, 1] (to 2^-30) whose plan, with_share(share), keeps at least target parameters."""
     check_plan(model, plan)
     low, high = 0.0, 1.0
     for _ in range(30):
@@ -126,4 +159,4 @@ def fit_channels(model, importance: Importance, target: int, plan: PrunePlan, ff
             high = middle
         else:
             low = middle
-    return with_share(high)
+    return high
