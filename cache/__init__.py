@@ -4,8 +4,8 @@ from cache.layouts import HandoffKV, ContiguousKV, PagedKV
 from cache.retention import FULL, Retention
 from cache.scored_kv import ScoredKV
 from cache.quantized_rows import QuantizedRows
-from cache.spec import KV_FORMATS, CacheBatch, CacheSpec, specs_read
+from cache.spec import KV_FORMATS, CacheBatch, CacheSpec, TreeBatch, specs_read
 from cache.state_slots import StateSlots
 
-__all__ = ["FULL", "KV_FORMATS", "CacheBatch", "CacheSpec", "HandoffKV", "ContiguousKV", "QuantizedRows", "PagedKV", "Retention",
-           "ScoredKV", "StateSlots", "specs_read"]
+__all__ = ["FULL", "KV_FORMATS", "CacheBatch", "CacheSpec", "HandoffKV", "ContiguousKV", "QuantizedRows", "PagedKV",
+           "Retention", "ScoredKV", "StateSlots", "TreeBatch", "specs_read"]

@@ -22,6 +22,15 @@ def visible_keys(key_positions: torch.Tensor, query_positions: torch.Tensor, ret
     return retention.visible(keys, queries)
 
 
+def chunk_visible(batch: CacheBatch, length: int, retention: Retention, causal: bool) -> torch.Tensor:
+    """[B, T, length] mask of a several-token step on top of a cache whose rows are positions: causal by position
+    under the policy, or, for a speculative tree, each node over the cache and its own ancestors (TreeBatch)."""
+    if batch.tree is not None:
+        return batch.tree.visible(batch.positions[:, 0], length, retention)
+    key_positions = torch.arange(length, device=batch.positions.device).unsqueeze(0)
+    return visible_keys(key_positions, batch.positions, retention, None if causal else batch.lengths)
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float):
     """q: [B, H, T, D]; k: [B, KVH, L, D]; v: [B, KVH, L, Dv]; visible: [B, T, L]. Returns [B, H, T, Dv].
 
@@ -103,6 +112,13 @@ class KVTensors:
         return (self.k.values, None if self.v is None else self.v.values, self.k.scales,
                 None if self.v is None else self.v.scales)
 
+    def move_rows(self, sources: tuple, destinations: tuple) -> None:
+        """Copy the rows at index `sources` of every stored tensor (a one-byte cache's scales too) to `destinations`,
+        all read before any is written: a speculative tree's accepted path, moved down to consecutive positions."""
+        for tensor in self.stored():
+            if tensor is not None:
+                tensor[destinations] = tensor[sources]
+
     def attend_over(self, q, k, v, visible, scale: float, value_dim: int | None) -> torch.Tensor:
         """A latent cache's value is the first value_dim columns of its key row: attend with the whole row as
         the value (no copy, equal head dims for SDPA's fused kernel) and keep those columns of the output."""
@@ -182,8 +198,7 @@ class ContiguousKV(KVTensors):
         rows = batch.slots if batch.slot_range is None else batch.slot_range
         k = self.k[rows, :, : batch.max_length]
         v = None if self.v is None else self.v[rows, :, : batch.max_length]
-        key_positions = torch.arange(batch.max_length, device=q.device).unsqueeze(0)
-        visible = visible_keys(key_positions, batch.positions, self.retention, None if causal else batch.lengths)
+        visible = chunk_visible(batch, batch.max_length, self.retention, causal)
         return self.attend_over(q, k, v, visible, scale, value_dim)
 
 
@@ -273,8 +288,7 @@ class PagedKV(KVTensors):
             return out.unsqueeze(2)
         # Several new tokens on top of cached ones (or an int8 cache's one): gather the blocks, then mask.
         k, v = self.gather(table, batch.max_length)
-        key_positions = torch.arange(batch.max_length, device=q.device).unsqueeze(0)
-        visible = visible_keys(key_positions, batch.positions, self.retention, None if causal else batch.lengths)
+        visible = chunk_visible(batch, batch.max_length, self.retention, causal)
         return self.attend_over(q, k, v, visible, scale, value_dim)
 
     def gather(self, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -122,6 +122,31 @@ def specs_read(specs: list[CacheSpec]) -> list[CacheSpec]:
 
 
 @dataclass
+class TreeBatch:
+    """A speculative step's new tokens as token trees, one per row (SpecInfer's tree attention): a row's T tokens are
+    written to its physical rows positions[:, 0] .. + T - 1, parents before children, while each node's logical
+    position, the one its path gives it (the row's start + its depth), is what RoPE and the retention see; a node
+    attends over the cached tokens and its own ancestors, itself included, not over other branches."""
+
+    logical: torch.Tensor  # [B, T] each node's position on its own path
+    ancestors: torch.Tensor  # [B, T, T] bool: (i, j) where node j is node i or an ancestor of it
+
+    def visible(self, starts: torch.Tensor, length: int, retention: Retention) -> torch.Tensor:
+        """[B, T, length] bool: key row l visible from node t; starts [B]: each row's first physical row this step.
+        A cached row keeps its position; a tree row takes its node's logical position and must be an ancestor."""
+        b, t = self.logical.shape
+        rows = torch.arange(length, device=self.logical.device).unsqueeze(0)
+        starts = starts.long().unsqueeze(1)
+        in_tree = (rows >= starts) & (rows < starts + t)
+        node = (rows - starts).clamp(0, t - 1)  # [B, length]: the node a tree row holds
+        far = torch.iinfo(torch.long).max // 2  # past the tree: no query sees it
+        keys = torch.where(rows < starts, rows, torch.where(in_tree, self.logical.long().gather(1, node), far))
+        seen = retention.visible(keys.unsqueeze(1), self.logical.long().unsqueeze(-1))
+        ancestor = self.ancestors.gather(2, node.unsqueeze(1).expand(b, t, length))
+        return seen & (ancestor | ~in_tree.unsqueeze(1))
+
+
+@dataclass
 class CacheBatch:
     """Where this step's tokens live in the caches; built by the engine once per step, shared by all layers.
 
@@ -150,6 +175,8 @@ class CacheBatch:
     # a step replayed from a graph (harness/engine/decode_graphs.py): no layer may read a device value on the host
     # or size a tensor by one (an MoE layer gathers its routed experts' weights instead of grouping its tokens by expert)
     captured: bool = False
+    # a speculative tree verification: the new tokens are token trees (a "chunk" step of full-attention layers)
+    tree: TreeBatch | None = None
 
     def __post_init__(self):
         if self.step not in STEP_KINDS:

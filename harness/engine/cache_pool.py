@@ -104,6 +104,12 @@ class CachePool:
                 layer.positions[destination] = layer.positions[source]
                 layer.scores[destination] = layer.scores[source]
 
+    def move_rows(self, group: int, sources: tuple, destinations: tuple) -> None:
+        """Every layer of the group copies its rows at index `sources` to `destinations` (cache.KVTensors.move_rows):
+        a contiguous layout's (slots, :, rows), a paged one's (blocks, offsets)."""
+        for i in self.groups[group].layers:
+            self.layers[i].move_rows(sources, destinations)
+
     def rollback(self, lengths: dict[int, int]) -> None:
         """Speculative decoding kept each listed slot's first `length` tokens (slot -> length): every layer that
         remembers what the checkpointed steps since forget_steps changed (state rows, ring-buffer rows) goes back;

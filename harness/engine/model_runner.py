@@ -1,7 +1,7 @@
 """Turns scheduled sequences into model calls: builds each step's CacheBatch and runs prefill or batched decode."""
 import torch
 
-from cache import CacheBatch
+from cache import CacheBatch, TreeBatch
 from harness.engine.block_manager import BlockManager
 from harness.engine.cache_pool import CachePool
 from harness.engine.decode_graphs import DecodeGraphs, StepRows
@@ -88,6 +88,51 @@ class ModelRunner:
         if not checkpoints:
             self.name_full_blocks(seqs)
         return logits
+
+    def feed_tree(self, seqs: list, trees: list) -> torch.Tensor:
+        """Feed each sequence a token tree (speculative.TokenTree, its root the sequence's newest token) on top of its
+        cache in one forward, every tree padded to the widest with leaves under the root; returns logits [B, T,
+        vocab], row t the target's at node t. The nodes take physical rows num_cached .. + T - 1 (checkpointed: a
+        rollback keeps any prefix), each seeing only its own path (cache.TreeBatch); move_path then brings the
+        accepted nodes' rows down to consecutive positions before the rollback."""
+        width = max(map(len, trees))
+        starts = [s.num_cached for s in seqs]
+        tokens, logical, ancestors = [], [], []
+        for tree, start in zip(trees, starts):
+            pad = width - len(tree)
+            tokens.append(tree.tokens + [0] * pad)
+            logical.append([start + depth for depth in tree.depths()] + [start + 1] * pad)
+            mask = torch.eye(width, dtype=torch.bool)
+            mask[:len(tree), :len(tree)] = tree.ancestors()
+            mask[len(tree):, 0] = True  # a pad node hangs under the root
+            ancestors.append(mask)
+        positions = [list(range(start, start + width)) for start in starts]
+        batch = self.cache_batch(seqs, positions, [start + width for start in starts], "chunk")
+        batch.checkpoints = True
+        batch.tree = TreeBatch(torch.tensor(logical, device=self.device), torch.stack(ancestors).to(self.device))
+        logits = self.model(torch.tensor(tokens, device=self.device), batch.tree.logical, self.pool.layers, batch)
+        for s in seqs:
+            s.num_cached += width
+        return logits
+
+    def move_path(self, seqs: list, starts: list[int], paths: list[list[int]]) -> None:
+        """After feed_tree: sequence i's accepted nodes paths[i] (tree indices, root's child first) move from their
+        physical rows starts[i] + node to starts[i] + 1, + 2, ... in every cache layer (starts[i]: the root's row).
+        A node's index is at least its depth, so no destination is a later move's source."""
+        moves = [(s, start + node, start + depth) for s, start, path in zip(seqs, starts, paths)
+                 for depth, node in enumerate(path, 1) if node != depth]
+        if not moves:
+            return
+        if self.pool.layout == "contiguous":  # no block managers: a sequence's rows are its slot's
+            slots = torch.tensor([seq.slot for seq, _, _ in moves], device=self.device)
+            rows = [torch.tensor([move[column] for move in moves], device=self.device) for column in (1, 2)]
+            for group in range(len(self.pool.groups)):
+                self.pool.move_rows(group, *[(slots, slice(None), r) for r in rows])
+            return
+        for group, manager in enumerate(self.block_managers):
+            flat = [torch.tensor([manager.slot(seq, move[column], seq.num_cached) for seq, *move in moves],
+                                 device=self.device) for column in (0, 1)]
+            self.pool.move_rows(group, *[(f // manager.block_size, f % manager.block_size) for f in flat])
 
     def rollback(self, seqs: list, lengths: list[int]) -> None:
         """Keep the first `length` tokens of each sequence's cache (at least its floor in the checkpointed steps
