@@ -56,10 +56,11 @@ def speculative_samples(target, draft, params: SamplingParams) -> tuple[dict, fl
 
 def chi_square_p(counts: dict, joint: dict) -> float:
     """Pearson's test, cells expecting fewer than 5 samples pooled into one."""
-    expected = {cell: SAMPLES * p for cell, p in joint.items()}
+    samples = sum(counts.values())
+    expected = {cell: samples * p for cell, p in joint.items()}
     big = [cell for cell, e in expected.items() if e >= 5]
-    observed = [counts.get(cell, 0) for cell in big] + [SAMPLES - sum(counts.get(cell, 0) for cell in big)]
-    wanted = [expected[cell] for cell in big] + [SAMPLES - sum(expected[cell] for cell in big)]
+    observed = [counts.get(cell, 0) for cell in big] + [samples - sum(counts.get(cell, 0) for cell in big)]
+    wanted = [expected[cell] for cell in big] + [samples - sum(expected[cell] for cell in big)]
     if wanted[-1] < 5:
         observed[-2] += observed.pop()
         wanted[-2] += wanted.pop()

@@ -10,6 +10,7 @@ from harness.engine.block_manager import ADMISSIONS, HOST_BYTES_PER_BLOCK, MAX_B
 from harness.engine.cache_pool import LAYOUTS, MAX_BLOCK_SIZE, pool_bytes, size_cache
 from harness.engine.scheduler import HOST_BYTES_PER_SLOT, MAX_BATCH
 from harness.engine.speculative import SpeculativeConfig
+from harness.engine.speculative.tree import tree_blocker
 import zoo
 from zoo import checks, resources
 
@@ -109,6 +110,8 @@ def check_speculative(speculative, model, compile: bool, kv_cache: str, max_seq_
         raise ValueError("compile=True compiles the one-token decode step, which speculative decoding does not run "
                          "(it verifies k + 1 tokens per step): use one or the other")
     k = speculative.num_speculative_tokens
+    if speculative.chains > 1 and not tree_blocker(model):
+        return speculative.width  # a tree: every node is written in the verification step
     if kv_cache == "contiguous":
         # a verification writes k + 1 keys into a ring in one step: two in one row would lose one a rollback needs
         # (a draft writes one token a step, which its rollback undoes newest first, so any ring serves it)
@@ -227,12 +230,15 @@ def graph_input_bytes(rows: int, table_widths: list[int]) -> int:
 
 
 def draft_bytes(speculative, kv_cache: str, max_batch: int, cache_len: int, block_size: int) -> tuple[int, int]:
-    """(device, host) bytes of a draft model's own cache, sized as harness/engine/speculative/proposers.py DraftModel
-    sizes it: room for every slot's worst case. (0, 0) without a draft model."""
-    if speculative is None or isinstance(speculative.draft, str):
-        return 0, 0
-    draft, step_tokens = speculative.draft, speculative.num_speculative_tokens + 1
-    specs, dtype = draft.cache_specs(), next(draft.parameters()).dtype
-    _, blocks = size_cache(specs, dtype, kv_cache, max_batch, cache_len, block_size, None, None, step_tokens)
-    host = sum(blocks) * HOST_BYTES_PER_BLOCK
-    return pool_bytes(specs, dtype, kv_cache, max_batch, cache_len, block_size, blocks), host
+    """(device, host) bytes of the draft models' own caches, each sized as harness/engine/speculative/proposers.py
+    DraftModel sizes it: room for every slot's worst case. (0, 0) without a draft model."""
+    device = host = 0
+    step_tokens = 0 if speculative is None else speculative.num_speculative_tokens + 1
+    for draft in () if speculative is None else speculative.drafts:
+        if isinstance(draft, str):
+            continue
+        specs, dtype = draft.cache_specs(), next(draft.parameters()).dtype
+        _, blocks = size_cache(specs, dtype, kv_cache, max_batch, cache_len, block_size, None, None, step_tokens)
+        host += sum(blocks) * HOST_BYTES_PER_BLOCK
+        device += pool_bytes(specs, dtype, kv_cache, max_batch, cache_len, block_size, blocks)
+    return device, host

@@ -89,6 +89,7 @@ class ModelRunner:
             self.name_full_blocks(seqs)
         return logits
 
+    @torch.inference_mode()
     def feed_tree(self, seqs: list, trees: list) -> torch.Tensor:
         """Feed each sequence a token tree (speculative.TokenTree, its root the sequence's newest token) on top of its
         cache in one forward, every tree padded to the widest with leaves under the root; returns logits [B, T,

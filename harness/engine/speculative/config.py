@@ -1,4 +1,5 @@
-"""What speculative decoding to run: who proposes (a draft model, or prompt lookup) and how many tokens per step."""
+"""What speculative decoding to run: who proposes (a draft model, several, or prompt lookup), how many tokens per step,
+and whether the proposals form a tree (several chains from the root) or one chain."""
 from dataclasses import dataclass
 
 from torch import nn
@@ -19,36 +20,82 @@ class SpeculativeConfig:
     num_speculative_tokens: k, the tokens proposed per step (vLLM's name); the target verifies k + 1 positions in one
     forward. Fixed: every step of every request proposes k (fewer only where the request has fewer left to make,
     or prompt lookup finds a shorter continuation).
-    prompt_lookup_max / prompt_lookup_min: the n-gram lengths tried, longest first (vLLM's names)."""
+    prompt_lookup_max / prompt_lookup_min: the n-gram lengths tried, longest first (vLLM's names).
+    Trees (SpecInfer): draft may be a tuple of models, each proposing its own chain, and branches > 1 gives each
+    proposer that many chains (a model's: one from each of its `branches` most likely first tokens, each continued
+    as the model samples; prompt lookup's: the continuations of its latest distinct matches). The chains hang from
+    the request's newest token as one token tree, which the target verifies in one forward (every node seeing only
+    its own path) where its caches allow: every layer attention over all earlier keys (no window, sinks, chunks,
+    eviction or recurrent state). Elsewhere the first proposer's first chain is verified alone, and the engine's
+    speculative_stats say why (tree_fallback)."""
 
-    draft: "nn.Module | str"
+    draft: "nn.Module | str | tuple"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    branches: int = 1
 
     def __post_init__(self):
         checks.integer("num_speculative_tokens (k)", self.num_speculative_tokens, minimum=1,
                        maximum=MAX_SPECULATIVE_TOKENS)
-        if isinstance(self.draft, str):
+        checks.integer(f"branches (chains per proposer; with k={self.num_speculative_tokens} at most "
+                       f"{MAX_SPECULATIVE_TOKENS} proposed tokens a step)", self.branches, minimum=1,
+                       maximum=MAX_SPECULATIVE_TOKENS // self.num_speculative_tokens)
+        if isinstance(self.draft, list):
+            object.__setattr__(self, "draft", tuple(self.draft))  # frozen: set once, here
+        if isinstance(self.draft, tuple):
+            if not self.draft:
+                raise ValueError("draft is an empty tuple: give at least one draft model")
+            for draft in self.draft:
+                self.check_model(draft)
+            if self.width > MAX_SPECULATIVE_TOKENS:
+                raise ValueError(f"{len(self.draft)} drafts x branches={self.branches} x k="
+                                 f"{self.num_speculative_tokens} propose {self.width} tokens a step, more than "
+                                 f"{MAX_SPECULATIVE_TOKENS}")
+        elif isinstance(self.draft, str):
             checks.choice("draft (a model, or the proposer without one)", self.draft, (PROMPT_LOOKUP,))
             checks.integer("prompt_lookup_min", self.prompt_lookup_min, minimum=1)
             checks.integer(f"prompt_lookup_max (prompt_lookup_min={self.prompt_lookup_min} at least)",
                            self.prompt_lookup_max, minimum=self.prompt_lookup_min)
-        elif not isinstance(self.draft, nn.Module) or not hasattr(self.draft, "config"):
-            raise ValueError(f"draft must be a zoo model (zoo.build / zoo.load) or {PROMPT_LOOKUP!r}, got "
-                             f"{type(self.draft).__name__}")
+        else:
+            self.check_model(self.draft)
+
+    @staticmethod
+    def check_model(draft) -> None:
+        if not isinstance(draft, nn.Module) or not hasattr(draft, "config"):
+            raise ValueError(f"draft must be a zoo model (zoo.build / zoo.load), a tuple of them, or "
+                             f"{PROMPT_LOOKUP!r}, got {type(draft).__name__}")
+
+    @property
+    def drafts(self) -> tuple:
+        """The proposers: each model, or the prompt lookup string."""
+        return self.draft if isinstance(self.draft, tuple) else (self.draft,)
+
+    @property
+    def chains(self) -> int:
+        """Chains a step proposes per request: one per draft and branch."""
+        return len(self.drafts) * self.branches
+
+    @property
+    def width(self) -> int:
+        """Tokens a step proposes per request at most (a tree's nodes below its root)."""
+        return self.chains * self.num_speculative_tokens
 
     def check_target(self, target: nn.Module) -> None:
-        """The draft can propose for this target: same vocabulary, decodes left to right, on the same device."""
-        if isinstance(self.draft, str):
-            return
-        draft, config = self.draft.config, target.config
+        """Each draft can propose for this target: same vocabulary, decodes left to right, on the same device."""
+        for draft in self.drafts:
+            if not isinstance(draft, str):
+                self.check_draft(draft, target)
+
+    @staticmethod
+    def check_draft(model: nn.Module, target: nn.Module) -> None:
+        draft, config = model.config, target.config
         if not draft.causal:
             raise ValueError(f"the draft {draft.name!r} is a masked diffusion LM, which cannot propose tokens left to "
                              f"right; use a causal architecture or {PROMPT_LOOKUP!r}")
         if draft.vocab_size != config.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.vocab_size} ids) differs from the target's "
                              f"({config.vocab_size}): a proposed id must mean the same token to both")
-        draft_device, target_device = next(self.draft.parameters()).device, next(target.parameters()).device
+        draft_device, target_device = next(model.parameters()).device, next(target.parameters()).device
         if draft_device != target_device:
             raise ValueError(f"the draft is on {draft_device} and the target on {target_device}: put both on one device")

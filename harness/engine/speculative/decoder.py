@@ -2,7 +2,11 @@
 the target scores each request's newest token and its proposals in one batched forward (a checkpointed "chunk"
 step through its cache), the acceptance rule keeps a prefix per request, and every cache goes back to the tokens
 kept: paged blocks past them return to the pool, recurrent states and ring-buffer rows return to their values
-there (cache.CacheBatch.checkpoints)."""
+there (cache.CacheBatch.checkpoints).
+
+With several chains (speculative.tree) the proposals are one token tree per request, scored in one forward in which
+each node sees only its own path (ModelRunner.feed_tree), verified by SpecInfer's rule (verify_tree); the accepted
+path's cache rows then move down to consecutive positions (move_path) before the same rollback."""
 import time
 from dataclasses import asdict, dataclass
 
@@ -11,6 +15,7 @@ from harness.engine.sequence import Sequence
 from harness.engine.speculative.config import PROMPT_LOOKUP, SpeculativeConfig
 from harness.engine.speculative.proposers import DraftModel, PromptLookup
 from harness.engine.speculative.rejection import verify
+from harness.engine.speculative.tree import TokenTree, tree_blocker, verify_tree
 
 
 @dataclass
@@ -24,6 +29,7 @@ class SpeculativeStats:
     emitted: int = 0  # tokens the requests gained: the accepted ones plus one from the target per request and step
     draft_seconds: float = 0.0  # proposing
     target_seconds: float = 0.0  # verifying: the target's forward and the acceptance rule
+    tree_fallback: str = ""  # why several chains were asked for but the target verifies one ("" otherwise)
 
     @property
     def acceptance_rate(self) -> float:
@@ -45,19 +51,23 @@ class SpeculativeDecoder:
                  block_size: int):
         self.k = config.num_speculative_tokens
         self.runner = runner
-        if config.draft == PROMPT_LOOKUP:
-            self.proposer = PromptLookup(config.prompt_lookup_max, config.prompt_lookup_min)
-        else:
-            self.proposer = DraftModel(config.draft, kv_cache, max_batch, cache_len, block_size, self.k)
-        self.stats = SpeculativeStats()
+        blocker = tree_blocker(runner.model) if config.chains > 1 else ""
+        self.stats = SpeculativeStats(tree_fallback=blocker)
+        self.tree = config.chains > 1 and not blocker
+        self.branches = config.branches if self.tree else 1
+        self.proposers = [PromptLookup(config.prompt_lookup_max, config.prompt_lookup_min) if draft == PROMPT_LOOKUP
+                          else DraftModel(draft, kv_cache, max_batch, cache_len, block_size, self.k)
+                          for draft in (config.drafts if self.tree else config.drafts[:1])]
 
     def step(self, seqs: list[Sequence]) -> list[tuple[list[int], list, Exception | None]]:
         """Each request's tokens to emit (its accepted proposals, then the target's own token), the target's logits
         each came from, and the error if its verdict failed (non-finite logits): that request alone fails."""
         # no proposal whose acceptance would run past max_new_tokens with the target's token after it
         limits = [min(self.k, seq.params.max_new_tokens - len(seq.output_ids) - 1) for seq in seqs]
+        if self.tree:
+            return self.tree_step(seqs, limits)
         start = time.perf_counter()
-        proposals = self.proposer.propose(seqs, limits)
+        proposals = self.proposers[0].propose(seqs, limits)
         drafted = time.perf_counter()
         width = 1 + max(len(p.tokens) for p in proposals)
         # a shorter proposal is padded: the rule never reads past it, and the rollback drops what the pad wrote
@@ -81,9 +91,42 @@ class SpeculativeDecoder:
         self.stats.target_seconds += time.perf_counter() - drafted
         return verdicts
 
+    def tree_step(self, seqs: list[Sequence], limits: list[int]) -> list[tuple[list[int], list, Exception | None]]:
+        """step for token trees: every proposer's chains hang from each request's newest token."""
+        start = time.perf_counter()
+        chains: list[list] = [[] for _ in seqs]
+        for proposer in self.proposers:
+            for mine, proposals in zip(chains, proposer.propose_chains(seqs, limits, self.branches)):
+                mine.extend((p.tokens, p.probs) for p in proposals if p.tokens)
+        trees = [TokenTree.from_chains(seq.all_ids[-1], mine) for seq, mine in zip(seqs, chains)]
+        drafted = time.perf_counter()
+        starts = [seq.num_cached for seq in seqs]
+        self.runner.pool.forget_steps()
+        logits = self.runner.feed_tree(seqs, trees)
+        verdicts, paths = [], []
+        for seq, tree, rows in zip(seqs, trees, logits):
+            try:
+                path, tokens = verify_tree(rows, tree, seq.params, seq.all_ids, seq.generator)
+            except Exception as error:  # noqa: BLE001 - a failing request must not take the batch with it
+                verdicts.append(([], [], error))
+                paths.append([])
+                continue
+            verdicts.append((tokens, [rows[node] for node in [0, *path]][:len(tokens)], None))
+            paths.append(path)
+            self.stats.accepted += len(path)
+            self.stats.emitted += len(tokens)
+        self.runner.move_path(seqs, starts, paths)
+        self.stats.steps += 1
+        self.stats.sequence_steps += len(seqs)
+        self.stats.proposed += sum(len(tree) - 1 for tree in trees)
+        self.stats.draft_seconds += drafted - start
+        self.stats.target_seconds += time.perf_counter() - drafted
+        return verdicts
+
     def keep(self, seqs: list[Sequence]) -> None:
         """After the engine appended the emitted tokens: each request still running keeps its cache up to its newest
-        token (uncached, as always), in the target and in the proposer."""
+        token (uncached, as always), in the target and in the proposers."""
         lengths = [len(seq.all_ids) - 1 for seq in seqs]
         self.runner.rollback(seqs, lengths)
-        self.proposer.keep(seqs, lengths)
+        for proposer in self.proposers:
+            proposer.keep(seqs, lengths)

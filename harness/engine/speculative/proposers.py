@@ -25,19 +25,29 @@ class PromptLookup:
         self.longest, self.shortest = longest, shortest
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[Proposal]:
-        return [Proposal(self.lookup(seq.all_ids, limit), None) for seq, limit in zip(seqs, limits)]
+        return [chains[0] for chains in self.propose_chains(seqs, limits, 1)]
 
-    def lookup(self, ids: list[int], limit: int) -> list[int]:
+    def propose_chains(self, seqs: list[Sequence], limits: list[int], branches: int) -> list[list[Proposal]]:
+        """Per request, up to `branches` distinct continuations (fewer where fewer matches differ), the longest
+        n-gram's latest match first."""
+        return [[Proposal(chain, None) for chain in self.lookup(seq.all_ids, limit, branches)] or [Proposal([], None)]
+                for seq, limit in zip(seqs, limits)]
+
+    def lookup(self, ids: list[int], limit: int, count: int = 1) -> list[list[int]]:
         if limit < 1:
             return []
         context = torch.tensor(ids)
+        found: list[list[int]] = []
         for n in range(min(self.longest, len(ids) - 1), self.shortest - 1, -1):
             # every earlier n-gram (the last one, which is the pattern itself, left out) against the last n tokens
             hits = (context[:-1].unfold(0, n, 1) == context[-n:]).all(1).nonzero()
-            if len(hits):
-                start = int(hits[-1]) + n
-                return ids[start:start + limit]
-        return []
+            for hit in reversed(hits[:, 0].tolist()):  # latest first
+                chain = ids[hit + n:hit + n + limit]
+                if chain and chain not in found:
+                    found.append(chain)
+                    if len(found) == count:
+                        return found
+        return found
 
     def keep(self, seqs: list[Sequence], lengths: list[int]) -> None:
         """Nothing to roll back: the proposer keeps no state."""
@@ -62,19 +72,45 @@ class DraftModel:
         self.seqs: dict[int, tuple[Sequence, int]] = {}  # request id -> its draft sequence, the request's preemptions
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[Proposal]:
+        """One chain per request; the draft keeps it in its cache (the target's verdict rolls it back)."""
+        return [chains[0] for chains in self.propose_chains(seqs, limits, 1, keep=True)]
+
+    def propose_chains(self, seqs: list[Sequence], limits: list[int], branches: int,
+                       keep: bool = False) -> list[list[Proposal]]:
+        """Per request, `branches` chains: the b-th starts from the draft's b-th most likely token (the first from
+        its own draw), each continued as the draft samples. Between chains, and after them unless keep, the draft
+        goes back to the request's newest token."""
         drafts = self.level(seqs)
         self.pool.forget_steps()
         self.catch_up(seqs, drafts)
         floors = [len(seq.all_ids) for seq in seqs]  # the newest token stays: rollback never goes below it
+        first = self.runner.feed(drafts, [[seq.all_ids[-1]] for seq in seqs], checkpoints=True, floors=floors)[:, -1]
+        chains = []
+        for rank in range(branches):
+            if rank:
+                self.runner.rollback(drafts, floors)
+            chains.append(self.chain(seqs, drafts, floors, first, limits, rank))
+        if not keep:
+            self.runner.rollback(drafts, floors)
+        return [list(mine) for mine in zip(*chains)]
+
+    def chain(self, seqs, drafts, floors, first: torch.Tensor, limits: list[int], rank: int) -> list[Proposal]:
+        """Each request's chain from the draft's logits after its newest token (first): its first token the rank-th
+        most likely (rank 0: drawn as any other), then each drawn from the logits after the one before."""
         proposed: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        logits = first
         for i in range(max(limits)):
-            # the newest token first, then each proposal but the last (sampled from the logits fed last)
-            tokens = [[mine[-1] if mine else seq.all_ids[-1]] for seq, mine in zip(seqs, proposed)]
-            logits = self.runner.feed(drafts, tokens, checkpoints=True, floors=floors)[:, -1]
+            if i:  # each proposal but the last is fed (the last was drawn from the logits fed last)
+                logits = self.runner.feed(drafts, [[mine[-1]] for mine in proposed], checkpoints=True,
+                                          floors=floors)[:, -1]
             for seq, row, limit, mine, my_probs in zip(seqs, logits, limits, proposed, probs):
                 history = seq.all_ids + mine
-                if seq.params.greedy or i >= limit:  # past its limit a token is a placeholder: no randomness spent
+                if i == 0 and rank:  # a deterministic proposal: a q with all its mass on its token
+                    mine.append(int(processed_logits(row, seq.params, history).topk(rank + 1).indices[-1]))
+                    if not seq.params.greedy:
+                        my_probs.append(torch.nn.functional.one_hot(torch.tensor(mine[-1]), len(row)).to(row))
+                elif seq.params.greedy or i >= limit:  # past its limit a token is a placeholder: no randomness spent
                     mine.append(int(processed_logits(row, seq.params, history).argmax()))
                 else:
                     q = token_distribution(row, seq.params, history)

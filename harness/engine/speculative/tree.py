@@ -115,3 +115,16 @@ def verify_tree(target_logits: torch.Tensor, tree: TokenTree, params: SamplingPa
                 return accepted, emitted + [int(torch.multinomial(p, 1, generator=generator))]
         accepted.append(node)
         emitted.append(tree.tokens[node])
+
+
+def tree_blocker(model) -> str:
+    """Why this target cannot verify a token tree in one forward ("" where it can): a tree's rows stand at physical
+    positions its nodes do not have, which only layers attending over every earlier key leave alone."""
+    for i, spec in enumerate(model.cache_specs()):
+        if spec.kind == "state":
+            return (f"layer {i} ({model.config.layers[i].kind}) carries a recurrent state, which each branch of a tree "
+                    f"would need a copy of")
+        if not spec.retention.keeps_all:
+            return (f"layer {i} keeps a {spec.retention.describe()}, which frees and overwrites rows by position, not by "
+                    f"a tree node's path")
+    return ""
