@@ -3,7 +3,9 @@ worst-case or optimistic admission (the second preempts), prompts whole or chunk
 every call the engine's books must balance: every block is free or held by one running request, ended requests hold
 nothing, batch slots are conserved. Every ended request has its requested length or stop reason, and a greedy one the
 tokens it gets alone (under eviction by score, one that was never preempted: a recomputed prefill keeps by the
-whole prompt's scores, not the ones its decode steps built up)."""
+whole prompt's scores, not the ones its decode steps built up). With token trees (two drafts, one of them the target
+itself, so some steps accept a branch whose rows must move and others reject every branch) the same books balance:
+rejected branches leave no rows and no blocks behind."""
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +18,13 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from harness import Engine, SamplingParams
+from harness import Engine, SamplingParams, SpeculativeConfig
 from harness.engine.sequence import Status
 from helpers import make_prompts, random_model  # tests/ is on sys.path under pytest
 
-# one cache group; a sliding-window group beside a global one; state slots only; gqa evicting by score (H2O)
-ARCHS = ["gqa", "hybrid", "mamba", "gqa-h2o"]
+# one cache group; a sliding-window group beside a global one; state slots only; gqa evicting by score (H2O); gqa
+# verifying token trees
+ARCHS = ["gqa", "hybrid", "mamba", "gqa-h2o", "gqa-tree"]
 VOCAB = 512  # the tiny preset's
 MAX_SEQ_LEN, BLOCK_SIZE, MAX_BATCH = 64, 4, 3
 PROMPT_LENGTHS = (1, 3, 4, 7, 12, 20, 33)  # 33 + 6 new tokens need 10 blocks: the smallest pool holds one at a time
@@ -37,18 +40,23 @@ class Workload:
     model: object
     prompts: list[list[int]]
     alone: list[list[int]]  # each prompt's greedy MAX_NEW_TOKENS tokens from an engine serving it alone
+    speculative: SpeculativeConfig | None = None
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def workload(request) -> Workload:
     arch, _, policy = request.param.partition("-")
     model = random_model(arch, max_seq_len=MAX_SEQ_LEN)
-    if policy:  # 10 tokens a sequence, 4 of them the newest: prompts and outputs run past it
+    speculative = None
+    if policy == "tree":  # a random draft's chain and the target's own: a tree whose second branch is accepted
+        speculative = SpeculativeConfig((random_model(arch, seed=9), random_model(arch, max_seq_len=MAX_SEQ_LEN)),
+                                        num_speculative_tokens=2)
+    elif policy:  # 10 tokens a sequence, 4 of them the newest: prompts and outputs run past it
         model = zoo.evict(model, policy=policy, budget=10, window=4)
     prompts = make_prompts(PROMPT_LENGTHS, VOCAB, seed=7)
     greedy = SamplingParams(MAX_NEW_TOKENS, temperature=0.0)
     alone = [Engine(model, max_batch=1, max_seq_len=MAX_SEQ_LEN).generate([p], greedy)[0].token_ids for p in prompts]
-    return Workload(model, prompts, alone)
+    return Workload(model, prompts, alone, speculative)
 
 
 def greedy_tokens(alone: list[int], params: SamplingParams) -> list[int]:
@@ -80,9 +88,12 @@ class EngineProgram(RuleBasedStateMachine):
         # optimistic admission into these pools preempts: a preempted request must still end with its alone tokens;
         # a token budget splits prompts over steps (chunked prefill), preempted part-way through or not
         self.scored = "score" in self.workload.model.config.layers[0].params  # a prompt is scored whole: no budget
+        lookahead = 0 if self.workload.speculative is None else self.workload.speculative.width
         self.engine = Engine(self.workload.model, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN, kv_cache="paged",
-                             block_size=BLOCK_SIZE, num_blocks=num_blocks, admission=admission,
-                             max_num_batched_tokens=None if self.scored else budget)
+                             block_size=BLOCK_SIZE, num_blocks=num_blocks + -(-lookahead // BLOCK_SIZE),
+                             admission=admission,
+                             max_num_batched_tokens=None if self.scored else budget,
+                             speculative=self.workload.speculative)
 
     # ---- the program's calls ----------------------------------------------------------------------------
 

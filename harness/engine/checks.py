@@ -110,8 +110,12 @@ def check_speculative(speculative, model, compile: bool, kv_cache: str, max_seq_
         raise ValueError("compile=True compiles the one-token decode step, which speculative decoding does not run "
                          "(it verifies k + 1 tokens per step): use one or the other")
     k = speculative.num_speculative_tokens
-    if speculative.chains > 1 and not tree_blocker(model):
+    blocker = tree_blocker(model) if speculative.chains > 1 else ""
+    if speculative.chains > 1 and not blocker:
         return speculative.width  # a tree: every node is written in the verification step
+    if blocker and not speculative.chain_fallback:
+        raise ValueError(f"{speculative.chains} chains make a token tree, which this target cannot verify in one "
+                         f"forward: {blocker}; use one chain, or chain_fallback=True to verify the first chain alone")
     if kv_cache == "contiguous":
         # a verification writes k + 1 keys into a ring in one step: two in one row would lose one a rollback needs
         # (a draft writes one token a step, which its rollback undoes newest first, so any ring serves it)

@@ -26,14 +26,15 @@ class SpeculativeConfig:
     as the model samples; prompt lookup's: the continuations of its latest distinct matches). The chains hang from
     the request's newest token as one token tree, which the target verifies in one forward (every node seeing only
     its own path) where its caches allow: every layer attention over all earlier keys (no window, sinks, chunks,
-    eviction or recurrent state). Elsewhere the first proposer's first chain is verified alone, and the engine's
-    speculative_stats say why (tree_fallback)."""
+    eviction or recurrent state). Elsewhere the engine refuses the tree, unless chain_fallback: then the first
+    proposer's first chain is verified alone, and the engine's speculative_stats say why (tree_fallback)."""
 
     draft: "nn.Module | str | tuple"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
     branches: int = 1
+    chain_fallback: bool = False
 
     def __post_init__(self):
         checks.integer("num_speculative_tokens (k)", self.num_speculative_tokens, minimum=1,
