@@ -88,3 +88,45 @@ def test_tree_verification_is_one_target_forward_a_step():
     prefill, *steps = calls
     assert prefill == torch.Size([1, 3]) and len(steps) == engine.speculative_stats.steps
     assert steps[0] == torch.Size([1, 9])  # a root and 2 drafts x 2 branches x 2 tokens, one forward
+
+
+@pytest.mark.parametrize("kv_cache", LAYOUTS)
+@pytest.mark.parametrize("arch", ["gqa", "mla", "mamba2"])
+@pytest.mark.parametrize("budget", [5, 12])
+def test_a_budget_tree_from_the_draft_s_probabilities_keeps_greedy_output(arch, kv_cache, budget):
+    """The target's own weights as the draft. Its likeliest first token is the target's greedy one and outscores
+    every deeper node, so any budget keeps it (at least 2 tokens a forward); a budget of every candidate (3 depths
+    of 2 x 2) keeps the whole greedy path (4 a forward). A state-mixer target falls back to the draft's chain."""
+    target = random_model(arch, seed=2)
+    prompts = make_prompts([4, 11], target.config.vocab_size, seed=5)
+    want = Engine(target, max_batch=2, max_seq_len=64, kv_cache=kv_cache, block_size=4).generate(prompts, greedy(13))
+    draft = random_model("gqa" if arch == "mamba2" else arch, seed=2)
+    engine = Engine(target, max_batch=2, max_seq_len=64, kv_cache=kv_cache, block_size=4,
+                    speculative=SpeculativeConfig(draft, num_speculative_tokens=3, branches=2, tree_budget=budget,
+                                                  chain_fallback=True))
+    got = engine.generate(prompts, greedy(13))
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    stats = engine.speculative_stats
+    if arch == "mamba2":
+        assert "recurrent state" in stats.tree_fallback
+        return
+    assert stats.proposed <= budget * stats.sequence_steps
+    assert stats.tokens_per_forward == 4.0 if budget == 12 else stats.tokens_per_forward >= 2.0
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(tree_budget=0), r"tree_budget \(proposed tokens a step\) must be in \[1, 256\], got 0"),
+    (dict(draft=PROMPT_LOOKUP, tree_budget=4), "grows a tree from one draft model's probabilities, not from "
+                                               "'prompt_lookup'"),
+    (dict(num_speculative_tokens=8, branches=6, tree_budget=4), "are 288 draft tokens a step, more than 256"),
+])
+def test_bad_budget_settings_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig(**{"draft": random_model("gqa"), **settings})
+
+
+def test_a_budget_tree_needs_a_draft_that_scores_trees():
+    with pytest.raises(ValueError, match=r"tree_budget: the draft scores each depth's tree in one forward, which it "
+                                         r"cannot: layer 0 \(mamba\) carries a recurrent state"):
+        Engine(random_model("gqa"), max_batch=1, max_seq_len=64,
+               speculative=SpeculativeConfig(random_model("mamba"), tree_budget=4))

@@ -106,16 +106,21 @@ def check_speculative(speculative, model, compile: bool, kv_cache: str, max_seq_
     if not isinstance(speculative, SpeculativeConfig):
         raise ValueError(f"speculative must be a harness.SpeculativeConfig or None, got {type(speculative).__name__}")
     speculative.check_target(model)
+    if speculative.tree_budget is not None and tree_blocker(speculative.draft):
+        raise ValueError(f"tree_budget: the draft scores each depth's tree in one forward, which it cannot: "
+                         f"{tree_blocker(speculative.draft)}")
     if compile:
         raise ValueError("compile=True compiles the one-token decode step, which speculative decoding does not run "
                          "(it verifies k + 1 tokens per step): use one or the other")
     k = speculative.num_speculative_tokens
-    blocker = tree_blocker(model) if speculative.chains > 1 else ""
-    if speculative.chains > 1 and not blocker:
+    blocker = tree_blocker(model) if speculative.tree else ""
+    if speculative.tree and not blocker:
         return speculative.width  # a tree: every node is written in the verification step
     if blocker and not speculative.chain_fallback:
-        raise ValueError(f"{speculative.chains} chains make a token tree, which this target cannot verify in one "
-                         f"forward: {blocker}; use one chain, or chain_fallback=True to verify the first chain alone")
+        shape = (f"a tree of {speculative.tree_budget} tokens" if speculative.tree_budget is not None
+                 else f"{speculative.chains} chains")
+        raise ValueError(f"{shape} make a token tree, which this target cannot verify in one forward: {blocker}; "
+                         f"use one chain, or chain_fallback=True to verify the first chain alone")
     if kv_cache == "contiguous":
         # a verification writes k + 1 keys into a ring in one step: two in one row would lose one a rollback needs
         # (a draft writes one token a step, which its rollback undoes newest first, so any ring serves it)
@@ -237,12 +242,13 @@ def draft_bytes(speculative, kv_cache: str, max_batch: int, cache_len: int, bloc
     """(device, host) bytes of the draft models' own caches, each sized as harness/engine/speculative/proposers.py
     DraftModel sizes it: room for every slot's worst case. (0, 0) without a draft model."""
     device = host = 0
-    step_tokens = 0 if speculative is None else speculative.num_speculative_tokens + 1
+    step_tokens = 0 if speculative is None else speculative.draft_lookahead + 1
     for draft in () if speculative is None else speculative.drafts:
         if isinstance(draft, str):
             continue
         specs, dtype = draft.cache_specs(), next(draft.parameters()).dtype
-        _, blocks = size_cache(specs, dtype, kv_cache, max_batch, cache_len, block_size, None, None, step_tokens)
+        rows = speculative.draft_cache_len(cache_len)
+        _, blocks = size_cache(specs, dtype, kv_cache, max_batch, rows, block_size, None, None, step_tokens)
         host += sum(blocks) * HOST_BYTES_PER_BLOCK
-        device += pool_bytes(specs, dtype, kv_cache, max_batch, cache_len, block_size, blocks)
+        device += pool_bytes(specs, dtype, kv_cache, max_batch, rows, block_size, blocks)
     return device, host

@@ -27,7 +27,12 @@ class SpeculativeConfig:
     the request's newest token as one token tree, which the target verifies in one forward (every node seeing only
     its own path) where its caches allow: every layer attention over all earlier keys (no window, sinks, chunks,
     eviction or recurrent state). Elsewhere the engine refuses the tree, unless chain_fallback: then the first
-    proposer's first chain is verified alone, and the engine's speculative_stats say why (tree_fallback)."""
+    proposer's first chain is verified alone, and the engine's speculative_stats say why (tree_fallback).
+    tree_budget: a tree of at most this many proposed tokens whose shape the draft's probabilities choose (EAGLE-2,
+    Li et al. 2024): depth by depth, the `branches` likeliest nodes each offer their `branches` likeliest next
+    tokens, then the budget's likeliest nodes by path probability stay, up to num_speculative_tokens deep. The
+    draft proposes deterministically (each node its token, not a draw), so the rule stays exact when sampling; it
+    scores each depth's tree in one forward of its own, so it must be a model that verifies trees too."""
 
     draft: "nn.Module | str | tuple"
     num_speculative_tokens: int = 4
@@ -35,6 +40,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     branches: int = 1
     chain_fallback: bool = False
+    tree_budget: int | None = None
 
     def __post_init__(self):
         checks.integer("num_speculative_tokens (k)", self.num_speculative_tokens, minimum=1,
@@ -42,6 +48,16 @@ class SpeculativeConfig:
         checks.integer(f"branches (chains per proposer; with k={self.num_speculative_tokens} at most "
                        f"{MAX_SPECULATIVE_TOKENS} proposed tokens a step)", self.branches, minimum=1,
                        maximum=MAX_SPECULATIVE_TOKENS // self.num_speculative_tokens)
+        if self.tree_budget is not None:
+            checks.integer("tree_budget (proposed tokens a step)", self.tree_budget, minimum=1,
+                           maximum=MAX_SPECULATIVE_TOKENS)
+            if isinstance(self.draft, (str, tuple, list)):
+                raise ValueError(f"tree_budget grows a tree from one draft model's probabilities, not from "
+                                 f"{self.draft if isinstance(self.draft, str) else 'several drafts'!r}")
+            if self.draft_lookahead > MAX_SPECULATIVE_TOKENS:
+                raise ValueError(f"tree_budget: k={self.num_speculative_tokens} depths of branches={self.branches}^2 "
+                                 f"candidates are {self.draft_lookahead} draft tokens a step, more than "
+                                 f"{MAX_SPECULATIVE_TOKENS}")
         if isinstance(self.draft, list):
             object.__setattr__(self, "draft", tuple(self.draft))  # frozen: set once, here
         if isinstance(self.draft, tuple):
@@ -78,9 +94,29 @@ class SpeculativeConfig:
         return len(self.drafts) * self.branches
 
     @property
+    def tree(self) -> bool:
+        """The proposals form a token tree: several chains, or a budget's tree."""
+        return self.tree_budget is not None or self.chains > 1
+
+    @property
     def width(self) -> int:
         """Tokens a step proposes per request at most (a tree's nodes below its root)."""
+        if self.tree_budget is not None:
+            return self.tree_budget
         return self.chains * self.num_speculative_tokens
+
+    @property
+    def draft_lookahead(self) -> int:
+        """Tokens a draft model writes past a request's newest token in one step: its chain, or the candidates of
+        every depth of a budget's tree (branches^2 a depth)."""
+        if self.tree_budget is not None:
+            return self.num_speculative_tokens * self.branches**2
+        return self.num_speculative_tokens
+
+    def draft_cache_len(self, cache_len: int) -> int:
+        """Rows a draft's cache needs per sequence beside a target whose cache holds cache_len (max_seq_len and the
+        target's lookahead, which is width here): more where the draft writes more than the target a step."""
+        return cache_len + max(0, self.draft_lookahead - self.width)
 
     def check_target(self, target: nn.Module) -> None:
         """Each draft can propose for this target: same vocabulary, decodes left to right, on the same device."""

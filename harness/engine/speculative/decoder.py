@@ -51,12 +51,15 @@ class SpeculativeDecoder:
                  block_size: int):
         self.k = config.num_speculative_tokens
         self.runner = runner
-        blocker = tree_blocker(runner.model) if config.chains > 1 else ""
+        blocker = tree_blocker(runner.model) if config.tree else ""
         self.stats = SpeculativeStats(tree_fallback=blocker)
-        self.tree = config.chains > 1 and not blocker
+        self.tree = config.tree and not blocker
         self.branches = config.branches if self.tree else 1
+        self.budget = config.tree_budget if self.tree else None
+        lookahead = config.draft_lookahead if self.tree else self.k
         self.proposers = [PromptLookup(config.prompt_lookup_max, config.prompt_lookup_min) if draft == PROMPT_LOOKUP
-                          else DraftModel(draft, kv_cache, max_batch, cache_len, block_size, self.k)
+                          else DraftModel(draft, kv_cache, max_batch, config.draft_cache_len(cache_len), block_size,
+                                          lookahead)
                           for draft in (config.drafts if self.tree else config.drafts[:1])]
 
     def step(self, seqs: list[Sequence]) -> list[tuple[list[int], list, Exception | None]]:
@@ -94,11 +97,14 @@ class SpeculativeDecoder:
     def tree_step(self, seqs: list[Sequence], limits: list[int]) -> list[tuple[list[int], list, Exception | None]]:
         """step for token trees: every proposer's chains hang from each request's newest token."""
         start = time.perf_counter()
-        chains: list[list] = [[] for _ in seqs]
-        for proposer in self.proposers:
-            for mine, proposals in zip(chains, proposer.propose_chains(seqs, limits, self.branches)):
-                mine.extend((p.tokens, p.probs) for p in proposals if p.tokens)
-        trees = [TokenTree.from_chains(seq.all_ids[-1], mine) for seq, mine in zip(seqs, chains)]
+        if self.budget is not None:
+            trees = self.proposers[0].propose_tree(seqs, limits, self.budget, self.branches)
+        else:
+            chains: list[list] = [[] for _ in seqs]
+            for proposer in self.proposers:
+                for mine, proposals in zip(chains, proposer.propose_chains(seqs, limits, self.branches)):
+                    mine.extend((p.tokens, p.probs) for p in proposals if p.tokens)
+            trees = [TokenTree.from_chains(seq.all_ids[-1], mine) for seq, mine in zip(seqs, chains)]
         drafted = time.perf_counter()
         starts = [seq.num_cached for seq in seqs]
         self.runner.pool.forget_steps()

@@ -8,6 +8,7 @@ from harness.engine.cache_pool import CachePool, size_cache
 from harness.engine.model_runner import ModelRunner
 from harness.engine.sampling import processed_logits, token_distribution
 from harness.engine.sequence import Sequence
+from harness.engine.speculative.tree import TokenTree
 
 
 @dataclass
@@ -57,16 +58,18 @@ class DraftModel:
     """A draft model run beside the target: a cache of its own in the target's layout, one draft sequence per running
     request (same id and batch slot), kept level with the request's tokens. Each step it feeds what it has not seen
     (a new request's context; after all k proposals passed, the last of them), then the request's newest token and
-    k - 1 proposals, one checkpointed decode step each, so the target's verdict can roll it back to any of them."""
+    k - 1 proposals, one checkpointed decode step each, so the target's verdict can roll it back to any of them.
+    lookahead: the most tokens it writes past a request's newest one in a step (k, or a budget tree's candidates)."""
 
-    def __init__(self, model, kv_cache: str, max_batch: int, cache_len: int, block_size: int, k: int):
+    def __init__(self, model, kv_cache: str, max_batch: int, cache_len: int, block_size: int, lookahead: int):
         param = next(model.parameters())
         specs = model.cache_specs()
-        self.k = k
+        self.lookahead = lookahead
         # room for every slot's worst case, so a draft never waits for blocks (it is small beside its target)
-        _, num_blocks = size_cache(specs, param.dtype, kv_cache, max_batch, cache_len, block_size, None, None, k + 1)
+        _, num_blocks = size_cache(specs, param.dtype, kv_cache, max_batch, cache_len, block_size, None, None,
+                                   lookahead + 1)
         self.pool = CachePool(specs, kv_cache, max_batch, cache_len, block_size, num_blocks, param.dtype, param.device)
-        self.managers = [BlockManager(n, block_size, group.retention, "reserve", step_tokens=k + 1)
+        self.managers = [BlockManager(n, block_size, group.retention, "reserve", step_tokens=lookahead + 1)
                          for n, group in zip(num_blocks, self.pool.groups)]
         self.runner = ModelRunner(model.eval(), self.pool, self.managers, param.device, cache_len)
         self.seqs: dict[int, tuple[Sequence, int]] = {}  # request id -> its draft sequence, the request's preemptions
@@ -119,6 +122,41 @@ class DraftModel:
         return [Proposal(mine[:limit], torch.stack(my_probs[:limit]) if my_probs[:limit] else None)
                 for mine, my_probs, limit in zip(proposed, probs, limits)]
 
+    def propose_tree(self, seqs: list[Sequence], limits: list[int], budget: int, branches: int) -> list[TokenTree]:
+        """Per request, a tree of at most `budget` proposed tokens grown by the draft's probabilities (EAGLE-2):
+        depth by depth (up to the request's limit), the `branches` likeliest nodes of the depth before each offer
+        their `branches` likeliest tokens, scored by the log-probability of their whole path; then the `budget`
+        likeliest nodes stay (a path's score only falls as it grows, so each kept node's parent is kept). Every
+        proposal is deterministic (no q): the rule tests it against the target's own probability of it. The draft
+        scores each depth's tree in one forward (feed_tree) and rolls it back after."""
+        drafts = self.level(seqs)
+        self.pool.forget_steps()
+        self.catch_up(seqs, drafts)
+        bases = [len(seq.all_ids) - 1 for seq in seqs]  # the newest token is each tree's root, fed with it
+        grown = [([seq.all_ids[-1]], [-1], [0.0]) for seq in seqs]  # tokens, parents, path log-probabilities
+        frontier = [[0] for _ in seqs]
+        for depth in range(max(limits)):
+            logits = self.runner.feed_tree(drafts, [TokenTree(tokens, parents) for tokens, parents, _ in grown])
+            self.runner.rollback(drafts, bases)
+            for seq, rows, limit, (tokens, parents, scores), mine in zip(seqs, logits, limits, grown, frontier):
+                if depth >= limit:
+                    mine.clear()
+                    continue
+                offers = []
+                for node in mine:
+                    path = TokenTree(tokens, parents).path(node)
+                    history = seq.all_ids + [tokens[n] for n in path]
+                    logp = torch.log_softmax(processed_logits(rows[node], seq.params, history).float(), dim=-1)
+                    top = logp.topk(min(branches, len(logp)))
+                    offers += [(scores[node] + float(lp), node, int(token)) for lp, token in zip(*top)]
+                offers.sort(key=lambda offer: -offer[0])
+                for score, parent, token in offers:
+                    tokens.append(token)
+                    parents.append(parent)
+                    scores.append(score)
+                mine[:] = range(len(tokens) - len(offers), len(tokens) - len(offers) + min(branches, len(offers)))
+        return [likeliest(TokenTree(tokens, parents), scores, budget) for tokens, parents, scores in grown]
+
     def level(self, seqs: list[Sequence]) -> list[Sequence]:
         """Draft sequences for these requests: a request that ended or was preempted since (recomputed from scratch
         by the target) gives its draft's blocks back; a new or readmitted one gets an empty draft."""
@@ -131,7 +169,7 @@ class DraftModel:
                 del self.seqs[request_id]
         for seq in seqs:
             if seq.request_id not in self.seqs:
-                draft = Sequence(seq.request_id, seq.prompt_ids, seq.params, None, lookahead=self.k)
+                draft = Sequence(seq.request_id, seq.prompt_ids, seq.params, None, lookahead=self.lookahead)
                 draft.slot = seq.slot
                 for manager in self.managers:
                     manager.admit(draft, 0)
@@ -153,3 +191,13 @@ class DraftModel:
         """The target kept each request's first `length` tokens: its draft keeps as many of them as it has fed."""
         drafts = [self.seqs[seq.request_id][0] for seq in seqs]
         self.runner.rollback(drafts, [min(length, draft.num_cached) for draft, length in zip(drafts, lengths)])
+
+
+def likeliest(tree: TokenTree, scores: list[float], budget: int) -> TokenTree:
+    """The tree's root and its `budget` likeliest other nodes (ties: the shallower first, so a parent stays before
+    its child), in their order in the tree."""
+    depths = tree.depths()
+    kept = sorted(sorted(range(1, len(tree)), key=lambda i: (-scores[i], depths[i]))[:budget])
+    index = {node: i for i, node in enumerate([0, *kept])}
+    return TokenTree([tree.tokens[0], *(tree.tokens[i] for i in kept)],
+                     [-1, *(index[tree.parents[i]] for i in kept)])
