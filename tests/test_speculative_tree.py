@@ -1,12 +1,14 @@
 """Token trees through the engine: greedy output is the target's alone, token for token, for every causal
 architecture in both layouts (a tree where every layer attends over all earlier keys, the first chain with its reason
 recorded elsewhere); the accepted branch is the one the target agrees with, whichever it is; bad settings are refused
-before any work."""
+before any work. Lookahead decoding (the target's own Jacobi window and n-gram pool) keeps greedy output too, and
+on text that repeats it accepts nearly its whole window every step."""
 import pytest
 import torch
 
 from harness import Engine, SpeculativeConfig
 from harness.engine.speculative import PROMPT_LOOKUP
+from harness.engine.speculative.config import LOOKAHEAD
 from harness.engine.speculative.tree import tree_blocker
 from helpers import greedy, make_prompts, random_model
 from test_conformance import ARCHS, LAYOUTS
@@ -130,3 +132,48 @@ def test_a_budget_tree_needs_a_draft_that_scores_trees():
                                          r"cannot: layer 0 \(mamba\) carries a recurrent state"):
         Engine(random_model("gqa"), max_batch=1, max_seq_len=64,
                speculative=SpeculativeConfig(random_model("mamba"), tree_budget=4))
+
+
+@pytest.mark.parametrize("kv_cache", LAYOUTS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_lookahead_output_is_the_target_alone(arch, kv_cache):
+    """Lookahead decoding: the Jacobi window and three pool continuations, a tree where the target verifies one."""
+    target = random_model(arch, seed=ARCHS.index(arch))
+    prompts = make_prompts([3, 17, 8], target.config.vocab_size, seed=3)
+    want = Engine(target, max_batch=3, max_seq_len=64, kv_cache=kv_cache, block_size=4).generate(
+        prompts, greedy(NEW_TOKENS))
+    engine = Engine(target, max_batch=3, max_seq_len=64, kv_cache=kv_cache, block_size=4,
+                    speculative=SpeculativeConfig(LOOKAHEAD, num_speculative_tokens=3, branches=4,
+                                                  chain_fallback=True))
+    got = engine.generate(prompts, greedy(NEW_TOKENS))
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert engine.speculative_stats.tree_fallback == tree_blocker(target)
+
+
+def cycling_model(arch: str, period: int = 7):
+    """A model whose greedy text cycles through `period` tokens: its blocks write nothing (zero output projections),
+    each token embeds as its own unit vector, and the head scores most the token after it in the cycle."""
+    model = random_model(arch, vocab_size=32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+                param.zero_()
+        model.embed.weight.copy_(torch.eye(32, model.config.d_model))
+        model.head.weight.zero_()
+        for token in range(32):
+            successor = (token + 1) % period if token < period else 0
+            model.head.weight[successor, token] += 10.0
+    return model
+
+
+@pytest.mark.parametrize("branches", [1, 3])
+def test_lookahead_converges_on_text_that_repeats(branches):
+    """On a cycle of 7 tokens the pool holds every token's true continuation within the first pass, after which
+    each step accepts its k = 4: over 60 tokens, more than 3 a forward (1 without speculation, at most 5)."""
+    target = cycling_model("gqa")
+    want = Engine(target, max_batch=1, max_seq_len=96).generate([[3]], greedy(60))
+    engine = Engine(target, max_batch=1, max_seq_len=96,
+                    speculative=SpeculativeConfig(LOOKAHEAD, num_speculative_tokens=4, branches=branches))
+    got = engine.generate([[3]], greedy(60))
+    assert got[0].token_ids == want[0].token_ids == [(4 + i) % 7 for i in range(60)]
+    assert engine.speculative_stats.tokens_per_forward > 3.0

@@ -7,6 +7,7 @@ from torch import nn
 from zoo import checks
 
 PROMPT_LOOKUP = "prompt_lookup"
+LOOKAHEAD = "lookahead"
 # most tokens one step may propose: far above what pays (vLLM's drafts propose a handful, EAGLE's trees about 60),
 # and a bound on what every step's verification forward and rollback room are sized for
 MAX_SPECULATIVE_TOKENS = 256
@@ -16,7 +17,9 @@ MAX_SPECULATIVE_TOKENS = 256
 class SpeculativeConfig:
     """draft: a causal model with the target's vocabulary (any registry architecture, e.g. a trained tiny gqa or
     mamba), or "prompt_lookup": the tokens that followed the latest earlier occurrence of the context's last n-gram
-    (no model; Saxena 2023, vLLM's ngram proposer).
+    (no model; Saxena 2023, vLLM's ngram proposer), or "lookahead": the target's own Jacobi iteration and an n-gram
+    pool (no model; Fu et al. 2024; harness/engine/speculative/lookahead.py), whose branches are the window and up
+    to branches - 1 pool continuations.
     num_speculative_tokens: k, the tokens proposed per step (vLLM's name); the target verifies k + 1 positions in one
     forward. Fixed: every step of every request proposes k (fewer only where the request has fewer left to make,
     or prompt lookup finds a shorter continuation).
@@ -70,7 +73,7 @@ class SpeculativeConfig:
                                  f"{self.num_speculative_tokens} propose {self.width} tokens a step, more than "
                                  f"{MAX_SPECULATIVE_TOKENS}")
         elif isinstance(self.draft, str):
-            checks.choice("draft (a model, or the proposer without one)", self.draft, (PROMPT_LOOKUP,))
+            checks.choice("draft (a model, or a proposer without one)", self.draft, (PROMPT_LOOKUP, LOOKAHEAD))
             checks.integer("prompt_lookup_min", self.prompt_lookup_min, minimum=1)
             checks.integer(f"prompt_lookup_max (prompt_lookup_min={self.prompt_lookup_min} at least)",
                            self.prompt_lookup_max, minimum=self.prompt_lookup_min)

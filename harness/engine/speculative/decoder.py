@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass
 
 from harness.engine.model_runner import ModelRunner
 from harness.engine.sequence import Sequence
-from harness.engine.speculative.config import PROMPT_LOOKUP, SpeculativeConfig
+from harness.engine.speculative.config import LOOKAHEAD, PROMPT_LOOKUP, SpeculativeConfig
+from harness.engine.speculative.lookahead import Lookahead
 from harness.engine.speculative.proposers import DraftModel, PromptLookup
 from harness.engine.speculative.rejection import verify
 from harness.engine.speculative.tree import TokenTree, tree_blocker, verify_tree
@@ -57,10 +58,16 @@ class SpeculativeDecoder:
         self.branches = config.branches if self.tree else 1
         self.budget = config.tree_budget if self.tree else None
         lookahead = config.draft_lookahead if self.tree else self.k
-        self.proposers = [PromptLookup(config.prompt_lookup_max, config.prompt_lookup_min) if draft == PROMPT_LOOKUP
-                          else DraftModel(draft, kv_cache, max_batch, config.draft_cache_len(cache_len), block_size,
-                                          lookahead)
+        self.proposers = [self.proposer(draft, config, kv_cache, max_batch, cache_len, block_size, lookahead)
                           for draft in (config.drafts if self.tree else config.drafts[:1])]
+
+    def proposer(self, draft, config: SpeculativeConfig, kv_cache: str, max_batch: int, cache_len: int,
+                 block_size: int, lookahead: int):
+        if draft == PROMPT_LOOKUP:
+            return PromptLookup(config.prompt_lookup_max, config.prompt_lookup_min)
+        if draft == LOOKAHEAD:
+            return Lookahead(self.k)
+        return DraftModel(draft, kv_cache, max_batch, config.draft_cache_len(cache_len), block_size, lookahead)
 
     def step(self, seqs: list[Sequence]) -> list[tuple[list[int], list, Exception | None]]:
         """Each request's tokens to emit (its accepted proposals, then the target's own token), the target's logits
@@ -87,6 +94,7 @@ class SpeculativeDecoder:
             verdicts.append((tokens, list(rows[:len(tokens)]), None))
             self.stats.accepted += len(tokens) - 1
             self.stats.emitted += len(tokens)
+        self.observe(seqs, [rows[:1 + len(p.tokens)] for rows, p in zip(logits, proposals)], verdicts)
         self.stats.steps += 1
         self.stats.sequence_steps += len(seqs)
         self.stats.proposed += sum(len(p.tokens) for p in proposals)
@@ -97,6 +105,7 @@ class SpeculativeDecoder:
     def tree_step(self, seqs: list[Sequence], limits: list[int]) -> list[tuple[list[int], list, Exception | None]]:
         """step for token trees: every proposer's chains hang from each request's newest token."""
         start = time.perf_counter()
+        firsts = [0] * len(seqs)  # each tree's first chain's length: a lookahead window's nodes, 1 .. that
         if self.budget is not None:
             trees = self.proposers[0].propose_tree(seqs, limits, self.budget, self.branches)
         else:
@@ -104,6 +113,7 @@ class SpeculativeDecoder:
             for proposer in self.proposers:
                 for mine, proposals in zip(chains, proposer.propose_chains(seqs, limits, self.branches)):
                     mine.extend((p.tokens, p.probs) for p in proposals if p.tokens)
+            firsts = [len(mine[0][0]) if mine else 0 for mine in chains]
             trees = [TokenTree.from_chains(seq.all_ids[-1], mine) for seq, mine in zip(seqs, chains)]
         drafted = time.perf_counter()
         starts = [seq.num_cached for seq in seqs]
@@ -122,12 +132,21 @@ class SpeculativeDecoder:
             self.stats.accepted += len(path)
             self.stats.emitted += len(tokens)
         self.runner.move_path(seqs, starts, paths)
+        self.observe(seqs, [rows[:1 + first] for rows, first in zip(logits, firsts)], verdicts)
         self.stats.steps += 1
         self.stats.sequence_steps += len(seqs)
         self.stats.proposed += sum(len(tree) - 1 for tree in trees)
         self.stats.draft_seconds += drafted - start
         self.stats.target_seconds += time.perf_counter() - drafted
         return verdicts
+
+    def observe(self, seqs: list[Sequence], rows: list, verdicts: list) -> None:
+        """A proposer that learns from the target's forward (lookahead's Jacobi window) sees each request's logits at
+        its root and first chain, and how many proposals the request accepted (-1: its verdict failed)."""
+        for proposer in self.proposers:
+            if hasattr(proposer, "observe"):
+                proposer.observe(seqs, rows, [len(tokens) - 1 if error is None else -1
+                                              for tokens, _, error in verdicts])
 
     def keep(self, seqs: list[Sequence]) -> None:
         """After the engine appended the emitted tokens: each request still running keeps its cache up to its newest
