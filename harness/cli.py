@@ -21,6 +21,7 @@ from harness.recall import cli as recall_cli
 from harness.results import settings_dict, write_atomic
 from harness.engine.sampling import SamplingParams
 from harness.engine.speculative import PROMPT_LOOKUP, SpeculativeConfig
+from harness.engine.speculative.config import LOOKAHEAD
 from harness.serve import cli as serve_cli
 from harness.serve_bench import ServeBenchSettings, run_serve_bench
 from harness.serve_bench import markdown_table as serve_table
@@ -259,13 +260,19 @@ def cmd_generate(args) -> None:
 
 
 def speculative_setting(args) -> SpeculativeConfig | None:
-    """--draft: prompt_lookup, or a zoo.save / zoo train folder (a draft with the target's vocabulary)."""
+    """--draft: prompt_lookup, lookahead, or zoo.save / zoo train folders, comma-separated for several (drafts with
+    the target's vocabulary); --branches and --tree-budget shape a tree."""
     if args.draft is None:
         return None
-    if args.draft == PROMPT_LOOKUP:
-        return SpeculativeConfig(PROMPT_LOOKUP, num_speculative_tokens=args.num_speculative_tokens)
-    checkpoint.check_checkpoint_folder(args.draft)
-    return SpeculativeConfig(zoo.load(args.draft), num_speculative_tokens=args.num_speculative_tokens)
+    shape = {"num_speculative_tokens": args.num_speculative_tokens, "branches": args.branches,
+             "tree_budget": args.tree_budget, "chain_fallback": args.chain_fallback}
+    if args.draft in (PROMPT_LOOKUP, LOOKAHEAD):
+        return SpeculativeConfig(args.draft, **shape)
+    folders = args.draft.split(",")
+    for folder in folders:
+        checkpoint.check_checkpoint_folder(folder)
+    drafts = tuple(zoo.load(folder) for folder in folders)
+    return SpeculativeConfig(drafts if len(drafts) > 1 else drafts[0], **shape)
 
 
 def generate_diffusion(model, prompt_ids: list[int], tokenizer, args) -> None:
@@ -382,10 +389,17 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights dtype (default: float32)")
     g.add_argument("--weights", default=None, help="a zoo train output folder (or a zoo.save folder: its own "
                    "architecture and size), or a .safetensors (or tensors-only .pt) state dict for --arch/--preset")
-    g.add_argument("--draft", default=None, help="speculative decoding: 'prompt_lookup', or a draft model's zoo train "
-                                                  "/ zoo.save folder (same vocabulary as the target)")
+    g.add_argument("--draft", default=None, help="speculative decoding: 'prompt_lookup', 'lookahead', or draft "
+                                                  "models' zoo train / zoo.save folders, comma-separated for a tree "
+                                                  "of their chains (same vocabulary as the target)")
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="k: tokens the draft proposes per step "
                                                                          "(default: 4)")
+    g.add_argument("--branches", type=int, default=1, help="chains per proposer: more than one makes a token tree "
+                                                           "(default: 1)")
+    g.add_argument("--tree-budget", type=int, default=None, help="a tree of this many tokens grown by the draft's "
+                                                                 "probabilities, num-speculative-tokens deep")
+    g.add_argument("--chain-fallback", action="store_true", help="where the target cannot verify a tree (a window, "
+                                                                 "a recurrent state), verify the first chain alone")
     g.add_argument("--steps", type=int, help="masked diffusion LMs: sampler steps (forward passes) for the whole "
                                              "answer (default: max-new-tokens, one token per step)")
     g.add_argument("--block-length", type=int, help="masked diffusion LMs: answer tokens per block (default: the "
