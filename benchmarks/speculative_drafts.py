@@ -35,15 +35,17 @@ def prompts_for(target_dir: Path, count: int, length: int) -> list[list[int]]:
     return validation_windows(corpus, count, length).tolist()
 
 
-def run(target, draft, prompts, args, batch: int, temperature: float) -> dict:
-    speculative = None if draft is None else SpeculativeConfig(draft, num_speculative_tokens=args.k)
+def run(target, speculative: SpeculativeConfig | None, prompts, args, batch: int, temperature: float) -> dict:
+    """Decode the prompts (args.new_tokens each; args.prompt_len, args.kv_cache) after a warm-up, at this batch:
+    seconds, output tokens/s, the outputs and the speculative stats of the timed run."""
     engine = Engine(target, max_batch=batch, max_seq_len=args.prompt_len + args.new_tokens, kv_cache=args.kv_cache,
                     speculative=speculative)
     params = [SamplingParams(max_new_tokens=args.new_tokens, temperature=temperature, seed=i)
               for i in range(len(prompts))]
     engine.generate(prompts[:batch], SamplingParams(max_new_tokens=4, temperature=temperature, seed=0))  # warm-up
     if engine.speculative_stats is not None:
-        engine.speculator.stats = type(engine.speculative_stats)()  # count the timed run alone
+        stats = engine.speculative_stats  # count the timed run alone
+        engine.speculator.stats = type(stats)(tree_fallback=stats.tree_fallback)
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -97,7 +99,8 @@ def main() -> None:
                        "new_tokens": args.new_tokens, "temperature": temperature, "requests": len(prompts),
                        "kv_cache": args.kv_cache}
                 if not store.done(key):
-                    store.append({**key, **run(target, draft, prompts, args, batch, temperature)})
+                    speculative = None if draft is None else SpeculativeConfig(draft, num_speculative_tokens=args.k)
+                    store.append({**key, **run(target, speculative, prompts, args, batch, temperature)})
                 cells[name] = next(r for r in store.rows if all(r[f] == v for f, v in key.items()))
             alone = cells.pop("(target alone)")
             print(f"| target alone | {batch} | {temperature:g} | | 1 | | {alone['output_tok_s']:.1f} | 1.00× | |")

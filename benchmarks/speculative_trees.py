@@ -11,17 +11,16 @@ OUT/trees_vs_width.png.
         --drafts half-depth=results/prune_distill/distill-depth-mlp,half-width=results/prune_distill/distill-mlp
 """
 import argparse
-import time
 from pathlib import Path
 
 import torch
 
 import zoo
-from harness import PROMPT_LOOKUP, Engine, SamplingParams, SpeculativeConfig
+from harness import PROMPT_LOOKUP, SpeculativeConfig
 from harness.charts import MARKERS, plt
 from harness.engine.speculative.config import LOOKAHEAD
 from harness.results import ResultStore
-from speculative_drafts import prompts_for  # benchmarks/, beside this script
+from speculative_drafts import prompts_for, run  # benchmarks/, beside this script
 
 KEY = ("target", "proposer", "shape", "width", "batch", "prompt_len", "new_tokens", "requests", "kv_cache")
 
@@ -39,23 +38,6 @@ def shapes(width: int, kind: str) -> dict[str, dict]:
     if kind == "model":
         out["budget tree"] = {"num_speculative_tokens": max(2, width // 2), "branches": 2, "tree_budget": width}
     return out
-
-
-def run(target, speculative, prompts, args, batch: int) -> dict:
-    engine = Engine(target, max_batch=batch, max_seq_len=args.prompt_len + args.new_tokens, kv_cache=args.kv_cache,
-                    speculative=speculative)
-    greedy = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0)
-    engine.generate(prompts[:batch], SamplingParams(max_new_tokens=4, temperature=0.0))  # warm-up
-    if engine.speculative_stats is not None:
-        engine.speculator.stats = type(engine.speculative_stats)(tree_fallback=engine.speculative_stats.tree_fallback)
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, greedy)
-    seconds = time.perf_counter() - start
-    row = {"seconds": seconds, "output_tok_s": sum(len(o.token_ids) for o in outputs) / seconds,
-           "outputs": [o.token_ids for o in outputs]}
-    if engine.speculative_stats is not None:
-        row.update(engine.speculative_stats.summary())
-    return row
 
 
 def proposers(args) -> dict:
@@ -116,7 +98,7 @@ def main() -> None:
         def cell(proposer: str, shape: str, width: int, speculative) -> dict:
             key = {**base, "proposer": proposer, "shape": shape, "width": width}
             if not store.done(key):
-                store.append({**key, **run(target, speculative, prompts, args, batch)})
+                store.append({**key, **run(target, speculative, prompts, args, batch, temperature=0.0)})
                 print(proposer, shape, width, batch, {k: store.rows[-1].get(k) for k in
                                                       ("output_tok_s", "tokens_per_forward")}, flush=True)
             return next(r for r in store.rows if all(r.get(f) == v for f, v in key.items()))

@@ -1,8 +1,9 @@
 """Tree speculation samples exactly: two different drafts (a gqa and a Mamba) each propose two chains a step, the
 target verifies the four-branch tree in one forward, and the empirical joint of 20,000 requests' first three tokens
-(one from the prefill, two from the first tree step, which proposes chains of two) matches the target's enumerated distribution by a chi-square
-test (p > 0.001) at temperature 1 and with top-p 0.9. The same test catches a deliberately wrong rule: a rejected
-sibling's residual not taken, so the next sibling is tested against p again, which over-weights the drafts' tokens."""
+(one from the prefill, two from the first tree step, which proposes chains of two) matches the target's enumerated
+distribution by a chi-square test (p > 0.001) at temperature 1 and with top-p 0.9. The same test catches a
+deliberately wrong rule: a rejected sibling's residual not taken, so the next sibling is tested against p again,
+which over-weights the drafts' tokens."""
 import pytest
 
 from harness import Engine, SamplingParams, SpeculativeConfig

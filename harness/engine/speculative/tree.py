@@ -125,6 +125,6 @@ def tree_blocker(model) -> str:
             return (f"layer {i} ({model.config.layers[i].kind}) carries a recurrent state, which each branch of a tree "
                     f"would need a copy of")
         if not spec.retention.keeps_all:
-            return (f"layer {i} keeps a {spec.retention.describe()}, which frees and overwrites rows by position, not by "
-                    f"a tree node's path")
+            return (f"layer {i} keeps a {spec.retention.describe()}, which frees and overwrites rows by position, "
+                    f"not by a tree node's path")
     return ""
