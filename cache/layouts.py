@@ -229,10 +229,15 @@ class ContiguousKV(KVTensors):
         candidates = torch.where((candidates >= 0) & (candidates < cached), candidates, -1)
         row_positions = torch.full((len(cached), self.rows), -1, dtype=torch.long, device=q.device)
         row_positions.scatter_reduce_(1, self.retention.row(candidates.clamp_min(0)), candidates, "amax")
-        key_positions = torch.cat([row_positions, batch.positions.long()], dim=1)
         k = torch.cat([self.k[rows], k_new], dim=2)
         v = None if self.v is None else torch.cat([self.v[rows], v_new], dim=2)
-        visible = visible_keys(key_positions, batch.positions, self.retention)
+        if batch.tree is None:
+            key_positions = torch.cat([row_positions, batch.positions.long()], dim=1)
+            visible = visible_keys(key_positions, batch.positions, self.retention)
+        else:  # each node sees the ring's rows and its own ancestors, all at their logical positions
+            logical = batch.tree.logical.long()
+            own = self.retention.visible(logical.unsqueeze(1), logical.unsqueeze(-1)) & batch.tree.ancestors
+            visible = torch.cat([visible_keys(row_positions, logical, self.retention), own], dim=-1)
         out = self.attend_over(q, k, v, visible, scale, value_dim)
         self.store(k_new, v_new, batch)
         return out

@@ -1,6 +1,6 @@
 """Tree verification in one target forward (ModelRunner.feed_tree): every node's logits are the full forward's over
-the cached tokens and that node's own path, in each full-attention KV kind and both layouts; after the accepted
-path's rows move down (move_path) and the rest is rolled back, decoding continues as the full forward does."""
+the cached tokens and that node's own path, in each KV kind and retention and both layouts; after the accepted path's
+rows move down (move_path) and the rest is rolled back, decoding continues as the full forward does."""
 import pytest
 import torch
 
@@ -9,7 +9,9 @@ from harness.engine.speculative import PROMPT_LOOKUP
 from harness.engine.speculative.tree import TokenTree
 from helpers import greedy, make_prompts, random_model
 
-TREE_ARCHS = ["mha", "gqa", "mqa", "mla", "cla"]  # every KV kind a tree can be verified in: kv, latent, shared
+# every KV kind (kv, latent, shared) and every retention a tree is verified under (a window, sinks, chunks, dilation,
+# and a window beside global attention), each in both layouts (a contiguous window is a ring buffer)
+TREE_ARCHS = ["mha", "gqa", "mqa", "mla", "cla", "swa", "sink", "chunked", "dilated", "hybrid-chunked"]
 ATOL = 1e-4
 
 

@@ -114,23 +114,24 @@ def check_speculative(speculative, model, compile: bool, kv_cache: str, max_seq_
                          "(it verifies k + 1 tokens per step): use one or the other")
     k = speculative.num_speculative_tokens
     blocker = tree_blocker(model) if speculative.tree else ""
-    if speculative.tree and not blocker:
-        return speculative.width  # a tree: every node is written in the verification step
     if blocker and not speculative.chain_fallback:
         shape = (f"a tree of {speculative.tree_budget} tokens" if speculative.tree_budget is not None
                  else f"{speculative.chains} chains")
         raise ValueError(f"{shape} make a token tree, which this target cannot verify in one forward: {blocker}; "
                          f"use one chain, or chain_fallback=True to verify the first chain alone")
+    written = speculative.width if speculative.tree and not blocker else k  # proposals a verification writes
     if kv_cache == "contiguous":
-        # a verification writes k + 1 keys into a ring in one step: two in one row would lose one a rollback needs
-        # (a draft writes one token a step, which its rollback undoes newest first, so any ring serves it)
-        rings = [spec.retention.rows(max_seq_len + k) for spec in model.cache_specs() if spec.elements_per_token]
-        rows = min((r for r in rings if r < max_seq_len + k), default=None)
-        if rows is not None and rows < k + 1:
-            raise ValueError(f"num_speculative_tokens={k}: the target's contiguous ring buffer holds {rows} rows, "
-                             f"fewer than the k + 1 = {k + 1} tokens a verification writes; lower k below {rows} or "
-                             f"use kv_cache='paged'")
-    return k
+        # a verification writes its proposals and the newest token into a ring in one step: two in one row would lose
+        # one a rollback needs (a draft writes one token a step, which its rollback undoes newest first)
+        rings = [spec.retention.rows(max_seq_len + written) for spec in model.cache_specs()
+                 if spec.elements_per_token]
+        rows = min((r for r in rings if r < max_seq_len + written), default=None)
+        if rows is not None and rows < written + 1:
+            what = "num_speculative_tokens" if written == k else "the tree's proposed tokens"
+            raise ValueError(f"{what}={written}: the target's contiguous ring buffer holds {rows} rows, fewer than "
+                             f"the {written + 1} tokens a verification writes; propose fewer than {rows} or use "
+                             f"kv_cache='paged'")
+    return written
 
 
 def resolve_graph_mode(cuda_graphs, model, compile: bool, speculative) -> tuple[str | None, str]:

@@ -124,14 +124,16 @@ class ModelRunner:
                  for depth, node in enumerate(path, 1) if node != depth]
         if not moves:
             return
-        if self.pool.layout == "contiguous":  # no block managers: a sequence's rows are its slot's
+        kept = {seq.request_id: start + 1 + len(path) for seq, start, path in zip(seqs, starts, paths)}
+        if self.pool.layout == "contiguous":  # no block managers: a sequence's rows are its slot's, a ring's wrap
             slots = torch.tensor([seq.slot for seq, _, _ in moves], device=self.device)
-            rows = [torch.tensor([move[column] for move in moves], device=self.device) for column in (1, 2)]
-            for group in range(len(self.pool.groups)):
+            positions = [torch.tensor([move[column] for move in moves], device=self.device) for column in (1, 2)]
+            for group, cache_group in enumerate(self.pool.groups):
+                rows = [cache_group.retention.row(p) for p in positions]
                 self.pool.move_rows(group, *[(slots, slice(None), r) for r in rows])
             return
         for group, manager in enumerate(self.block_managers):
-            flat = [torch.tensor([manager.slot(seq, move[column], seq.num_cached) for seq, *move in moves],
+            flat = [torch.tensor([manager.slot(seq, move[column], kept[seq.request_id]) for seq, *move in moves],
                                  device=self.device) for column in (0, 1)]
             self.pool.move_rows(group, *[(f // manager.block_size, f % manager.block_size) for f in flat])
 

@@ -28,8 +28,8 @@ class SpeculativeConfig:
     proposer that many chains (a model's: one from each of its `branches` most likely first tokens, each continued
     as the model samples; prompt lookup's: the continuations of its latest distinct matches). The chains hang from
     the request's newest token as one token tree, which the target verifies in one forward (every node seeing only
-    its own path) where its caches allow: every layer attention over all earlier keys (no window, sinks, chunks,
-    eviction or recurrent state). Elsewhere the engine refuses the tree, unless chain_fallback: then the first
+    its own path) where its caches allow: every layer attention, with any retention but eviction by score (no
+    recurrent state). Elsewhere the engine refuses the tree, unless chain_fallback: then the first
     proposer's first chain is verified alone, and the engine's speculative_stats say why (tree_fallback).
     tree_budget: a tree of at most this many proposed tokens whose shape the draft's probabilities choose (EAGLE-2,
     Li et al. 2024): depth by depth, the `branches` likeliest nodes each offer their `branches` likeliest next

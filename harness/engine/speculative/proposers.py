@@ -31,10 +31,16 @@ class PromptLookup:
     def propose_chains(self, seqs: list[Sequence], limits: list[int], branches: int) -> list[list[Proposal]]:
         """Per request, up to `branches` distinct continuations (fewer where fewer matches differ), the longest
         n-gram's latest match first."""
-        return [[Proposal(chain, None) for chain in self.lookup(seq.all_ids, limit, branches)] or [Proposal([], None)]
+        return [[Proposal(chain, None) for chain in self.lookups(seq.all_ids, limit, branches)] or [Proposal([], None)]
                 for seq, limit in zip(seqs, limits)]
 
-    def lookup(self, ids: list[int], limit: int, count: int = 1) -> list[list[int]]:
+    def lookup(self, ids: list[int], limit: int) -> list[int]:
+        """The continuation of the latest match of the longest n-gram that has one (empty: none)."""
+        found = self.lookups(ids, limit, 1)
+        return found[0] if found else []
+
+    def lookups(self, ids: list[int], limit: int, count: int) -> list[list[int]]:
+        """Up to `count` distinct continuations, the longest n-gram's matches first, each n's latest first."""
         if limit < 1:
             return []
         context = torch.tensor(ids)

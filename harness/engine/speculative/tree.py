@@ -118,13 +118,12 @@ def verify_tree(target_logits: torch.Tensor, tree: TokenTree, params: SamplingPa
 
 
 def tree_blocker(model) -> str:
-    """Why this target cannot verify a token tree in one forward ("" where it can): a tree's rows stand at physical
-    positions its nodes do not have, which only layers attending over every earlier key leave alone."""
+    """Why this target cannot verify a token tree in one forward ("" where it can): a recurrent state would need a
+    copy per branch, and eviction by score decides what a row holds from the step's own attention."""
     for i, spec in enumerate(model.cache_specs()):
         if spec.kind == "state":
             return (f"layer {i} ({model.config.layers[i].kind}) carries a recurrent state, which each branch of a tree "
                     f"would need a copy of")
-        if not spec.retention.keeps_all:
-            return (f"layer {i} keeps a {spec.retention.describe()}, which frees and overwrites rows by position, "
-                    f"not by a tree node's path")
+        if spec.retention.scored:
+            return f"layer {i} evicts by score ({spec.retention.describe()}), from each step's own attention"
     return ""
