@@ -51,23 +51,32 @@ def proposers(args) -> dict:
 
 
 def chart(rows: list[dict], path: Path) -> Path:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6), dpi=120)
-    lines = sorted({(r["proposer"], r["shape"]) for r in rows if r["proposer"] != "(target alone)"})
-    for i, (proposer, shape) in enumerate(lines):
-        mine = sorted((r for r in rows if (r["proposer"], r["shape"]) == (proposer, shape)), key=lambda r: r["width"])
-        xs = [r["width"] for r in mine]
-        style = "-" if shape == "chain" else "--"
-        left.plot(xs, [r["tokens_per_forward"] for r in mine], style, marker=MARKERS[i % len(MARKERS)],
-                  label=f"{proposer}: {shape}")
-        right.plot(xs, [r["speedup"] for r in mine], style, marker=MARKERS[i % len(MARKERS)])
+    """Left: tokens per target forward against width; right: speed-up over the target alone (batch 1). A colour
+    per proposer, a line style and marker per shape (the chain solid)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), dpi=120)
+    proposers = sorted({r["proposer"] for r in rows})
+    shapes_seen = sorted({r["shape"] for r in rows}, key=lambda shape: (shape != "chain", shape))
+    colours = {name: f"C{i}" for i, name in enumerate(proposers)}
+    for proposer in proposers:
+        for j, shape in enumerate(shapes_seen):
+            mine = sorted((r for r in rows if (r["proposer"], r["shape"]) == (proposer, shape)),
+                          key=lambda r: r["width"])
+            if not mine:
+                continue
+            style = dict(color=colours[proposer], marker=MARKERS[j % len(MARKERS)],
+                         linestyle="-" if shape == "chain" else ("--", ":", "-.")[j % 3])
+            xs = [r["width"] for r in mine]
+            left.plot(xs, [r["tokens_per_forward"] for r in mine], label=f"{proposer}: {shape}", **style)
+            right.plot(xs, [r["speedup"] for r in mine], **style)
     for ax in (left, right):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["width"] for r in rows}), [str(w) for w in sorted({r["width"] for r in rows})])
         ax.set_xlabel("verification width (tokens proposed a step)")
         ax.grid(True, alpha=0.3)
     left.set(ylabel="tokens per target forward", title="tokens per target forward")
     right.set(ylabel="output tokens/s over the target alone", title="speed-up (batch 1)")
     right.axhline(1.0, color="gray", linewidth=0.8)
-    left.legend(fontsize=7)
+    left.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
