@@ -3,9 +3,10 @@ as one chain of w tokens, as trees of the same w proposed tokens (b branches of 
 by the draft's probabilities; two drafts' chains side by side), and the same for prompt lookup and lookahead
 decoding. Each cell: tokens per target forward, output tokens/s, the speed-up over the chain of equal width and over
 the target alone, and whether the greedy outputs equal the target alone's (checked). Prompts are held-out windows of
-the target's corpus. Rows go to OUT/results.jsonl as they finish (a re-run skips them); the table is printed and the
-chart (tokens per forward and speed-up against the verification width, a line per shape) written to
-OUT/trees_vs_width.png.
+the target's corpus; a target that cannot verify trees (a recurrent state) runs each shape as its first chain
+(chain_fallback, recorded in the row). Rows go to OUT/results.jsonl as they finish (a re-run skips them); the table
+is printed and the chart (tokens per forward and speed-up against the verification width, a line per shape) written
+to OUT/trees_vs_width.png.
 
     python benchmarks/speculative_trees.py --target results/prune_distill/teacher \\
         --drafts half-depth=results/prune_distill/distill-depth-mlp,half-width=results/prune_distill/distill-mlp
@@ -83,7 +84,7 @@ def chart(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="a zoo train output folder")
     parser.add_argument("--drafts", default="", help="NAME=FOLDER,... trained drafts (two or more: also side by side)")
@@ -94,7 +95,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8, help="requests per cell (at least the batch)")
     parser.add_argument("--kv-cache", default="paged", choices=["contiguous", "paged"])
     parser.add_argument("--out", default="results/speculative_trees")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(2)
     target = zoo.load(args.target).float().eval()
     store = ResultStore(Path(args.out) / "results.jsonl", KEY)
@@ -118,7 +119,7 @@ def main() -> None:
             for width in map(int, args.widths.split(",")):
                 chain = None
                 for shape, settings in shapes(width, kind).items():
-                    row = cell(name, shape, width, SpeculativeConfig(draft, **settings))
+                    row = cell(name, shape, width, SpeculativeConfig(draft, **settings, chain_fallback=True))
                     chain = chain or row
                     same = sum(a == b for a, b in zip(row["outputs"], alone["outputs"]))
                     table.append({**row, "speedup": row["output_tok_s"] / alone["output_tok_s"],
