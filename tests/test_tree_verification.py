@@ -53,3 +53,30 @@ def test_each_node_sees_the_cache_and_its_own_path(arch, kv_cache):
         got = engine.runner.feed([seq], [[3]])[0, -1]
     err = (got - full_last_logits(model, accepted + [3])).abs().max().item()
     assert err <= ATOL, f"{arch}/{kv_cache}: decoding after the moved path differs by {err:.3g}"
+
+
+@pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
+def test_a_one_byte_cache_moves_its_rows_with_their_scales(kv_cache):
+    """int8 rows and their per-row scales move together: each accepted node's stored row and scale land at its depth's
+    position (the rows' values are the quantized ones, so this compares storage, not logits)."""
+    model = random_model("gqa")
+    engine, seq = started(model, kv_cache, kv_dtype="int8")
+    tree = TokenTree(tokens=[seq.all_ids[-1], 7, 9, 30, 41], parents=[-1, 0, 0, 2, 3])
+    start = seq.num_cached
+    with torch.inference_mode():
+        engine.runner.feed_tree([seq], [tree])
+    layer = engine.pool.layers[0]
+
+    def rows(positions):
+        if kv_cache == "contiguous":
+            index = (seq.slot, slice(None), torch.tensor(positions))
+        else:
+            manager = engine.block_managers[0]
+            flat = torch.tensor([manager.slot(seq, p, start + len(tree)) for p in positions])
+            index = (flat // manager.block_size, flat % manager.block_size)
+        return [t[index].clone() for t in layer.stored() if t is not None]
+
+    before = rows([start + 2, start + 3, start + 4])  # nodes 2, 3, 4: the path 9, 30, 41
+    engine.runner.move_path([seq], [start], [[2, 3, 4]])
+    after = rows([start + 1, start + 2, start + 3])
+    assert len(before) == 4 and all(torch.equal(a, b) for a, b in zip(after, before))
