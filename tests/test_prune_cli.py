@@ -96,3 +96,28 @@ def test_bad_input_is_refused_before_any_work(saved, tmp_path, args, message):
     with pytest.raises(SystemExit, match=message):
         prune(weights, corpus, tmp_path / "out", *args)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_cache_target_chooses_the_kv_groups_every_layer_keeps(tmp_path):
+    """mha tiny: 4 KV heads a layer; half the cache a token keeps 2 in every layer, and the parameter target still
+    lands within 2% (channels make up the rest)."""
+    corpus = tmp_path / "text.py"
+    corpus.write_text(inspect.getsource(json) * 4)
+    weights = zoo.save(random_model("mha", n_layers=2), tmp_path / "weights")
+    prune(weights, corpus, tmp_path / "out", "--target", "0.6", "--by", "heads+mlp", "--cache-target", "0.5")
+    report = json.loads((tmp_path / "out" / "prune.json").read_text())
+    assert report["kv_heads"] == 2 and set(report["kv_heads_kept"].values()) == {2}
+    assert report["cache_bytes_per_token_after"] * 2 == report["cache_bytes_per_token_before"]
+    assert abs(report["parameters_after"] - report["target"]) <= 0.02 * report["target"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cache-target", "0.1"], "below the .* that one KV group in every cuttable attention layer keeps"),
+    (["--cache-target", "1e9"], "is not below the model.s"),
+    (["--cache-target", "0.5", "--kv-heads", "1"], "--cache-target chooses --kv-heads"),
+])
+def test_a_cache_target_no_plan_can_meet_is_refused_before_work(saved, tmp_path, args, message):
+    weights, corpus = saved
+    with pytest.raises(SystemExit, match=message):
+        prune(weights, corpus, tmp_path / "out", "--target", "0.6", "--by", "heads+mlp", *args)
+    assert not (tmp_path / "out").exists()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import zoo
 from harness.prune.importance import Importance, measure_importance
-from harness.prune.plan import BY, check_by, plan_for_target, resolve_target
+from harness.prune.plan import BY, check_by, kv_heads_for_cache, plan_for_target, resolve_target
 from harness.results import save_whole, write_atomic
 from harness.train.checkpoint import checkpoint_folder, read_train_state
 from harness.train.corpus import check_window_fits, load_corpus, training_batch, validation_windows
@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
                                                            "channels (default: mlp)")
     p.add_argument("--kv-heads", type=int, help="with --by heads+mlp: the KV groups every attention layer keeps "
                                                 "(default: the target's share of them, rounded up)")
+    p.add_argument("--cache-target", type=float, help="with --by heads+mlp: KV-cache bytes a token to stay within "
+                                                      "(>= 1), or a share of the model's (between 0 and 1): every "
+                                                      "attention layer keeps the most KV groups that fit")
     p.add_argument("--corpus", metavar="PATH", help="calibration and validation text (default: the corpus the model "
                                                     "was trained on, else this Python's standard library sources)")
     p.add_argument("--windows", type=int, default=64, help="calibration windows (default: 64)")
@@ -64,7 +67,13 @@ def cmd_prune(args) -> None:
     try:  # everything checked before calibration runs
         model, trained_corpus = load_weights(weights)
         target = resolve_target(model, args.target)
-        check_by(model, args.by, target, args.kv_heads)
+        kv_heads = args.kv_heads
+        if args.cache_target is not None:
+            if args.kv_heads is not None or args.by != "heads+mlp":
+                raise ValueError("--cache-target chooses --kv-heads, with --by heads+mlp: give one of the two, and "
+                                 "--by heads+mlp")
+            kv_heads = kv_heads_for_cache(model, args.cache_target)
+        check_by(model, args.by, target, kv_heads)
         if args.context + 1 > model.config.max_seq_len:
             raise ValueError(f"--context {args.context} needs {args.context + 1} positions; the model holds "
                              f"{model.config.max_seq_len}")
@@ -74,7 +83,8 @@ def cmd_prune(args) -> None:
         raise SystemExit(str(error)) from None
     calibration = {"weights": str(weights.resolve()), "windows": args.windows, "context": args.context,
                    "corpus": corpus.description, "seed": CALIBRATION_SEED}
-    request = {"target": target, "by": args.by, "kv_heads": args.kv_heads, "eval_windows": args.eval_windows,
+    request = {"target": target, "by": args.by, "kv_heads": kv_heads, "cache_target": args.cache_target,
+               "eval_windows": args.eval_windows,
                "calibration": calibration}
     done = read_json(out / "prune.json")
     if done is not None and {k: done.get(k) for k in request} == request and (out / "model").is_dir():
@@ -89,7 +99,7 @@ def cmd_prune(args) -> None:
         windows = training_batch(corpus, CALIBRATION_SEED, 0, args.windows, args.context)
         importance = measure_importance(model, windows)
         write_json(out / "importance.json", {"calibration": calibration, "importance": importance.to_json()})
-    plan = plan_for_target(model, importance, target, args.by, args.kv_heads)
+    plan = plan_for_target(model, importance, target, args.by, kv_heads)
     pruned = zoo.prune(model, plan)
     save_whole(pruned, out / "model")
     validation = validation_windows(corpus, args.eval_windows, args.context + 1)

@@ -17,6 +17,7 @@ import math
 
 import torch
 
+import zoo
 from harness.prune.importance import Importance, cut_layers
 from zoo.model import DecoderLM
 from zoo.parameters import parameter_counts
@@ -43,6 +44,37 @@ def resolve_target(model, target: float) -> int:
     if count >= total:
         raise ValueError(f"target {count:,} parameters is not below the model's {total:,}: nothing to prune")
     return count
+
+
+def cache_bytes_per_token(model, plan: PrunePlan) -> int:
+    """KV-cache bytes a token in the model plan would make, in its parameters' dtype, without allocating it."""
+    with torch.device("meta"):
+        return zoo.cache_bytes(DecoderLM(pruned_config(model, plan)), 1, dtype=next(model.parameters()).dtype)
+
+
+def kv_heads_for_cache(model, cache_target: float) -> int:
+    """The most KV heads every cuttable attention layer can keep (heads+mlp) with the cache a token at or under
+    cache_target: bytes a token (>= 1) or a share of the model's (between 0 and 1); refused where even one KV group
+    a layer is over it, or the model's own cache is not."""
+    heads, _ = cut_layers(model)
+    if not heads:
+        raise ValueError("cache_target: this model has no attention layer whose KV heads can be cut")
+    full = cache_bytes_per_token(model, PrunePlan(tuple(range(model.config.n_layers))))
+    if not isinstance(cache_target, (int, float)) or isinstance(cache_target, bool) or not cache_target > 0:
+        raise ValueError(f"cache_target must be bytes a token (>= 1) or a share of the model's {full:,} (between 0 "
+                         f"and 1), got {cache_target!r}")
+    budget = cache_target * full if cache_target < 1 else cache_target
+    if budget >= full:
+        raise ValueError(f"cache_target {budget:,.0f} bytes a token is not below the model's {full:,}: nothing to cut")
+    layers = tuple(range(model.config.n_layers))
+    most = min(model.blocks[i].mixer.n_kv_heads for i in heads)
+    fits = [k for k in range(1, most + 1)
+            if cache_bytes_per_token(model, PrunePlan(layers, {i: tuple(range(k)) for i in heads})) <= budget]
+    if not fits:
+        least = cache_bytes_per_token(model, PrunePlan(layers, {i: (0,) for i in heads}))
+        raise ValueError(f"cache_target {budget:,.0f} bytes a token is below the {least:,} that one KV group in every "
+                         f"cuttable attention layer keeps")
+    return max(fits)
 
 
 def check_by(model, by: str, target: int, kv_heads: int | None = None) -> None:
