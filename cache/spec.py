@@ -175,7 +175,7 @@ class CacheBatch:
     # a step replayed from a graph (harness/engine/decode_graphs.py): no layer may read a device value on the host
     # or size a tensor by one (an MoE layer gathers its routed experts' weights instead of grouping its tokens by expert)
     captured: bool = False
-    # a speculative tree verification: the new tokens are token trees (a "chunk" step of full-attention layers)
+    # a speculative tree verification: the new tokens are token trees (a "chunk" step of attention layers)
     tree: TreeBatch | None = None
 
     def __post_init__(self):

@@ -106,9 +106,10 @@ def check_speculative(speculative, model, compile: bool, kv_cache: str, max_seq_
     if not isinstance(speculative, SpeculativeConfig):
         raise ValueError(f"speculative must be a harness.SpeculativeConfig or None, got {type(speculative).__name__}")
     speculative.check_target(model)
-    if speculative.tree_budget is not None and tree_blocker(speculative.draft):
+    draft_blocker = tree_blocker(speculative.draft) if speculative.tree_budget is not None else ""
+    if draft_blocker:
         raise ValueError(f"tree_budget: the draft scores each depth's tree in one forward, which it cannot: "
-                         f"{tree_blocker(speculative.draft)}")
+                         f"{draft_blocker}")
     if compile:
         raise ValueError("compile=True compiles the one-token decode step, which speculative decoding does not run "
                          "(it verifies k + 1 tokens per step): use one or the other")

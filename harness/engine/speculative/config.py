@@ -83,8 +83,8 @@ class SpeculativeConfig:
     @staticmethod
     def check_model(draft) -> None:
         if not isinstance(draft, nn.Module) or not hasattr(draft, "config"):
-            raise ValueError(f"draft must be a zoo model (zoo.build / zoo.load), a tuple of them, or "
-                             f"{PROMPT_LOOKUP!r}, got {type(draft).__name__}")
+            raise ValueError(f"draft must be a zoo model (zoo.build / zoo.load), a tuple of them, "
+                             f"{PROMPT_LOOKUP!r} or {LOOKAHEAD!r}, got {type(draft).__name__}")
 
     @property
     def drafts(self) -> tuple:
