@@ -9,12 +9,14 @@ Muralidharan et al. 2024), on a `zoo train` gqa teacher:
    learning rate (OUT/scratch-BY): the same tokens as the distillation; and finetuned: the pruned model on the
    bytes alone for the same steps at the distillation's rate (OUT/finetune-BY), what the teacher adds;
 5. conversions (--conversions): the teacher turned into another architecture by `zoo.convert` ("mqa": one KV head a
-   layer, mean-pooled; "hybrid-gdn": every other layer Gated DeltaNet), each distilled, finetuned and with its
+   layer, mean-pooled; "hybrid-gdn": every other layer Gated DeltaNet; "mla": latent attention with the cache of
+   mqa's, a whitened SVD fitted on the prune calibration windows), each distilled, finetuned and with its
    scratch twin, as the pruned ones (OUT/convert-NAME, distill-NAME, finetune-NAME, scratch-NAME).
 
 Then each model's validation bits per byte (the same fixed windows for all), parameters, cache bytes a token and
 decode step time (batch --batch at context --context, caches filled as if prefilled; run alone) go to
-OUT/results.jsonl, and the chart (quality against decode time, a line a method) to OUT/quality_vs_decode.png.
+OUT/results.jsonl, its copy recall (bits per byte on the second copy of a validation span of --context / 2 bytes,
+harness/copy_recall.py) to OUT/recall.jsonl, and the chart (quality against decode time, a line a method) to OUT/quality_vs_decode.png.
 Every stage continues from what an earlier run left.
 
     python benchmarks/prune_distill.py --preset small --teacher-steps 600 --steps 200
@@ -27,14 +29,18 @@ import torch
 import zoo
 from harness import cli
 from harness.charts import line_chart
+from harness.copy_recall import copy_bpb
 from harness.decode_probe import decode_probe
+from harness.prune.cli import CALIBRATION_SEED
 from harness.results import ResultStore, save_whole
 from harness.train import TrainSettings, load_corpus, run_train, validation_windows
+from harness.train.corpus import training_batch
 from harness.train.objective import validation_bpb
 
 BY = ("mlp", "depth+mlp", "embedding+mlp")
 CONVERSIONS = {"mqa": {"to": "gqa", "kv_heads": 1},
-               "hybrid-gdn": {"to": "gdn", "layers": "odd"}}  # odd: layers 1, 3, 5, ...
+               "hybrid-gdn": {"to": "gdn", "layers": "odd"},  # odd: layers 1, 3, 5, ...
+               "mla": {"to": "mla"}}  # default sizes: latent + rope key half the GQA cache, as mqa's
 SCRATCH_LR = TrainSettings().lr  # zoo train's: a model from random weights needs it; a trained student does not
 DISTILL_LR = 3e-3  # zoo distill's default
 
@@ -50,7 +56,7 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=256)
     parser.add_argument("--by", default=",".join(BY), help=f"comma-separated `zoo prune --by` axes (default: "
                         f"{','.join(BY)})")
-    parser.add_argument("--conversions", default="mqa,hybrid-gdn", help=f"comma-separated, of {list(CONVERSIONS)}, "
+    parser.add_argument("--conversions", default=",".join(CONVERSIONS), help=f"comma-separated, of {list(CONVERSIONS)}, "
                         "or none")
     parser.add_argument("--out", type=Path, default=Path("results/prune_distill"))
     args = parser.parse_args()
@@ -100,6 +106,8 @@ def converted(out: Path, name: str) -> Path:
         options = dict(CONVERSIONS[name])
         if options.get("layers") == "odd":
             options["layers"] = list(range(1, teacher.config.n_layers, 2))
+        if options["to"] == "mla":
+            options["calibration"] = training_batch(load_corpus(None), CALIBRATION_SEED, 0, 64, 256)
         torch.manual_seed(0)
         save_whole(zoo.convert(teacher, **options), folder)
     return folder
@@ -120,6 +128,7 @@ def measure(models: dict[str, Path], args, out: Path) -> None:
                       "cache_bytes": zoo.cache_bytes(model, args.context, dtype=torch.bfloat16),
                       "decode_ms": 1000 * step})
         print(name, {k: v for k, v in store.rows[-1].items() if k not in cell}, flush=True)
+    recall = copy_recall(models, args, out)
     rows = [r for r in store.rows if r["steps"] == args.steps and r["teacher_steps"] == args.teacher_steps]
     series = {kind: tuple(zip(*sorted((r["decode_ms"], r["bpb"]) for r in rows if r["model"].startswith(kind))))
               for kind in ("pruned", "converted", "distilled", "finetuned", "scratch")
@@ -129,11 +138,23 @@ def measure(models: dict[str, Path], args, out: Path) -> None:
     line_chart(out / "quality_vs_decode.png", f"gqa {args.preset} pruned to {args.share:.0%}, {args.steps} steps",
                f"decode step (ms, batch {args.batch}, context {args.context}, bf16)", "validation bits per byte",
                series, logx=False)
-    print(f"| model | parameters | bits per byte | decode step (ms) | cache at {args.context} tokens (bf16) |\n"
-          "|---|---:|---:|---:|---:|")
+    print(f"| model | parameters | bits per byte | copy recall (bpb) | decode step (ms) | cache at {args.context} "
+          "tokens (bf16) |\n|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['model']} | {r['parameters']:,} | {r['bpb']:.3f} | {r['decode_ms']:.2f} | "
-              f"{r['cache_bytes']:,} B |")
+        print(f"| {r['model']} | {r['parameters']:,} | {r['bpb']:.3f} | {recall[r['model']]:.3f} | "
+              f"{r['decode_ms']:.2f} | {r['cache_bytes']:,} B |")
+
+
+def copy_recall(models: dict[str, Path], args, out: Path) -> dict[str, float]:
+    """{model: bits per byte on the second copy of --eval-windows validation spans of --context / 2 bytes}."""
+    store = ResultStore(out / "recall.jsonl", ("model", "steps", "teacher_steps", "share", "span"))
+    spans = validation_windows(load_corpus(None), args.eval_windows, args.context // 2)
+    for name, folder in models.items():
+        cell = {"model": name, "steps": args.steps, "teacher_steps": args.teacher_steps, "share": args.share,
+                "span": args.context // 2}
+        if not store.done(cell):
+            store.append({**cell, "copy_bpb": copy_bpb(zoo.load(folder).float(), spans)})
+    return {r["model"]: r["copy_bpb"] for r in store.rows if all(r[k] == v for k, v in cell.items() if k != "model")}
 
 
 if __name__ == "__main__":

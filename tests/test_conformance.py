@@ -32,8 +32,12 @@ SURGERY = {
     "gqa-pruned": lambda: zoo.prune(random_model("gqa", n_layers=3), zoo.PrunePlan(
         (0, 2), kv_heads={0: (1,)}, channels={0: tuple(range(0, 192, 2)), 2: tuple(range(100))},
         embedding=tuple(range(0, 64, 2)))),
+    "hybrid-pruned": lambda: zoo.prune(random_model("hybrid", layers="gqa,gdn"), zoo.PrunePlan(
+        (0, 1), kv_heads={0: (1,)}, state_heads={1: (0, 2)})),
     "mha-to-gqa": lambda: zoo.convert(random_model("mha"), "gqa", kv_heads=2),
     "gqa-to-gdn": lambda: zoo.convert(random_model("gqa", n_layers=3), "gdn", layers=[1]),
+    "gqa-to-mla": lambda: zoo.convert(random_model("gqa"), "mla", kv_rank=8, layers=[1], calibration=torch.randint(
+        0, 256, (4, 16), generator=torch.Generator().manual_seed(0))),
 }
 
 

@@ -42,6 +42,17 @@ def test_a_silenced_kv_head_and_channel_score_zero_and_the_rest_do_not():
 
 
 @torch.no_grad()
+def test_a_gated_deltanet_head_that_writes_nothing_scores_zero():
+    model = random_model("hybrid", layers="gqa,gdn")
+    mixer = model.blocks[1].mixer
+    values = 2 * mixer.n_heads * mixer.head_dim + 2 * mixer.value_dim  # in_proj's rows of head 2's values
+    mixer.in_proj.weight[values:values + mixer.value_dim] = 0  # its state stays zero, so does its output
+    scores = measure_importance(model, windows(model))
+    assert list(scores.state_heads) == [1] and list(scores.kv_heads) == [0]
+    assert scores.state_heads[1][2] == 0 and sum(s > 0 for s in scores.state_heads[1]) == mixer.n_heads - 1
+
+
+@torch.no_grad()
 def test_an_embedding_channel_nothing_writes_scores_zero_and_the_score_is_the_norms_mean_magnitude():
     model = random_model("gqa")
     model.embed.weight[:, 5] = 0
@@ -64,7 +75,7 @@ def test_an_embedding_channel_nothing_writes_scores_zero_and_the_score_is_the_no
 
 @pytest.mark.parametrize("arch, by", [("gqa", "mlp"), ("mha", "heads+mlp"), ("gqa", "depth+mlp"),
                                       ("cla", "depth+mlp"), ("mha", "mlp"), ("gqa", "embedding"),
-                                      ("swa", "embedding+mlp")])
+                                      ("swa", "embedding+mlp"), ("gdn", "heads+mlp")])
 @pytest.mark.parametrize("share", [0.8, 0.5])
 def test_a_plan_lands_within_two_percent_of_its_target(arch, by, share):
     model = random_model(arch, n_layers=4)
@@ -73,6 +84,17 @@ def test_a_plan_lands_within_two_percent_of_its_target(arch, by, share):
     plan = plan_for_target(model, importance, target, by)
     assert abs(parameter_count(model, plan) - target) <= TOLERANCE * target
     assert parameter_count(model, plan) == zoo.parameter_counts(zoo.prune(model, plan)).total
+
+
+def test_heads_cut_the_least_important_gated_deltanet_heads_too():
+    model = random_model("hybrid", layers="gqa,gdn", n_layers=4)
+    importance = measure_importance(model, windows(model))
+    plan = plan_for_target(model, importance, resolve_target(model, 0.5), "heads+mlp")
+    assert sorted(plan.state_heads) == [1, 3] and sorted(plan.kv_heads) == [0, 2]
+    for i, kept in plan.state_heads.items():
+        scores = importance.state_heads[i]
+        assert 1 <= len(kept) < len(scores)
+        assert min(scores[j] for j in kept) >= max(scores[j] for j in range(len(scores)) if j not in kept)
 
 
 def test_depth_drops_the_least_influential_layers_and_heads_keep_the_most_important():

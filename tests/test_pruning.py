@@ -13,7 +13,7 @@ from helpers import random_model  # tests/ is on sys.path under pytest
 @torch.no_grad()
 def zeroed(model, plan: PrunePlan):
     """The original model with what plan cuts silenced: a dropped layer's o_proj and down_proj, a cut KV group's
-    query heads' o_proj columns, a cut channel's down_proj column, a cut embedding channel's embedding column and
+    query heads' o_proj columns, a cut Gated DeltaNet head's out_proj columns, a cut channel's down_proj column, a cut embedding channel's embedding column and
     o_proj and down_proj rows (so the residual stream carries nothing there)."""
     silent = zoo.build(model.config)
     silent.load_state_dict(model.state_dict())
@@ -34,6 +34,10 @@ def zeroed(model, plan: PrunePlan):
             group, dim = mixer.n_heads // mixer.n_kv_heads, mixer.head_dim
             for h in set(range(mixer.n_kv_heads)) - set(plan.kv_heads[i]):
                 mixer.o_proj.weight[:, h * group * dim:(h + 1) * group * dim] = 0
+        if i in plan.state_heads:
+            dim = block.mixer.value_dim
+            for h in set(range(block.mixer.n_heads)) - set(plan.state_heads[i]):
+                block.mixer.out_proj.weight[:, h * dim:(h + 1) * dim] = 0
         if i in plan.channels:
             cut = sorted(set(range(block.mlp.down_proj.weight.shape[1])) - set(plan.channels[i]))
             block.mlp.down_proj.weight[:, cut] = 0
@@ -50,6 +54,10 @@ CASES = {
     "mha: heads in every kept layer": ("mha", {}, PrunePlan((0, 1), kv_heads={0: (0, 3), 1: (2,)})),
     "gelu, biases off, channels only": ("gqa", {"mlp": "gelu"}, PrunePlan((0, 1), channels={1: (5, 6, 100)})),
     "cla: the sharing layer kept with its source": ("cla", {"n_layers": 4, "share": 2}, PrunePlan((2, 3))),
+    "gdn: state heads, each layer its own": ("gdn", {"n_layers": 3}, PrunePlan(
+        (0, 1, 2), state_heads={0: (0, 2), 2: (3,)}, channels={1: tuple(range(0, 192, 2))})),
+    "hybrid: a KV group and state heads": ("hybrid", {"layers": "gqa,gdn", "expand_v": 2}, PrunePlan(
+        (0, 1), kv_heads={0: (1,)}, state_heads={1: (1, 2)})),
     "qk_norm per head": ("gqa", {"qk_norm": "head"}, PrunePlan((0, 1), kv_heads={1: (0,)})),
     # an RMSNorm's eps is added to a mean over the channels: over fewer it weighs more (4e-4 of the logits at the
     # tiny preset's 1e-5), so the embedding cases test the cut itself at a negligible eps
@@ -99,6 +107,7 @@ def test_a_pruned_model_saves_and_loads_as_itself(tmp_path):
     (PrunePlan((0,), kv_heads={0: (2,)}), r"kv_heads of layer 0 must be distinct ascending indices in \[0, 2\)"),
     (PrunePlan((0,), kv_heads={0: ()}), "at least one"),
     (PrunePlan((0,), channels={0: (0, 0)}), "channels of layer 0 must be distinct"),
+    (PrunePlan((0,), state_heads={0: (0,)}), "layer 0 is a 'attention' mixer: only gdn layers can lose state heads"),
 ])
 def test_bad_plans_are_refused_by_name(plan, message):
     with pytest.raises(ValueError, match=message):
@@ -112,6 +121,8 @@ def test_what_cannot_be_cut_is_named():
         prune(random_model("cla", n_layers=4, share=2), PrunePlan((0, 1), kv_heads={0: (0,)}))
     with pytest.raises(ValueError, match="layer 0 is a 'mamba2' mixer"):
         prune(random_model("mamba2"), PrunePlan((0,), kv_heads={0: (0,)}))
+    with pytest.raises(ValueError, match=r"state_heads of layer 1 must be distinct ascending indices in \[0, 4\)"):
+        prune(random_model("gdn"), PrunePlan((0, 1), state_heads={1: (4,)}))
     with pytest.raises(ValueError, match="feed-forward is 'none'"):
         prune(random_model("gqa", mlp="none"), PrunePlan((0,), channels={0: (0,)}))
     with pytest.raises(ValueError, match=r"layer 0 \('mamba2' mixer, 'swiglu' feed-forward\): embedding channels"):

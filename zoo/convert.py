@@ -8,7 +8,10 @@ distillation from the original (`zoo distill`) has less to recover than training
   attention's (each KV head repeated for its query heads), the output projection is o_proj, and the short causal
   conv starts as the identity: a linear RNN started from attention's projections, as MambaInLlama (Wang et al.
   2024) starts Mamba's C, B and x from Q, K and V. The output gate and the decays have no counterpart and start as
-  a fresh layer's.
+  a fresh layer's;
+- "mla": attention layers become multi-head latent attention (DeepSeek-V2): partial RoPE on a uniform subset of
+  frequencies, the nope keys and values through one latent by a whitened truncated SVD (zoo/convert_mla.py), from
+  calibration windows of the layers' inputs.
 
 Every other weight is copied unchanged. The converted model is a normal archzoo model.
 """
@@ -18,16 +21,19 @@ import dataclasses
 import torch
 
 from zoo.config import MixerSpec
+from zoo.convert_mla import attention_as_mla, check_mla_sizes, default_rank, input_grams
 from zoo.model import DecoderLM
 from zoo.pruning import head_cut_layers
 
-TARGETS = ("gqa", "swa", "gdn")
+TARGETS = ("gqa", "swa", "gdn", "mla")
 
 
 def convert(model: DecoderLM, to: str, *, kv_heads: int | None = None, window: int | None = None,
-            layers: list[int] | None = None) -> DecoderLM:
-    """A new model: `to` "gqa" (kv_heads), "swa" (window) or "gdn" (layers, default every attention layer), over
-    the attention layers given (default: all that compute their own keys and values)."""
+            layers: list[int] | None = None, kv_rank: int | None = None, rope_dim: int | None = None,
+            calibration: torch.Tensor | None = None) -> DecoderLM:
+    """A new model: `to` "gqa" (kv_heads), "swa" (window), "gdn" or "mla" (kv_rank, default half the layer's cache
+    less the rope key; rope_dim, default half a head; calibration, token windows [N, T] whose layer inputs whiten
+    the latent), over the attention layers given (default: all that compute their own keys and values)."""
     if to not in TARGETS:
         raise ValueError(f"unknown conversion target {to!r}; allowed: {', '.join(TARGETS)}")
     eligible = head_cut_layers(model.config)
@@ -48,8 +54,11 @@ def convert(model: DecoderLM, to: str, *, kv_heads: int | None = None, window: i
             if not isinstance(window, int) or window < 1:
                 raise ValueError(f"window must be an integer >= 1 (tokens each query sees), got {window!r}")
             specs[i].params["window"] = window
-        else:
+        elif to == "gdn":
             specs[i] = MixerSpec("gdn", {"n_heads": mixer.n_heads, "head_dim": mixer.head_dim})
+        else:
+            specs[i] = mla_spec(model, i, kv_rank, rope_dim, calibration)
+    grams = input_grams(model, chosen, calibration) if to == "mla" else {}
     config = dataclasses.replace(model.config, layers=specs, name=f"{model.config.name}-to-{to}")
     converted = DecoderLM(config).to(next(model.parameters()).dtype)
     state = converted.state_dict()
@@ -65,10 +74,26 @@ def convert(model: DecoderLM, to: str, *, kv_heads: int | None = None, window: i
                 state.update(pooled_kv(old, kv_heads, new))
             elif to == "swa":
                 state.update({new + k: v.clone() for k, v in old.state_dict().items()})
-            else:
+            elif to == "gdn":
                 state.update(attention_as_gdn(old, converted.blocks[i].mixer, new))
+            else:
+                state.update(attention_as_mla(old, converted.blocks[i].mixer, new, grams[i]))
     converted.load_state_dict(state)
     return converted.eval()
+
+
+def mla_spec(model: DecoderLM, layer: int, kv_rank, rope_dim, calibration) -> MixerSpec:
+    """Layer's MLA spec (nope + rope channels a whole head, values a whole head), its sizes checked."""
+    mixer = model.blocks[layer].mixer
+    rope_dim = mixer.head_dim // 2 if rope_dim is None else rope_dim
+    kv_rank = default_rank(mixer, rope_dim) if kv_rank is None and isinstance(rope_dim, int) else kv_rank
+    check_mla_sizes(mixer, layer, kv_rank, rope_dim, model.config.d_model)
+    if not isinstance(calibration, torch.Tensor) or calibration.dim() != 2 or calibration.dtype != torch.long:
+        raise ValueError("an MLA conversion needs calibration token windows (a [N, T] integer tensor): the latent is "
+                         f"fitted to the layers' inputs on them; got {type(calibration).__name__}")
+    return MixerSpec("mla", {"n_heads": mixer.n_heads, "kv_lora_rank": kv_rank, "q_lora_rank": None,
+                             "qk_nope_head_dim": mixer.head_dim - rope_dim, "qk_rope_head_dim": rope_dim,
+                             "v_head_dim": mixer.head_dim})
 
 
 def pooled_kv(mixer, kv_heads: int, prefix: str) -> dict:

@@ -1,13 +1,16 @@
 """Structured pruning: a smaller archzoo model cut from a bigger one's weights, by whole layers (depth), whole KV
-groups of an attention layer (a KV head with the query heads that read it, so a GQA model keeps its ratio),
-feed-forward hidden channels, and embedding channels (d_model: the residual stream's width, in every layer at once;
+groups of an attention layer (a KV head with the query heads that read it, so a GQA model keeps its ratio), whole
+heads of a Gated DeltaNet layer (each with its own dk x dv state: the state shrinks with them), feed-forward hidden
+channels, and embedding channels (d_model: the residual stream's width, in every layer at once;
 Minitron's "embedding" axis). The result is a normal model: its config says what it is (each kept layer's own
 n_heads, n_kv_heads, head_dim and FFN hidden), `zoo.save` writes it, the engine runs it.
 
 Which parts to keep is the caller's choice (a PrunePlan); harness/prune scores them on calibration text (ShortGPT's
 block influence for layers, Minitron's activation magnitudes for heads and channels) and picks the least important
 to drop. Cutting is exact where the model allows: a kept KV group's query, key, value and output columns are the
-original ones, a kept channel's gate, up and down weights too. With qk_norm "all" the norm's gains are cut with
+original ones, a kept channel's gate, up and down weights too, and a kept Gated DeltaNet head's q, k, v, gate,
+beta, decay, conv and output weights (its output norm is per head, so the kept heads compute what they did). With
+qk_norm "all" the norm's gains are cut with
 their heads, but the RMS it divides by is then over fewer heads: the kept heads' outputs move a little.
 Cutting embedding channels keeps each norm's gains on the kept channels times sqrt(d_model / kept): an RMSNorm
 then divides by the RMS over the kept channels only, and where the cut channels carry nothing that is the original
@@ -23,6 +26,7 @@ from zoo.config import FFNSpec, ModelConfig
 from zoo.model import DecoderLM
 
 WIDTH_MIXERS = ("attention",)  # mixers whose KV groups can be cut
+STATE_MIXERS = ("gdn",)  # mixers whose state heads can be cut
 WIDTH_FFNS = ("swiglu", "gelu")  # feed-forwards whose hidden channels can be cut
 # parameter names, within a block, of the linears that read the residual stream (input columns = embedding channels)
 # and of those that write it (output rows); every other tensor of an attention + SwiGLU / GELU block has no d_model axis
@@ -36,12 +40,14 @@ NORMS = ("mixer_norm", "mlp_norm")
 class PrunePlan:
     """layers: the original indices of the layers kept, ascending. kv_heads: per kept layer (original index), the KV
     heads it keeps, ascending (a layer not named keeps all). channels: per kept layer, the FFN hidden channels it
-    keeps, ascending (likewise). embedding: the residual-stream channels every layer keeps, ascending (None: all)."""
+    keeps, ascending (likewise). embedding: the residual-stream channels every layer keeps, ascending (None: all).
+    state_heads: per kept Gated DeltaNet layer, the heads it keeps, ascending (likewise)."""
 
     layers: tuple[int, ...]
     kv_heads: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     channels: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     embedding: tuple[int, ...] | None = None
+    state_heads: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 def sharing_layers(config: ModelConfig) -> set[int]:
@@ -56,6 +62,11 @@ def head_cut_layers(config: ModelConfig) -> list[int]:
     and values, which no other layer reads."""
     shared = sharing_layers(config)
     return [i for i, spec in enumerate(config.layers) if spec.kind in WIDTH_MIXERS and i not in shared]
+
+
+def state_cut_layers(config: ModelConfig) -> list[int]:
+    """Layers whose state heads can be cut: the Gated DeltaNet ones."""
+    return [i for i, spec in enumerate(config.layers) if spec.kind in STATE_MIXERS]
 
 
 def layer_heads(model: DecoderLM, layer: int) -> tuple[int, int]:
@@ -75,7 +86,7 @@ def check_plan(model: DecoderLM, plan: PrunePlan) -> None:
     layers = list(plan.layers)
     if not layers or layers != sorted(set(layers)) or not all(isinstance(i, int) and 0 <= i < n for i in layers):
         raise ValueError(f"layers kept must be distinct ascending indices in [0, {n}), at least one, got {layers}")
-    for what, table in (("kv_heads", plan.kv_heads), ("channels", plan.channels)):
+    for what, table in (("kv_heads", plan.kv_heads), ("channels", plan.channels), ("state_heads", plan.state_heads)):
         outside = sorted(set(table) - set(layers))
         if outside:
             raise ValueError(f"{what} names layers {outside} that the plan does not keep (kept: {layers})")
@@ -93,6 +104,12 @@ def check_plan(model: DecoderLM, plan: PrunePlan) -> None:
             raise ValueError(f"layer {i} shares its keys and values (kv_source): its heads cannot be cut alone")
         _, kv_heads = layer_heads(model, i)
         check_indices(f"kv_heads of layer {i}", kept, kv_heads)
+    for i, kept in plan.state_heads.items():
+        kind = config.layers[i].kind
+        if kind not in STATE_MIXERS:
+            raise ValueError(f"layer {i} is a {kind!r} mixer: only {', '.join(STATE_MIXERS)} layers can lose state "
+                             "heads")
+        check_indices(f"state_heads of layer {i}", kept, model.blocks[i].mixer.n_heads)
     for i, kept in plan.channels.items():
         kind = config.ffn(i).kind
         if kind not in WIDTH_FFNS:
@@ -136,6 +153,8 @@ def pruned_config(model: DecoderLM, plan: PrunePlan) -> ModelConfig:
             kept = len(plan.kv_heads[old])
             spec.params.update(n_heads=n_heads // n_kv_heads * kept, n_kv_heads=kept,
                                head_dim=model.blocks[old].mixer.head_dim)
+        elif old in plan.state_heads:  # head_dim defaults to d_model // n_heads: kept as it was
+            spec.params.update(n_heads=len(plan.state_heads[old]), head_dim=model.blocks[old].mixer.head_dim)
         elif plan.embedding is not None:  # head_dim defaults to d_model // n_heads, which the cut changes
             spec.params["head_dim"] = model.blocks[old].mixer.head_dim
         layers.append(spec)
@@ -163,6 +182,8 @@ def pruned_state(model: DecoderLM, plan: PrunePlan, renumber: dict[int, int]) ->
         block = {name[len(prefix):]: tensor for name, tensor in state.items() if name.startswith(prefix)}
         if old in plan.kv_heads:
             block = cut_heads(block, model.blocks[old].mixer, plan.kv_heads[old])
+        if old in plan.state_heads:
+            block = cut_state_heads(block, model.blocks[old].mixer, plan.state_heads[old])
         if old in plan.channels:
             block = cut_channels(block, plan.channels[old])
         if plan.embedding is not None:
@@ -207,6 +228,24 @@ def cut_heads(block: dict, mixer, kv_heads: tuple[int, ...]) -> dict:
     if mixer.qk_norm == "all":
         cut["mixer.q_norm.weight"] = cut["mixer.q_norm.weight"][q_rows].clone()
         cut["mixer.k_norm.weight"] = cut["mixer.k_norm.weight"][kv_rows].clone()
+    return cut
+
+
+def cut_state_heads(block: dict, mixer, heads: tuple[int, ...]) -> dict:
+    """A Gated DeltaNet layer's weights with only these heads: in_proj's q, k, v, gate, b and a rows, the conv's q,
+    k and v channels, the decay parameters and out_proj's columns."""
+    n, dk, dv = mixer.n_heads, mixer.head_dim, mixer.value_dim
+    key = [h * dk + d for h in heads for d in range(dk)]
+    value = [h * dv + d for h in heads for d in range(dv)]
+    conv = torch.tensor(key + [n * dk + j for j in key] + [2 * n * dk + j for j in value])  # q, k, v
+    gate = [mixer.conv_dim + j for j in value]
+    per_head = [mixer.conv_dim + n * dv + h for h in heads] + [mixer.conv_dim + n * dv + n + h for h in heads]
+    cut = dict(block)
+    cut["mixer.in_proj.weight"] = cut["mixer.in_proj.weight"][torch.cat([conv, torch.tensor(gate + per_head)])].clone()
+    cut["mixer.conv1d.weight"] = cut["mixer.conv1d.weight"][conv].clone()
+    for name in ("mixer.A_log", "mixer.dt_bias"):
+        cut[name] = cut[name][list(heads)].clone()
+    cut["mixer.out_proj.weight"] = cut["mixer.out_proj.weight"][:, value].clone()
     return cut
 
 

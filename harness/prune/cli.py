@@ -29,10 +29,10 @@ def add_parser(sub) -> None:
     p.add_argument("--weights", required=True, help="a `zoo train` output folder or a `zoo.save` folder")
     p.add_argument("--target", required=True, type=float, help="parameters to keep: a count (>= 1, e.g. 2e6) or a "
                                                                "share of the model's (between 0 and 1)")
-    p.add_argument("--by", default="mlp", choices=BY, help="what is cut: FFN channels only, KV groups then "
-                                                           "channels, whole layers then channels, embedding "
-                                                           "(d_model) channels only, or embedding then FFN "
-                                                           "channels (default: mlp)")
+    p.add_argument("--by", default="mlp", choices=BY,
+                   help="what is cut: FFN channels only, KV groups (and Gated DeltaNet heads) then channels, whole "
+                        "layers then channels, embedding (d_model) channels only, or embedding then FFN channels "
+                        "(default: mlp)")
     p.add_argument("--kv-heads", type=int, help="with --by heads+mlp: the KV groups every attention layer keeps "
                                                 "(default: the target's share of them, rounded up)")
     p.add_argument("--cache-target", type=float, help="with --by heads+mlp: KV-cache bytes a token to stay within "
@@ -95,7 +95,7 @@ def cmd_prune(args) -> None:
     importance = None
     if cached is not None and cached.get("calibration") == calibration:
         importance = Importance.from_json(cached["importance"])
-    if importance is None or importance.embedding is None:  # none, or written before embedding scores were
+    if importance is None or importance.embedding is None or importance.state_heads is None:  # none, or older
         windows = training_batch(corpus, CALIBRATION_SEED, 0, args.windows, args.context)
         importance = measure_importance(model, windows)
         write_json(out / "importance.json", {"calibration": calibration, "importance": importance.to_json()})
@@ -107,6 +107,7 @@ def cmd_prune(args) -> None:
               "parameters_after": zoo.parameter_counts(pruned).total, "layers_kept": list(plan.layers),
               "kv_heads_kept": {str(i): len(h) for i, h in plan.kv_heads.items()},
               "channels_kept": {str(i): len(c) for i, c in plan.channels.items()},
+              "state_heads_kept": {str(i): len(h) for i, h in plan.state_heads.items()},
               "embedding_kept": None if plan.embedding is None else len(plan.embedding),
               "cache_bytes_per_token_before": zoo.cache_bytes(model, 1), "cache_bytes_per_token_after":
                   zoo.cache_bytes(pruned, 1), "decode_weight_bytes_before": zoo.decode_weight_bytes(model),

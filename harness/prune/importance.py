@@ -4,6 +4,8 @@
   over every token (ShortGPT, Men et al. 2024): a block that barely turns the stream can go;
 - a KV head of an attention layer: the summed importance of the query heads that read it, a query head's being the
   mean L2 norm of its attention output, the slice of o_proj's input it owns (Minitron, Muralidharan et al. 2024);
+- a Gated DeltaNet head (and its state): the mean L2 norm of its gated, normed output, its slice of out_proj's
+  input, as a query head's;
 - a feed-forward hidden channel: the mean absolute value of its activation, down_proj's input (Minitron);
 - an embedding channel (of the residual stream): the mean absolute value of its normalized activation, summed over
   every norm that reads the stream (each block's two and the final one), Minitron's embedding score.
@@ -14,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from zoo.pruning import WIDTH_FFNS, head_cut_layers
+from zoo.pruning import WIDTH_FFNS, head_cut_layers, state_cut_layers
 
 
 @dataclass
@@ -23,14 +25,17 @@ class Importance:
     kv_heads: dict[int, list[float]]  # attention layer index -> each KV head's
     channels: dict[int, list[float]]  # FFN layer index -> each hidden channel's
     embedding: list[float] | None = None  # each residual channel's (None: read from a file written before it was)
+    state_heads: dict[int, list[float]] | None = None  # Gated DeltaNet layer -> each head's (None: likewise)
 
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict) -> "Importance":
+        state = data.get("state_heads")
         return cls(list(data["layers"]), {int(k): list(v) for k, v in data["kv_heads"].items()},
-                   {int(k): list(v) for k, v in data["channels"].items()}, data.get("embedding"))
+                   {int(k): list(v) for k, v in data["channels"].items()}, data.get("embedding"),
+                   None if state is None else {int(k): list(v) for k, v in state.items()})
 
 
 def cut_layers(model) -> tuple[list[int], list[int]]:
@@ -43,8 +48,9 @@ def cut_layers(model) -> tuple[list[int], list[int]]:
 def measure_importance(model, windows: torch.Tensor, batch_size: int = 16) -> Importance:
     """windows [N, T] token ids: each part's importance over all N * T tokens."""
     heads, ffns = cut_layers(model)
+    states = state_cut_layers(model.config)
     influence = torch.zeros(model.config.n_layers, dtype=torch.float64)
-    head_norms = {i: torch.zeros(model.blocks[i].mixer.n_heads, dtype=torch.float64) for i in heads}
+    head_norms = {i: torch.zeros(model.blocks[i].mixer.n_heads, dtype=torch.float64) for i in heads + states}
     activations = {i: torch.zeros(model.blocks[i].mlp.down_proj.weight.shape[1], dtype=torch.float64) for i in ffns}
     residual = torch.zeros(model.config.d_model, dtype=torch.float64)
 
@@ -72,6 +78,7 @@ def measure_importance(model, windows: torch.Tensor, batch_size: int = 16) -> Im
     handles = [block.register_forward_hook(block_hook(i)) for i, block in enumerate(model.blocks)]
     handles += [norm.register_forward_hook(norm_hook) for norm in norms]
     handles += [model.blocks[i].mixer.o_proj.register_forward_pre_hook(head_hook(i)) for i in heads]
+    handles += [model.blocks[i].mixer.out_proj.register_forward_pre_hook(head_hook(i)) for i in states]
     handles += [model.blocks[i].mlp.down_proj.register_forward_pre_hook(channel_hook(i)) for i in ffns]
     was_training = model.training
     model.eval()
@@ -84,8 +91,9 @@ def measure_importance(model, windows: torch.Tensor, batch_size: int = 16) -> Im
         model.train(was_training)
     tokens = windows.numel()
     kv_heads = {}
-    for i, norms in head_norms.items():
+    for i in heads:
         mixer = model.blocks[i].mixer
-        kv_heads[i] = (norms / tokens).view(mixer.n_kv_heads, -1).sum(dim=1).tolist()  # query heads grouped by KV head
+        kv_heads[i] = (head_norms[i] / tokens).view(mixer.n_kv_heads, -1).sum(dim=1).tolist()  # by KV head
     channels = {i: (a / tokens).tolist() for i, a in activations.items()}
-    return Importance((influence / tokens).tolist(), kv_heads, channels, (residual / tokens).tolist())
+    return Importance((influence / tokens).tolist(), kv_heads, channels, (residual / tokens).tolist(),
+                      {i: (head_norms[i] / tokens).tolist() for i in states})

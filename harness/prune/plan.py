@@ -3,7 +3,8 @@
 `by` names what is cut, coarse parts first, feed-forward channels last (the fine step that lands on the target):
 - "mlp": channels only, the same share of each FFN layer's, its least active ones (Minitron's MLP width);
 - "heads+mlp": first KV groups, each attention layer keeping ceil(target share x its KV heads) of its most
-  important (at least one), or exactly kv_heads of them when given, then channels;
+  important (at least one), or exactly kv_heads of them when given, and each Gated DeltaNet layer likewise its
+  heads (their states with them), then channels;
 - "depth+mlp": first whole layers, least block influence first, while the model stays above the target (ShortGPT),
   then channels;
 - "embedding": the residual stream's channels only (d_model, in every layer at once), its least active ones;
@@ -21,7 +22,7 @@ import zoo
 from harness.prune.importance import Importance, cut_layers
 from zoo.model import DecoderLM
 from zoo.parameters import parameter_counts
-from zoo.pruning import PrunePlan, check_embedding_cut, check_plan, pruned_config, sharing_layers
+from zoo.pruning import PrunePlan, check_embedding_cut, check_plan, pruned_config, sharing_layers, state_cut_layers
 
 BY = ("mlp", "heads+mlp", "depth+mlp", "embedding", "embedding+mlp")
 TOLERANCE = 0.02  # of the target
@@ -102,10 +103,13 @@ def check_by(model, by: str, target: int, kv_heads: int | None = None) -> None:
     if by == "depth+mlp":
         return  # layers go while the count stays above the target, so channels only trim the rest
     groups = {i: tuple(range(kv_heads or 1)) for i in heads} if by == "heads+mlp" else {}
+    states = {i: (0,) for i in state_cut_layers(model.config)} if by == "heads+mlp" else {}
     channels = {i: (0,) for i in ffns} if by.endswith("mlp") else {}
-    least = parameter_count(model, PrunePlan(layers, groups, channels, (0,) if by.startswith("embedding") else None))
+    least = parameter_count(model, PrunePlan(layers, groups, channels, (0,) if by.startswith("embedding") else None,
+                                             states))
     if target < least * (1 - TOLERANCE):
         kept = [f"{kv_heads or 1} KV group(s) per attention layer"] if by == "heads+mlp" else []
+        kept += ["one head per Gated DeltaNet layer"] if states else []
         kept += ["one channel per FFN"] if by.endswith("mlp") else []
         kept += ["one embedding channel"] if by.startswith("embedding") else []
         raise ValueError(f"target {target:,} parameters is below the {least:,} that cutting by {by} can reach "
@@ -118,12 +122,14 @@ def plan_for_target(model, importance: Importance, target: int, by: str, kv_head
     heads, ffns = cut_layers(model)
     if by == "depth+mlp":
         layers = drop_layers(model, importance, target)
-    cut_heads = {}
+    cut_heads, cut_states = {}, {}
     if by == "heads+mlp":
         share = target / parameter_count(model, PrunePlan(tuple(layers)))
         kept = {i: kv_heads or math.ceil(share * len(importance.kv_heads[i])) for i in heads if i in layers}
         cut_heads = {i: most_important(importance.kv_heads[i], count) for i, count in kept.items()}
-    plan = PrunePlan(tuple(layers), cut_heads)
+        cut_states = {i: most_important(scores, math.ceil(share * len(scores)))
+                      for i, scores in importance.state_heads.items() if i in layers}
+    plan = PrunePlan(tuple(layers), cut_heads, state_heads=cut_states)
     if by == "embedding":
         plan = fit_embedding(model, importance, target, plan)
     else:
