@@ -90,12 +90,33 @@ def test_embedding_channels_prune_to_the_target_and_report_the_cache(saved, tmp_
     (["--target", "0.5", "--by", "heads+mlp", "--kv-heads", "3"], "kv_heads must be between 1 and 2"),
     (["--target", "0.5", "--context", "5000"], "--context 5000 needs 5001 positions"),
     (["--target", "1000", "--by", "embedding"], "below the .* that cutting by embedding can reach .*one embedding"),
+    ([], "give one of --target .* and --decode-target"),
+    (["--target", "0.5", "--decode-target", "0.5"], "give one of --target"),
+    (["--decode-target", "1.5"], "decode target must be a share of the decode step's bytes, between 0 and 1, got 1.5"),
+    (["--decode-target", "0.5", "--decode-context", "0"], "decode context must be cached tokens >= 1, got 0"),
+    (["--decode-target", "0.05"], r"decode target 5.0% of .* bytes a step \(context 1024\) is below the .* that "
+                                  "cutting by mlp can reach"),
 ])
 def test_bad_input_is_refused_before_any_work(saved, tmp_path, args, message):
     weights, corpus = saved
     with pytest.raises(SystemExit, match=message):
         prune(weights, corpus, tmp_path / "out", *args)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("by", ["heads+mlp", "depth+mlp"])
+def test_a_decode_target_prunes_to_the_most_parameters_whose_step_reads_within_it(saved, tmp_path, by):
+    from harness.prune.plan import decode_bytes
+    weights, corpus = saved
+    prune(weights, corpus, tmp_path / "out", "--decode-target", "0.6", "--decode-context", "64", "--by", by)
+    report = json.loads((tmp_path / "out" / "prune.json").read_text())
+    model, pruned = zoo.load(weights), zoo.load(tmp_path / "out" / "model")
+    full = zoo.decode_weight_bytes(model) + zoo.cache_bytes(model, 64)
+    step = zoo.decode_weight_bytes(pruned) + zoo.cache_bytes(pruned, 64)
+    assert report["decode_step_bytes_before"] == full and report["decode_step_bytes_after"] == step
+    assert 0.5 * full < step <= 0.6 * full  # within the budget, and not far under it
+    assert report["target"] is None and report["parameters_after"] < report["parameters_before"]
+    assert decode_bytes(model, zoo.PrunePlan((0, 1, 2)), 64) == full
 
 
 def test_a_cache_target_chooses_the_kv_groups_every_layer_keeps(tmp_path):

@@ -10,8 +10,10 @@ import json
 from pathlib import Path
 
 import zoo
+from zoo.pruning import PrunePlan
 from harness.prune.importance import Importance, measure_importance
-from harness.prune.plan import BY, check_by, kv_heads_for_cache, plan_for_target, resolve_target
+from harness.prune.plan import (BY, check_by, check_decode_target, decode_bytes, kv_heads_for_cache, plan_for_target,
+                                resolve_target, target_for_decode)
 from harness.results import save_whole, write_atomic
 from harness.train.checkpoint import checkpoint_folder, read_train_state
 from harness.train.corpus import check_window_fits, load_corpus, training_batch, validation_windows
@@ -27,8 +29,14 @@ def add_parser(sub) -> None:
                                      "by importance measured on calibration text (resumable)",
                        description=__doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("--weights", required=True, help="a `zoo train` output folder or a `zoo.save` folder")
-    p.add_argument("--target", required=True, type=float, help="parameters to keep: a count (>= 1, e.g. 2e6) or a "
-                                                               "share of the model's (between 0 and 1)")
+    p.add_argument("--target", type=float, help="parameters to keep: a count (>= 1, e.g. 2e6) or a share of the "
+                                                "model's (between 0 and 1); this or --decode-target")
+    p.add_argument("--decode-target", type=float,
+                   help="a share (between 0 and 1) of the bytes a batch-1 decode step reads, weights and the cache at "
+                        "--decode-context tokens (the floor of a memory-bound step's time): the most parameters whose "
+                        "plan reads no more")
+    p.add_argument("--decode-context", type=int, default=1024, help="cached tokens of the decode step --decode-target "
+                                                                     "prices (default: 1024)")
     p.add_argument("--by", default="mlp", choices=BY,
                    help="what is cut: FFN channels only, KV groups (and Gated DeltaNet heads) then channels, whole "
                         "layers then channels, embedding (d_model) channels only, or embedding then FFN channels "
@@ -66,14 +74,19 @@ def cmd_prune(args) -> None:
     weights, out = Path(args.weights), Path(args.out)
     try:  # everything checked before calibration runs
         model, trained_corpus = load_weights(weights)
-        target = resolve_target(model, args.target)
+        if (args.target is None) == (args.decode_target is None):
+            raise ValueError("give one of --target (parameters) and --decode-target (a share of a decode step's bytes)")
+        target = None if args.target is None else resolve_target(model, args.target)
         kv_heads = args.kv_heads
         if args.cache_target is not None:
             if args.kv_heads is not None or args.by != "heads+mlp":
                 raise ValueError("--cache-target chooses --kv-heads, with --by heads+mlp: give one of the two, and "
                                  "--by heads+mlp")
             kv_heads = kv_heads_for_cache(model, args.cache_target)
-        check_by(model, args.by, target, kv_heads)
+        if target is None:
+            check_decode_target(model, args.by, args.decode_target, args.decode_context, kv_heads)
+        else:
+            check_by(model, args.by, target, kv_heads)
         if args.context + 1 > model.config.max_seq_len:
             raise ValueError(f"--context {args.context} needs {args.context + 1} positions; the model holds "
                              f"{model.config.max_seq_len}")
@@ -83,7 +96,9 @@ def cmd_prune(args) -> None:
         raise SystemExit(str(error)) from None
     calibration = {"weights": str(weights.resolve()), "windows": args.windows, "context": args.context,
                    "corpus": corpus.description, "seed": CALIBRATION_SEED}
-    request = {"target": target, "by": args.by, "kv_heads": kv_heads, "cache_target": args.cache_target,
+    request = {"target": target, "decode_target": args.decode_target,
+               "decode_context": None if args.decode_target is None else args.decode_context,
+               "by": args.by, "kv_heads": kv_heads, "cache_target": args.cache_target,
                "eval_windows": args.eval_windows,
                "calibration": calibration}
     done = read_json(out / "prune.json")
@@ -99,11 +114,16 @@ def cmd_prune(args) -> None:
         windows = training_batch(corpus, CALIBRATION_SEED, 0, args.windows, args.context)
         importance = measure_importance(model, windows)
         write_json(out / "importance.json", {"calibration": calibration, "importance": importance.to_json()})
-    plan = plan_for_target(model, importance, target, args.by, kv_heads)
+    try:
+        parameters = target if target is not None else target_for_decode(
+            model, importance, args.decode_target, args.by, args.decode_context, kv_heads)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    plan = plan_for_target(model, importance, parameters, args.by, kv_heads)
     pruned = zoo.prune(model, plan)
     save_whole(pruned, out / "model")
     validation = validation_windows(corpus, args.eval_windows, args.context + 1)
-    report = {**request, "parameters_before": zoo.parameter_counts(model).total,
+    report = {**request, "parameter_target": parameters, "parameters_before": zoo.parameter_counts(model).total,
               "parameters_after": zoo.parameter_counts(pruned).total, "layers_kept": list(plan.layers),
               "kv_heads_kept": {str(i): len(h) for i, h in plan.kv_heads.items()},
               "channels_kept": {str(i): len(c) for i, c in plan.channels.items()},
@@ -112,6 +132,9 @@ def cmd_prune(args) -> None:
               "cache_bytes_per_token_before": zoo.cache_bytes(model, 1), "cache_bytes_per_token_after":
                   zoo.cache_bytes(pruned, 1), "decode_weight_bytes_before": zoo.decode_weight_bytes(model),
               "decode_weight_bytes_after": zoo.decode_weight_bytes(pruned),
+              "decode_step_bytes_before": decode_bytes(model, PrunePlan(tuple(range(model.config.n_layers))),
+                                                       args.decode_context),
+              "decode_step_bytes_after": decode_bytes(model, plan, args.decode_context),
               "bpb_before": validation_bpb(model, validation, EVAL_BATCH),
               "bpb_after": validation_bpb(pruned, validation, EVAL_BATCH)}
     write_json(out / "prune.json", report)
@@ -121,8 +144,12 @@ def cmd_prune(args) -> None:
 def summary(report: dict, out: Path) -> str:
     cache = (f"; cache {report['cache_bytes_per_token_before']:,} -> {report['cache_bytes_per_token_after']:,} "
              f"bytes a token" if "cache_bytes_per_token_after" in report else "")
+    decode = (f"; a decode step reads {report['decode_step_bytes_before']:,} -> {report['decode_step_bytes_after']:,} "
+              f"bytes" if "decode_step_bytes_after" in report else "")
+    target = (f"{report['target']:,}" if report.get("target") is not None else
+              f"{report['parameter_target']:,}, for {report['decode_target']:.0%} of the decode step's bytes")
     return (f"{report['parameters_before']:,} -> {report['parameters_after']:,} parameters (target "
-            f"{report['target']:,}, by {report['by']}){cache}; validation bits per byte {report['bpb_before']:.4f} "
+            f"{target}, by {report['by']}){cache}{decode}; validation bits per byte {report['bpb_before']:.4f} "
             f"-> {report['bpb_after']:.4f}; model in {out / 'model'}")
 
 

@@ -12,6 +12,10 @@
   both axes), then channels (Minitron's width pruning over both).
 The plan's parameter count is exact (the pruned config built on the meta device, counted as zoo counts), and lands
 within TOLERANCE of the target, or the plan is refused with what it could reach.
+
+A decode-time target is a share of the bytes a batch-1 decode step reads (every weight it applies and the cache at
+a context): the roofline floor of a memory-bound step, so a share of its time on any machine. It becomes the
+largest parameter target whose plan reads no more than that (target_for_decode).
 """
 import dataclasses
 import math
@@ -78,10 +82,70 @@ def kv_heads_for_cache(model, cache_target: float) -> int:
     return max(fits)
 
 
-def check_by(model, by: str, target: int, kv_heads: int | None = None) -> None:
+def decode_bytes(model, plan: PrunePlan, context: int) -> int:
+    """Bytes a batch-1 decode step of the model plan would make reads at `context` cached tokens, in its parameters'
+    dtype: its weights (zoo.decode_weight_bytes) and its cache; nothing allocated."""
+    dtype = next(model.parameters()).dtype
+    with torch.device("meta"):
+        pruned = DecoderLM(pruned_config(model, plan)).to(dtype)
+        return zoo.decode_weight_bytes(pruned) + zoo.cache_bytes(pruned, context, dtype=dtype)
+
+
+def check_decode_target(model, by: str, share: float, context: int, kv_heads: int | None = None) -> None:
+    """share is in (0, 1), context >= 1, and (but for depth+mlp, whose least plan depends on which layers go) the
+    smallest plan `by` can make reads at most that share; before any calibration."""
+    if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share < 1:
+        raise ValueError(f"decode target must be a share of the decode step's bytes, between 0 and 1, got {share!r}")
+    if not isinstance(context, int) or context < 1:
+        raise ValueError(f"decode context must be cached tokens >= 1, got {context!r}")
+    check_by(model, by, 1, kv_heads, reachable=False)
+    if by != "depth+mlp":
+        full = decode_bytes(model, PrunePlan(tuple(range(model.config.n_layers))), context)
+        least = decode_bytes(model, least_plan(model, by, kv_heads), context)
+        if least > share * full:
+            raise ValueError(f"decode target {share:.1%} of {full:,} bytes a step (context {context}) is below the "
+                             f"{least / full:.1%} that cutting by {by} can reach")
+
+
+def target_for_decode(model, importance: Importance, share: float, by: str, context: int,
+                      kv_heads: int | None = None) -> int:
+    """The largest parameter target (to 0.1% of the model's) whose plan by `by` reads at most `share` of the
+    model's decode-step bytes at `context` tokens; refused where no plan does."""
+    check_decode_target(model, by, share, context, kv_heads)
+    total = parameter_counts(model).total
+    budget = share * decode_bytes(model, PrunePlan(tuple(range(model.config.n_layers))), context)
+
+    def fits(target: int) -> bool:
+        try:
+            return decode_bytes(model, plan_for_target(model, importance, target, by, kv_heads), context) <= budget
+        except ValueError:  # below what `by` reaches, or off its tolerance there
+            return False
+
+    low, high = 0, total  # fits(low) is taken as true, fits(high) is false (the whole model is over any share < 1)
+    while high - low > max(1, total // 1000):
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    if low == 0:
+        raise ValueError(f"no plan cutting by {by} reads at most {share:.1%} of the decode step's bytes at context "
+                         f"{context}")
+    return low
+
+
+def least_plan(model, by: str, kv_heads: int | None = None) -> PrunePlan:
+    """The smallest plan `by` can make where its layers all stay: one KV group (or kv_heads) and one Gated DeltaNet
+    head a layer with heads, one channel an FFN with mlp, one embedding channel with embedding."""
+    heads, ffns = cut_layers(model)
+    layers = tuple(range(model.config.n_layers))
+    groups = {i: tuple(range(kv_heads or 1)) for i in heads} if by == "heads+mlp" else {}
+    states = {i: (0,) for i in state_cut_layers(model.config)} if by == "heads+mlp" else {}
+    channels = {i: (0,) for i in ffns} if by.endswith("mlp") else {}
+    return PrunePlan(layers, groups, channels, (0,) if by.startswith("embedding") else None, states)
+
+
+def check_by(model, by: str, target: int, kv_heads: int | None = None, reachable: bool = True) -> None:
     """by is known, the model has channels to cut, kv_heads (with heads+mlp only) is a count every cut attention
-    layer has, and cutting every FFN to one channel (and, with heads, every attention layer to one KV group, or
-    kv_heads) reaches the target."""
+    layer has, and (unless not `reachable`: target unchecked) cutting every FFN to one channel (and, with heads,
+    every attention layer to one KV group, or kv_heads) reaches the target."""
     if by not in BY:
         raise ValueError(f"unknown pruning axes by={by!r}; allowed: {', '.join(BY)}")
     heads, ffns = cut_layers(model)
@@ -100,16 +164,13 @@ def check_by(model, by: str, target: int, kv_heads: int | None = None) -> None:
         raise ValueError(f"this model has no feed-forward channels to cut (its FFNs: "
                          f"{sorted({model.config.ffn(i).kind for i in range(model.config.n_layers)})}; cuttable: "
                          f"swiglu, gelu), and channels are what lands a plan on its target")
-    if by == "depth+mlp":
-        return  # layers go while the count stays above the target, so channels only trim the rest
-    groups = {i: tuple(range(kv_heads or 1)) for i in heads} if by == "heads+mlp" else {}
-    states = {i: (0,) for i in state_cut_layers(model.config)} if by == "heads+mlp" else {}
-    channels = {i: (0,) for i in ffns} if by.endswith("mlp") else {}
-    least = parameter_count(model, PrunePlan(layers, groups, channels, (0,) if by.startswith("embedding") else None,
-                                             states))
+    if by == "depth+mlp" or not reachable:
+        return  # depth: layers go while the count stays above the target, so channels only trim the rest
+    plan = least_plan(model, by, kv_heads)
+    least = parameter_count(model, plan)
     if target < least * (1 - TOLERANCE):
         kept = [f"{kv_heads or 1} KV group(s) per attention layer"] if by == "heads+mlp" else []
-        kept += ["one head per Gated DeltaNet layer"] if states else []
+        kept += ["one head per Gated DeltaNet layer"] if plan.state_heads else []
         kept += ["one channel per FFN"] if by.endswith("mlp") else []
         kept += ["one embedding channel"] if by.startswith("embedding") else []
         raise ValueError(f"target {target:,} parameters is below the {least:,} that cutting by {by} can reach "
