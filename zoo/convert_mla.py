@@ -3,7 +3,11 @@
 - RoPE is kept on a uniform subset of each head's frequency pairs, those MLA's own rope head of `rope_dim` channels
   rotates at (every (head_dim / rope_dim)-th pair, MHA2MLA's uniform partial RoPE, Ji et al. 2025); the other
   channels become the unrotated "nope" part of queries and keys. The shared rope key is the mean of the KV heads'
-  (one rope key for all heads, as in MLA).
+  (one rope key for all heads, as in MLA). The nope part of the queries starts at zero: a trained model's heads
+  attend nearly as well through their rotated half alone as through all of it, while the same channels unrotated
+  would compare keys without their positions (on the `small` gqa teacher of BENCHMARKS.md, 3.31 against 3.26 bits
+  per byte for the rotated half alone; 3.87 with the nope product kept at full rank, the norm set aside). The nope
+  keys are kept in the latent, so training grows the queries that read them.
 - The nope keys and the values of every KV head are factored jointly through one latent of `kv_rank` channels by a
   truncated SVD of their stacked projections, whitened by the layer's inputs on calibration text, so the rank kept
   is the one that best reproduces the keys and values on that text (SVD-LLM's truncation-aware whitening, Wang et
@@ -12,8 +16,8 @@
   calibration text (about the constant that best undoes the norm's per-token scaling), so a token at that RMS
   passes through exactly.
 
-With every channel rotated or kept at full rank, what remains different is the dropped rotation of the nope
-channels, the pooled rope key and the norm's per-token scale: distillation recovers the rest.
+At full rank what remains different is the nope half of the queries, the pooled rope key and the norm's per-token
+scale: distillation recovers the rest.
 """
 import torch
 
@@ -23,9 +27,12 @@ WHITENING_RIDGE = 1e-6  # of the Gram matrix's mean diagonal: keeps its Cholesky
 def check_mla_sizes(mixer, layer: int, kv_rank, rope_dim, d_model: int) -> None:
     """Refuse what MLA cannot start from, naming the value and what is allowed."""
     dim = mixer.head_dim
-    if mixer.q_proj.bias is not None or mixer.qk_norm is not None or not mixer.retention.keeps_all:
-        raise ValueError(f"layer {layer} has biases, a q/k norm or a window/sinks/chunk: MLA has none of these, so "
-                         "only plain full attention converts to it")
+    extras = [what for what, present in (("biases", mixer.q_proj.bias is not None),
+                                         (f"qk_norm {mixer.qk_norm!r}", mixer.qk_norm is not None),
+                                         (mixer.retention.describe(), not mixer.retention.keeps_all)) if present]
+    if extras:
+        raise ValueError(f"layer {layer} has {', '.join(extras)}: MLA has none of these, so only plain full "
+                         "attention converts to it")
     if not isinstance(rope_dim, int) or rope_dim < 2 or rope_dim % 2 or rope_dim >= dim or dim % rope_dim:
         raise ValueError(f"rope_dim must be an even divisor of layer {layer}'s head_dim {dim} below it (MLA rotates "
                          f"every (head_dim / rope_dim)-th frequency pair of the head's), got {rope_dim!r}")
@@ -101,7 +108,7 @@ def attention_as_mla(attention, mla, prefix: str, gram: torch.Tensor) -> dict:
     latent_rms = (down @ gram @ down.T).diagonal().mean().sqrt()  # over every token and channel
     per_group = up.view(groups, -1, mla.kv_lora_rank)
     return {
-        prefix + "q_proj.weight": torch.cat([q[:, nope], q[:, rope]], dim=1).flatten(0, 1).clone(),
+        prefix + "q_proj.weight": torch.cat([torch.zeros_like(q[:, nope]), q[:, rope]], dim=1).flatten(0, 1),
         prefix + "kv_a_proj_with_mqa.weight": torch.cat([down.to(dtype), k[:, rope].mean(dim=0)]),
         prefix + "kv_a_layernorm.weight": torch.full((mla.kv_lora_rank,), latent_rms.item(), dtype=dtype),
         prefix + "kv_b_proj.weight": per_group.repeat_interleave(heads // groups, dim=0).flatten(0, 1).to(dtype),
