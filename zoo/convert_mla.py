@@ -21,6 +21,8 @@ scale: distillation recovers the rest.
 """
 import torch
 
+from zoo.calibration import run_with_hooks
+
 WHITENING_RIDGE = 1e-6  # of the Gram matrix's mean diagonal: keeps its Cholesky factor well conditioned
 
 
@@ -60,15 +62,7 @@ def input_grams(model, layers: list[int], calibration: torch.Tensor, batch_size:
         return record
 
     handles = [model.blocks[i].mixer.register_forward_pre_hook(hook(i)) for i in layers]
-    was_training = model.training
-    model.eval()
-    try:
-        for batch in calibration.split(batch_size):
-            model(batch.to(next(model.parameters()).device))
-    finally:
-        for handle in handles:
-            handle.remove()
-        model.train(was_training)
+    run_with_hooks(model, calibration, batch_size, handles)
     return {i: g / calibration.numel() for i, g in grams.items()}
 
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from zoo.calibration import run_with_hooks
 from zoo.pruning import WIDTH_FFNS, head_cut_layers, state_cut_layers
 
 
@@ -80,15 +81,7 @@ def measure_importance(model, windows: torch.Tensor, batch_size: int = 16) -> Im
     handles += [model.blocks[i].mixer.o_proj.register_forward_pre_hook(head_hook(i)) for i in heads]
     handles += [model.blocks[i].mixer.out_proj.register_forward_pre_hook(head_hook(i)) for i in states]
     handles += [model.blocks[i].mlp.down_proj.register_forward_pre_hook(channel_hook(i)) for i in ffns]
-    was_training = model.training
-    model.eval()
-    try:
-        for batch in windows.split(batch_size):
-            model(batch.to(next(model.parameters()).device))
-    finally:
-        for handle in handles:
-            handle.remove()
-        model.train(was_training)
+    run_with_hooks(model, windows, batch_size, handles)
     tokens = windows.numel()
     kv_heads = {}
     for i in heads:
