@@ -3,8 +3,9 @@ the CPU it runs on) and registered as torch custom ops, so `torch.compile` calls
 - decode attention that reads every cache layout in place (kernels/cpu/decode_attention.c);
 - Mamba's one-token state update (kernels/cpu/selective_state_update.c) and its prompt scan
   (kernels/cpu/selective_scan.c);
-- the weight-only int8 / int4 GEMV for fp32 and fp16 activations (kernels/cpu/quantized_gemv.c);
-- the dense fp32 / bf16 GEMV for decode-sized batches (kernels/cpu/dense_gemv.c, kernels/linear.py's dispatch);
+- the dense fp32 / bf16 GEMV for decode-sized batches (kernels/cpu/dense_gemv.c, kernels/linear.py's dispatch), and
+  the weight-only int8 GEMV on the same tiles (int8_gemv there);
+- the weight-only int4 GEMV for fp32 and fp16 activations (kernels/cpu/quantized_gemv.c);
 - the streaming read that measures the machine's memory read rate (kernels/cpu/read_bandwidth.c; a plain call).
 
 Layouts (k and v 4-D, last dim contiguous):
@@ -95,6 +96,8 @@ def _library() -> ctypes.CDLL | None:
     lib.read_bandwidth.argtypes = [ptr, i64, i32]
     lib.dense_gemv.restype = ctypes.c_int
     lib.dense_gemv.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, ptr, ptr, i64, i32]
+    lib.int8_gemv.restype = ctypes.c_int
+    lib.int8_gemv.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, ptr, i32, ptr, i64, i32]
     return lib
 
 
@@ -295,16 +298,23 @@ def selective_state_update_cpu(state, x, dt, A, B, C, D=None, z=None, dt_bias=No
 
 
 def quantized_gemv_fits(x: torch.Tensor, group_size: int) -> bool:
-    """Whether quantized_gemv takes x: fp32 / bf16 / fp16 with a width of whole 16-column tiles (int4: whole groups,
-    which are multiples of 32)."""
-    return x.dtype in DTYPE_CODES and x.shape[-1] % 16 == 0 and (not group_size or group_size % 32 == 0)
+    """Whether quantized_gemv takes x: fp32 / bf16 / fp16; int4 with a width of whole 16-column tiles and groups that
+    are multiples of 32 (int8 takes any width)."""
+    return x.dtype in DTYPE_CODES and (not group_size or (x.shape[-1] % 16 == 0 and group_size % 32 == 0))
 
 
 @torch.library.custom_op("archzoo::quantized_gemv", mutates_args=())
 def quantized_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                    group_size: int) -> torch.Tensor:
-    """x [..., K] times an int8 [N, K] weight (group_size 0, zeros None) or an int4 [N, K / 2] one with scales and
-    zeros [N, K / group_size] (kernels/quantized_matmul.py's formats), on kernels/cpu/quantized_gemv.c."""
+    """quantized_gemv_eager as one op a compiled graph keeps."""
+    return quantized_gemv_eager(x, weight, scales, zeros, group_size)
+
+
+def quantized_gemv_eager(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                         group_size: int) -> torch.Tensor:
+    """x [..., K] times an int8 [N, K] weight (group_size 0, zeros None; kernels/cpu/dense_gemv.c's int8_gemv) or an
+    int4 [N, K / 2] one with scales and zeros [N, K / group_size] (kernels/cpu/quantized_gemv.c), in
+    kernels/quantized_matmul.py's formats."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -312,14 +322,21 @@ def quantized_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, 
     zeros = None if zeros is None else zeros.to(scales.dtype).contiguous()
     n = weight.shape[0]
     out = torch.empty(rows.shape[0], n, dtype=x.dtype)
-    status = _library().quantized_gemv(
-        rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), DTYPE_CODES[x.dtype], weight.data_ptr(), n,
-        group_size, scales.data_ptr(), None if zeros is None else zeros.data_ptr(), DTYPE_CODES[scales.dtype],
-        out.data_ptr(), out.stride(0), torch.get_num_threads())
+    lib, threads = _library(), torch.get_num_threads()
+    if group_size == 0:
+        status = lib.int8_gemv(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), DTYPE_CODES[x.dtype],
+                               weight.data_ptr(), n, scales.data_ptr(), DTYPE_CODES[scales.dtype], out.data_ptr(),
+                               out.stride(0), threads)
+    else:
+        status = lib.quantized_gemv(
+            rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), DTYPE_CODES[x.dtype], weight.data_ptr(), n,
+            group_size, scales.data_ptr(), zeros.data_ptr(), DTYPE_CODES[scales.dtype], out.data_ptr(), out.stride(0),
+            threads)
     if status:
         raise (MemoryError("quantized_gemv: out of memory for the fp32 copy of x") if status == -2 else
-               ValueError(f"quantized_gemv: width {rows.shape[1]} (a multiple of 16) and group {group_size} (0 or a "
-                          "multiple of 32 dividing it) are beyond the CPU kernel"))
+               ValueError(f"quantized_gemv: width {rows.shape[1]} (int4: a multiple of 16) and group {group_size} (0 "
+                          "for int8, or a multiple of 32 dividing the width), activations and scales fp32, bf16 or "
+                          "fp16, are beyond the CPU kernels"))
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -7,10 +7,12 @@ q in [0, 15], g = k // group_size. That is tinygemm's convention (torch's `_weig
 scale, so a group's minimum is q = 0 and its maximum q = 15.
 
 Storage: q8 [N, K] int8; q4 two columns a byte, [N, K / 2] uint8 (column 2j in the low nibble, 2j + 1 in the high).
-On the CPU the fast paths are torch's packed weight-only kernels (`_weight_int8pack_mm`, and `_weight_int4pack_mm_for
-_cpu` on a layout `int4_cpu_layout` prepares once) for bf16 activations, the only dtype they are fast for; fp32 and
-fp16 activations run archzoo's C GEMV (kernels/cpu/quantized_gemv.c) at decode sizes (up to GEMV_MAX_ROWS rows) and
-dequantize-then-multiply above them, where the multiply is compute-bound. On CUDA, decode-sized inputs (up to GEMV_MAX_ROWS rows) run a Triton
+On the CPU, decode-sized inputs (up to GEMV_MAX_ROWS rows) run archzoo's C GEMVs: int8 in any float dtype on the
+dense GEMV's tiles (kernels/cpu/dense_gemv.c's int8_gemv; it streamed the `base` gqa model's int8 weights at 1.5-1.9x
+the rate of torch's `_weight_int8pack_mm` with bf16 activations, 1-16 rows, 2-core Xeon), int4 in fp32 and fp16
+(kernels/cpu/quantized_gemv.c). bf16 int4 takes torch's `_weight_int4pack_mm_for_cpu` on a layout `int4_cpu_layout`
+prepares once, and larger bf16 int8 inputs `_weight_int8pack_mm`: torch's packed kernels are fast for bf16 only.
+Other inputs dequantize-then-multiply, where the multiply is compute-bound. On CUDA, decode-sized inputs (up to GEMV_MAX_ROWS rows) run a Triton
 kernel that dequantizes each weight tile in registers as it streams it (a weight is read once, in its stored bits);
 larger inputs, where the multiply is compute-bound, dequantize the weight and run the dense matmul.
 """
@@ -77,9 +79,16 @@ def cpu_packed_path(x: torch.Tensor) -> bool:
 
 
 def cpu_gemv_path(x: torch.Tensor, group_size: int) -> bool:
-    """archzoo's C GEMV: other float activations on the CPU, decode-sized."""
-    return (x.dtype != torch.bfloat16 and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS and use_cpu_kernel(x)
-            and cpu_decode.quantized_gemv_fits(x, group_size))
+    """archzoo's C GEMV on the CPU, decode-sized: int8 in every float dtype, int4 in those but bf16."""
+    return ((group_size == 0 or x.dtype != torch.bfloat16) and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS
+            and use_cpu_kernel(x) and cpu_decode.quantized_gemv_fits(x, group_size))
+
+
+def cpu_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+             group_size: int) -> torch.Tensor:
+    """The C GEMV as a compiled graph's op, or eagerly as the plain function (the op's dispatch costs ~8 µs a call)."""
+    gemv = cpu_decode.quantized_gemv if torch.compiler.is_compiling() else cpu_decode.quantized_gemv_eager
+    return gemv(x, weight, scales, zeros, group_size)
 
 
 def _gemv_kernel(
@@ -152,7 +161,7 @@ def int8_matmul(x: torch.Tensor, q8: torch.Tensor, scales: torch.Tensor) -> torc
     if use_triton(x, q8, scales) and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS:
         return quantized_gemv_triton(x, q8, scales, None)
     if cpu_gemv_path(x, 0):
-        return cpu_decode.quantized_gemv(x, q8, scales, None, 0)
+        return cpu_gemv(x, q8, scales, None, 0)
     if not cpu_packed_path(x):
         return int8_matmul_ref(x, q8, scales)
     y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), q8, scales.to(x.dtype))
@@ -165,7 +174,7 @@ def int4_matmul(x: torch.Tensor, q4: torch.Tensor, scales: torch.Tensor, zeros: 
     if use_triton(x, q4, scales, zeros) and x.numel() // x.shape[-1] <= GEMV_MAX_ROWS:
         return quantized_gemv_triton(x, q4, scales, zeros, group_size)
     if cpu_gemv_path(x, group_size):
-        return cpu_decode.quantized_gemv(x, q4, scales, zeros, group_size)
+        return cpu_gemv(x, q4, scales, zeros, group_size)
     if cpu_layout is None or not cpu_packed_path(x):
         return int4_matmul_ref(x, q4, scales, zeros, group_size)
     packed, scales_zeros = cpu_layout

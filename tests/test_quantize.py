@@ -43,8 +43,9 @@ def test_packed_cpu_kernels_equal_the_references(dtype, atol, rows):
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("group", [0, 32, 64, 128])
 def test_c_gemv_equals_the_reference(dtype, atol, rows, group):
-    """kernels/cpu/quantized_gemv.c against dequantize-then-multiply: int8 (group 0) and int4 in every group size,
-    103 output channels (a partial last tile of 4), up to the 16 rows it serves."""
+    """The CPU GEMVs against dequantize-then-multiply: int8 (group 0, kernels/cpu/dense_gemv.c's int8_gemv) and int4
+    in every group size (kernels/cpu/quantized_gemv.c), 103 output channels (a partial last tile of 4), up to the 16
+    rows they serve."""
     from kernels import cpu_decode, cpu_kernels_available
     if not cpu_kernels_available():
         pytest.skip("no C compiler: the CPU kernels did not build")
@@ -63,20 +64,46 @@ def test_c_gemv_equals_the_reference(dtype, atol, rows, group):
     assert (got.float() - want).abs().max() < atol * want.abs().max()
 
 
-def test_fp32_decode_runs_the_c_gemv(monkeypatch):
-    """fp32 and fp16 activations at decode sizes go to the C GEMV (torch's packed kernels are fast for bf16 only),
-    larger inputs to dequantize-then-multiply."""
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows", [1, 4, 40])
+@pytest.mark.parametrize("k", [100, 1030])
+def test_int8_gemv_takes_any_width(dtype, atol, rows, k):
+    """int8_gemv sums whole 64-byte lines in vectors and the rest in scalar, over several K blocks (1030 columns),
+    and past 16 rows passes over the weight again."""
+    from kernels import cpu_decode, cpu_kernels_available
+    if not cpu_kernels_available():
+        pytest.skip("no C compiler: the CPU kernels did not build")
+    generator = torch.Generator().manual_seed(rows + k)
+    q, scales = quantize_int8(torch.randn(37, k, generator=generator))
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    want = int8_matmul_ref(x.float(), q, scales)
+    got = cpu_decode.quantized_gemv(x, q, scales.to(dtype), None, 0)
+    assert got.dtype == dtype and got.shape == (rows, 37)
+    assert (got.float() - want).abs().max() < atol * want.abs().max()
+
+
+def test_decode_sized_inputs_run_the_c_gemvs(monkeypatch):
+    """At decode sizes int8 goes to the C GEMV in every float dtype and int4 in fp32 and fp16 (torch's packed int4
+    kernel is fast for bf16); larger inputs to dequantize-then-multiply (fp32) or torch's packed kernel (bf16)."""
     from kernels import cpu_decode, cpu_kernels_available, quantized_matmul
     if not cpu_kernels_available():
         pytest.skip("no C compiler: the CPU kernels did not build")
     calls = []
-    real = cpu_decode.quantized_gemv
-    monkeypatch.setattr(cpu_decode, "quantized_gemv", lambda *args: calls.append(args[0].shape) or real(*args))
-    q8, scales8 = quantize_int8(torch.randn(64, 128))
+    real = cpu_decode.quantized_gemv_eager
+    monkeypatch.setattr(cpu_decode, "quantized_gemv_eager",
+                        lambda *args: calls.append((args[0].shape, args[0].dtype, args[4])) or real(*args))
+    weight = torch.randn(64, 128)
+    q8, scales8 = quantize_int8(weight)
+    q4, scales4, zeros4 = quantize_int4(weight, 32)
     quantized_matmul.int8_matmul(torch.randn(2, 1, 128), q8, scales8)
     quantized_matmul.int8_matmul(torch.randn(40, 128), q8, scales8)  # prefill-sized: the dense multiply
-    quantized_matmul.int8_matmul(torch.randn(1, 128).bfloat16(), q8, scales8.bfloat16())  # torch's packed kernel
-    assert calls == [(2, 1, 128)]
+    quantized_matmul.int8_matmul(torch.randn(1, 128).bfloat16(), q8, scales8.bfloat16())
+    quantized_matmul.int8_matmul(torch.randn(40, 128).bfloat16(), q8, scales8.bfloat16())  # torch's packed kernel
+    quantized_matmul.int4_matmul(torch.randn(3, 128), q4, scales4, zeros4, 32)
+    layout = int4_cpu_layout(q4, scales4.bfloat16(), zeros4.bfloat16())
+    quantized_matmul.int4_matmul(torch.randn(3, 128).bfloat16(), q4, scales4.bfloat16(), zeros4.bfloat16(), 32,
+                                 layout)  # torch's packed int4 kernel
+    assert calls == [((2, 1, 128), torch.float32, 0), ((1, 128), torch.bfloat16, 0), ((3, 128), torch.float32, 32)]
 
 
 def test_rounding_is_within_half_a_step():

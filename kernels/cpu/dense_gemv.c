@@ -1,5 +1,7 @@
 /* Dense GEMV / small GEMM for decode: out[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]), with x, W, bias and out all fp32
- * or all bf16 (kernels/linear.py's Linear at decode-sized batches). Arithmetic is fp32 throughout.
+ * or all bf16 (kernels/linear.py's Linear at decode-sized batches); and the same over an int8 W stored per output
+ * channel, W = q * scale[n] (int8_gemv: kernels/quantized_matmul.py's int8 layers, x fp32, bf16 or fp16). Arithmetic
+ * is fp32 throughout.
  * Layout: W [n, k] contiguous, x rows ldx elements apart (unit column stride), out rows ldo apart, bias [n] or NULL.
  * Threads split the output channels into contiguous ranges of ROWS-channel tiles (OpenMP's static schedule), so each
  * streams its own stretch of W from memory once, for every row of x (up to MAX_M of them; more take further passes).
@@ -14,13 +16,15 @@
  * whole lines (every model width). The last k % (one line) columns are summed in scalar. GCC vector types hold LANES
  * floats, one register on any target; the compiler's macros (-march=native) pick LANES, XROWS and dpbf16.
  * bf16: with AVX512-BF16, _mm512_dpbf16_ps multiplies 32 bf16 pairs into 16 fp32 sums as stored; elsewhere x is
- * widened to an fp32 copy once and each weight vector by a 16-bit shift as it is loaded. */
+ * widened to an fp32 copy once and each weight vector by a 16-bit shift as it is loaded. int8: x is widened to an
+ * fp32 copy once, each weight vector sign-extended and converted as it is loaded, and a channel's sums are scaled
+ * once at the end. */
 /* ISO C mode (-std=c11) turns off fused multiply-add contraction: a * b + c here is one FMA */
 #pragma GCC optimize("fp-contract=fast")
 #include <stdlib.h>
 #include <string.h>
 #include "floats.h"
-#ifdef __AVX512BF16__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -40,9 +44,12 @@
 typedef float floats_v __attribute__((vector_size(4 * LANES)));
 typedef uint16_t halves_v __attribute__((vector_size(2 * LANES)));
 typedef uint32_t words_v __attribute__((vector_size(4 * LANES)));
+typedef int8_t bytes_v __attribute__((vector_size(LANES)));
+typedef int32_t ints_v __attribute__((vector_size(4 * LANES)));
 
-/* how a step multiplies: fp32 W and x; bf16 W widened against an fp32 copy of x; bf16 pairs by dpbf16 */
-enum { PLAIN, WIDEN, DOT };
+/* how a step multiplies: fp32 W and x; bf16 W widened against an fp32 copy of x; bf16 pairs by dpbf16; int8 W
+ * converted against an fp32 copy of x */
+enum { PLAIN, WIDEN, DOT, BYTES };
 #ifdef __AVX512BF16__
 #define BF16_FORMAT DOT
 #else
@@ -51,13 +58,13 @@ enum { PLAIN, WIDEN, DOT };
 
 struct gemv {
     const char *x, *w;
-    const void *bias;
+    const void *bias, *scales; /* scales: int8's, [n] in s_dtype */
     void *out;
     int64_t k, n, ldx, ldo;
-    int format, dtype;
+    int format, dtype, s_dtype;
 };
 
-INLINE int w_bytes(int format) { return format == PLAIN ? 4 : 2; }
+INLINE int w_bytes(int format) { return format == PLAIN ? 4 : format == BYTES ? 1 : 2; }
 INLINE int x_bytes(int format) { return format == DOT ? 2 : 4; }
 INLINE int64_t vector_elements(int format) { return format == DOT ? 2 * LANES : LANES; }
 
@@ -74,9 +81,24 @@ INLINE floats_v widen(const char *p) {
     return (floats_v)(__builtin_convertvector(h, words_v) << 16);
 }
 
+/* LANES int8 as fp32: sign-extended in one instruction on x86 (GCC 12 converts a signed byte vector lane by lane) */
+INLINE floats_v convert_bytes(const char *p) {
+#if defined(__AVX512F__)
+    return (floats_v)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (floats_v)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    bytes_v b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(__builtin_convertvector(b, ints_v), floats_v);
+#endif
+}
+
 /* weight columns i.. as the step multiplies them (DOT: 2 * LANES bf16 in the vector's bits) */
 INLINE floats_v load_w(const char *w, int64_t i, int format) {
-    return format == WIDEN ? widen(w + 2 * i) : load_floats(w + w_bytes(format) * i);
+    if (format == WIDEN) return widen(w + 2 * i);
+    if (format == BYTES) return convert_bytes(w + i);
+    return load_floats(w + w_bytes(format) * i);
 }
 
 INLINE floats_v madd(floats_v acc, floats_v w, const char *x, int64_t i, int format) {
@@ -125,14 +147,20 @@ INLINE void run_rows(const char *const *w, const char *const *x, floats_v (*sums
     }
 }
 
-/* the sums of a tile's whole lines, plus the last columns in scalar and the bias, rounded into out */
+/* weight column i of a row in scalar */
+INLINE float load_w1(const char *w, int64_t i, int format) {
+    return format == BYTES ? (float)((const int8_t *)w)[i] : load1(w, i, format == PLAIN ? F32 : BF16);
+}
+
+/* the sums of a tile's whole lines, plus the last columns in scalar, int8's scale and the bias, rounded into out */
 INLINE void finish(const struct gemv *g, const char *const *w, const char *const *x, floats_v (*sums)[ROWS],
                    int64_t m0, int mp, int64_t n0, int64_t tail, int format) {
-    int w_dtype = format == PLAIN ? F32 : BF16, x_dtype = format == DOT ? BF16 : F32;
+    int x_dtype = format == DOT ? BF16 : F32;
     for (int m = 0; m < mp; m++)
         for (int r = 0; r < ROWS && n0 + r < g->n; r++) {
             float y = sum_lanes(sums[m][r]);
-            for (int64_t i = tail; i < g->k; i++) y += load1(w[r], i, w_dtype) * load1(x[m], i, x_dtype);
+            for (int64_t i = tail; i < g->k; i++) y += load_w1(w[r], i, format) * load1(x[m], i, x_dtype);
+            if (format == BYTES) y *= load1(g->scales, n0 + r, g->s_dtype);
             if (g->bias) y += load1(g->bias, n0 + r, g->dtype);
             store1(g->out, (m0 + m) * g->ldo + n0 + r, y, g->dtype);
         }
@@ -158,6 +186,26 @@ INLINE void tile(const struct gemv *g, int64_t n0, int64_t m0, int mp, int forma
 
 static void tile_fp32(const struct gemv *g, int64_t n0, int64_t m0, int mp) { tile(g, n0, m0, mp, PLAIN); }
 static void tile_bf16(const struct gemv *g, int64_t n0, int64_t m0, int mp) { tile(g, n0, m0, mp, BF16_FORMAT); }
+static void tile_int8(const struct gemv *g, int64_t n0, int64_t m0, int mp) { tile(g, n0, m0, mp, BYTES); }
+
+typedef void (*tile_fn)(const struct gemv *, int64_t, int64_t, int);
+
+/* every tile of g (ROWS channels each) for every MAX_M rows of x at a time */
+static void run(const struct gemv *g, int64_t m, tile_fn tile_of, int threads) {
+    int64_t tiles = (g->n + ROWS - 1) / ROWS;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t m0 = 0; m0 < m; m0 += MAX_M) tile_of(g, t * ROWS, m0, m - m0 < MAX_M ? (int)(m - m0) : MAX_M);
+}
+
+/* x [m, k] (row stride ldx, x_dtype) as a contiguous fp32 copy; NULL out of memory */
+static float *widened(const void *x, int64_t m, int64_t k, int64_t ldx, int x_dtype) {
+    float *wide = malloc(sizeof(float) * (size_t)(m * k > 0 ? m * k : 1));
+    if (wide)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < k; i++) wide[r * k + i] = load1(x, r * ldx + i, x_dtype);
+    return wide;
+}
 
 /* x [m, k] (row stride ldx), W [n, k], bias [n] or NULL, out [m, n] (row stride ldo), all dtype (fp32 or bf16).
  * Returns 0, -1 for a dtype the kernel does not take, -2 out of memory. */
@@ -167,23 +215,27 @@ int dense_gemv(const void *x, int64_t m, int64_t k, int64_t ldx, int dtype, cons
     if (m <= 0 || n <= 0) return 0;
     int format = dtype == F32 ? PLAIN : BF16_FORMAT;
     float *wide = NULL;
-    if (format == WIDEN && k > 0) { /* x is small next to W: widen it once rather than once per tile */
-        wide = malloc(sizeof(float) * (size_t)(m * k));
-        if (!wide) return -2;
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t i = 0; i < k; i++) wide[r * k + i] = load1(x, r * ldx + i, BF16);
+    if (format == WIDEN) { /* x is small next to W: widen it once rather than once per tile */
+        if (!(wide = widened(x, m, k, ldx, BF16))) return -2;
         x = wide;
         ldx = k;
     }
-    struct gemv g = {x, weight, bias, out, k, n, ldx, ldo, format, dtype};
-    int64_t tiles = (n + ROWS - 1) / ROWS;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t m0 = 0; m0 < m; m0 += MAX_M) {
-            int mp = m - m0 < MAX_M ? (int)(m - m0) : MAX_M;
-            if (dtype == F32) tile_fp32(&g, t * ROWS, m0, mp);
-            else tile_bf16(&g, t * ROWS, m0, mp);
-        }
+    struct gemv g = {x, weight, bias, NULL, out, k, n, ldx, ldo, format, dtype, F32};
+    run(&g, m, dtype == F32 ? tile_fp32 : tile_bf16, threads);
+    free(wide);
+    return 0;
+}
+
+/* x [m, k] (row stride ldx, x_dtype fp32, bf16 or fp16) times int8 q [n, k] with scales [n] (s_dtype), out [m, n] (row
+ * stride ldo, x_dtype). Returns 0, -1 for a dtype the kernel does not take, -2 out of memory. */
+int int8_gemv(const void *x, int64_t m, int64_t k, int64_t ldx, int x_dtype, const void *q, int64_t n,
+              const void *scales, int s_dtype, void *out, int64_t ldo, int threads) {
+    if (x_dtype < F32 || x_dtype > F16 || s_dtype < F32 || s_dtype > F16) return -1;
+    if (m <= 0 || n <= 0) return 0;
+    float *wide = widened(x, m, k, ldx, x_dtype);
+    if (!wide) return -2;
+    struct gemv g = {(const char *)wide, q, NULL, scales, out, k, n, k, ldo, BYTES, x_dtype, s_dtype};
+    run(&g, m, tile_int8, threads);
     free(wide);
     return 0;
 }

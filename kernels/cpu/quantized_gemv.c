@@ -1,7 +1,7 @@
-/* Weight-only quantized GEMV for decode-sized inputs: out[m, n] = sum_k x[m, k] W[n, k], W stored as int8 per output
- * channel (W = q * scale[n]) or int4 in groups of input columns, two a byte, low nibble first
- * (W = (q - 8) * scale[n, g] + zero[n, g]; kernels/quantized_matmul.py). For fp32 and fp16 activations, where torch's
- * packed CPU kernels are many times slower than their own dense GEMV (they are fast for bf16 only).
+/* Weight-only int4 GEMV for decode-sized inputs: out[m, n] = sum_k x[m, k] W[n, k], W stored in groups of input
+ * columns, two a byte, low nibble first (W = (q - 8) * scale[n, g] + zero[n, g]; kernels/quantized_matmul.py). For
+ * fp32 and fp16 activations, where torch's packed CPU kernel is many times slower than its own dense GEMV (it is
+ * fast for bf16 only). (int8 layers take dense_gemv.c's int8_gemv, which shares the dense GEMV's tiles.)
  * Each weight byte is read once from memory for all rows of x, in its stored bits; arithmetic is fp32. Threads split
  * the output channels, ROWS at a time, so one load of x feeds ROWS independent sums. GCC vector types keep the sums in
  * registers 16 lanes wide on any target (one AVX-512 register, two AVX2 ones); they are scaled per group as vectors
@@ -31,22 +31,6 @@ static inline float sum_lanes(floats_v v) {
     return s;
 }
 
-/* int8: channels q[0..ROWS-1] against one fp32 x; k a multiple of LANES. The bytes are read as q + 128 (unsigned: GCC
- * 12 converts unsigned byte vectors in three instructions and signed ones one lane at a time), so the caller
- * subtracts 128 * sum(x). */
-static void dot_int8(const uint8_t *const *q, const float *x, int64_t k, float *out) {
-    floats_v acc[ROWS] = {0};
-    for (int64_t i = 0; i < k; i += LANES) {
-        floats_v xv = load_floats(x + i);
-        for (int r = 0; r < ROWS; r++) {
-            uint8_v b;
-            memcpy(&b, q[r] + i, sizeof b);
-            acc[r] += TO_FLOATS(b ^ 0x80) * xv;
-        }
-    }
-    for (int r = 0; r < ROWS; r++) out[r] = sum_lanes(acc[r]);
-}
-
 /* int4: channels' packed bytes q[0..ROWS-1] against x's even columns xe and odd columns xo; each group's vector sums
  * scaled by that channel's scale (scale_at(r, g)). The zeros' share is the caller's. */
 static void dot_int4(const uint8_t *const *q, const float *xe, const float *xo, int64_t groups, int64_t half,
@@ -67,21 +51,21 @@ static void dot_int4(const uint8_t *const *q, const float *xe, const float *xo, 
     for (int r = 0; r < ROWS; r++) out[r] = sum_lanes(acc[r]);
 }
 
-/* x [m, k] (row stride ldx, x_dtype), out [m, n] (row stride ldo, x_dtype); scales and zeros (s_dtype) int8 [n], int4
- * [n, k / group], contiguous; group 0 = int8. Returns 0, -1 for sizes the kernel does not take, -2 out of memory. */
+/* x [m, k] (row stride ldx, x_dtype), out [m, n] (row stride ldo, x_dtype); scales and zeros (s_dtype) [n, k / group],
+ * contiguous. Returns 0, -1 for sizes the kernel does not take, -2 out of memory. */
 int quantized_gemv(const void *x, int64_t m, int64_t k, int64_t ldx, int x_dtype, const void *weight, int64_t n,
                    int64_t group, const void *scales, const void *zeros, int s_dtype, void *out, int64_t ldo,
                    int threads) {
-    if (k % LANES || (group && (group % (2 * LANES) || k % group))) return -1;
-    int64_t groups = group ? k / group : 1, row_bytes = group ? k / 2 : k;
-    /* x in fp32 (int4: even columns, then odd ones, as the nibbles pair them) and the sum of each group (int8: of
-     * the row), which the zeros (int4) and the byte offset (int8) multiply */
+    if (k % LANES || group <= 0 || group % (2 * LANES) || k % group) return -1;
+    int64_t groups = k / group, row_bytes = k / 2;
+    /* x in fp32 (even columns, then odd ones, as the nibbles pair them) and the sum of each group, which the zeros
+     * multiply */
     float *xf = malloc(sizeof(float) * (size_t)(m * k + m * groups));
     if (!xf) return -2;
     float *xsum = xf + m * k;
     for (int64_t r = 0; r < m; r++) {
         float *row = xf + r * k;
-        for (int64_t i = 0; i < k; i++) row[group ? (i & 1) * (k / 2) + i / 2 : i] = load1(x, r * ldx + i, x_dtype);
+        for (int64_t i = 0; i < k; i++) row[(i & 1) * (k / 2) + i / 2] = load1(x, r * ldx + i, x_dtype);
         for (int64_t g = 0; g < groups; g++) {
             float s = 0.f;
             for (int64_t i = g * (k / groups); i < (g + 1) * (k / groups); i++) s += load1(x, r * ldx + i, x_dtype);
@@ -101,13 +85,6 @@ int quantized_gemv(const void *x, int64_t m, int64_t k, int64_t ldx, int x_dtype
         float dots[ROWS];
         for (int64_t r = 0; r < m; r++) {
             const float *xr = xf + r * k;
-            if (!group) {
-                dot_int8((const uint8_t *const *)rows, xr, k, dots);
-                for (int c = 0; c < count; c++)
-                    store1(out, r * ldo + channel[c], load1(scales, channel[c], s_dtype) * (dots[c] - 128.f * xsum[r]),
-                           x_dtype);
-                continue;
-            }
             dot_int4((const uint8_t *const *)rows, xr, xr + k / 2, groups, group / 2, scales, channel, s_dtype, dots);
             for (int c = 0; c < count; c++) {
                 float y = dots[c]; /* (q - 8) s + z = q s + (z - 8 s): the zeros' share is sum_g (z - 8 s) sum(x_g) */

@@ -69,9 +69,11 @@ def test_more_rows_than_a_pass_holds(dtype):
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 targets")
-@pytest.mark.parametrize("target", [["-mno-avx512bf16"], ["-march=haswell"]], ids=["no dpbf16", "avx2"])
+@pytest.mark.parametrize("target", [["-mno-avx512bf16"], ["-march=haswell"], ["-march=x86-64"]],
+                         ids=["no dpbf16", "avx2", "generic vectors"])
 def test_the_paths_other_cpus_take(monkeypatch, target):
-    """The machines vary: bf16 by widening (no AVX512-BF16) and the AVX2 tiles (8 lanes, 2 x rows) built here too."""
+    """The machines vary: bf16 by widening (no AVX512-BF16), the AVX2 tiles (8 lanes, 2 x rows) and GCC's generic
+    vectors (no AVX: int8 converted without x86 intrinsics) built here too; int8 on the same tiles."""
     flags = [flag for flag in cpu_decode.FLAGS if not (target[0].startswith("-march") and flag.startswith("-march"))]
     monkeypatch.setattr(cpu_decode, "FLAGS", flags + target)
     cpu_decode._library.cache_clear()
@@ -80,6 +82,9 @@ def test_the_paths_other_cpus_take(monkeypatch, target):
             for rows in (1, 3, 16):
                 x, weight, b = operands((rows,), 1030, 37, dtype, True, seed=rows)
                 assert_linear(cpu_decode.dense_gemv(x, weight, b), x, weight, b)
+                q8 = torch.randint(-127, 128, weight.shape, dtype=torch.int8)
+                scales = torch.rand(37).to(dtype)
+                assert_linear(cpu_decode.quantized_gemv(x, q8, scales, None, 0), x, q8 * scales.float()[:, None], None)
     finally:
         monkeypatch.undo()
         cpu_decode._library.cache_clear()
