@@ -1,10 +1,12 @@
 """How near the machine's memory read rate a decode step's weight reads run: the bare linear layers of one step of
 the `base` gqa model (every nn.Linear, as the model's layers call them: kernels/linear.py's CPU dispatch, the C GEMV
 at decode sizes) beside torch's own F.linear on the same weights, at batch 1 and 4, fp32 and bf16, in one run with the
-read rate measured (harness/roofline.py: past any cache, and for a working set of the weights' size).
+read rate measured (harness/roofline.py: past any cache, and for a working set of the weights' size). int8: the same
+model in bf16 with every linear layer, the head too, quantized per output channel (zoo.quantize), called as the model
+calls them (kernels/quantized_matmul.py: the C int8 GEMV at decode sizes) beside torch's `_weight_int8pack_mm`.
 
     python benchmarks/weight_streaming.py
-    python benchmarks/weight_streaming.py --batches 1,2,4,8,16 --dtypes fp32 --repeats 30
+    python benchmarks/weight_streaming.py --batches 1,2,4,8,16 --dtypes fp32,bf16,int8 --repeats 30
 """
 import argparse
 import statistics
@@ -15,8 +17,9 @@ import torch.nn.functional as F
 
 import zoo
 from harness import roofline
+from zoo.quantize import QuantizedLinear
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16}  # int8: bf16 activations
 
 
 def step_seconds(layers, inputs, call, repeats: int) -> float:
@@ -31,15 +34,17 @@ def step_seconds(layers, inputs, call, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def measure(model, batch: int, repeats: int, rates: roofline.MachineRates) -> dict:
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    dtype = next(model.parameters()).dtype
-    inputs = [torch.randn(batch, m.in_features).to(dtype) for m in layers]
-    weight_bytes = sum(m.weight.nbytes for m in layers)
+def measure(model, name: str, batch: int, repeats: int, rates: roofline.MachineRates) -> dict:
+    quantized = name == "int8"
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear if quantized else torch.nn.Linear)]
+    inputs = [torch.randn(batch, m.in_features).to(DTYPES[name]) for m in layers]
+    weight_bytes = sum((m.q if quantized else m.weight).nbytes for m in layers)
     archzoo = step_seconds(layers, inputs, lambda layer, x: layer(x), repeats)
-    torch_s = step_seconds(layers, inputs, lambda layer, x: F.linear(x, layer.weight), repeats)
+    torch_call = ((lambda layer, x: torch._weight_int8pack_mm(x, layer.q, layer.scales)) if quantized else
+                  (lambda layer, x: F.linear(x, layer.weight)))
+    torch_s = step_seconds(layers, inputs, torch_call, repeats)
     read, working_set = rates.stream_bytes_per_s, rates.stream_rate(weight_bytes)
-    return {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "weight_mb": weight_bytes / 1e6,
+    return {"dtype": name, "batch": batch, "weight_mb": weight_bytes / 1e6,
             "archzoo_gb_s": weight_bytes / archzoo / 1e9, "torch_gb_s": weight_bytes / torch_s / 1e9,
             "pct_read": weight_bytes / archzoo / read, "pct_working_set": weight_bytes / archzoo / working_set,
             "read_gb_s": read / 1e9, "working_set_gb_s": working_set / 1e9}
@@ -57,9 +62,12 @@ def main() -> None:
         torch.manual_seed(0)
         model = zoo.build("gqa", preset=args.preset).to(DTYPES[name]).eval()
         rates = roofline.measure_machine(model)
+        if name == "int8":
+            model = zoo.quantize(model, zoo.QuantizeConfig("int8", head=True))
         print(f"{name}: {rates.how}", flush=True)
-        rows += [measure(model, int(b), args.repeats, rates) for b in args.batches.split(",")]
-    print("| dtype | batch | weights (MB) | archzoo GB/s | torch F.linear GB/s | % of read rate (1 GiB) | "
+        rows += [measure(model, name, int(b), args.repeats, rates) for b in args.batches.split(",")]
+    print("| dtype | batch | weights (MB) | archzoo GB/s | torch GB/s (F.linear; int8: _weight_int8pack_mm) | "
+          "% of read rate (1 GiB) | "
           "% of read rate for its working set |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:

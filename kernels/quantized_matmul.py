@@ -12,9 +12,10 @@ dense GEMV's tiles (kernels/cpu/dense_gemv.c's int8_gemv; it streamed the `base`
 the rate of torch's `_weight_int8pack_mm` with bf16 activations, 1-16 rows, 2-core Xeon), int4 in fp32 and fp16
 (kernels/cpu/quantized_gemv.c). bf16 int4 takes torch's `_weight_int4pack_mm_for_cpu` on a layout `int4_cpu_layout`
 prepares once, and larger bf16 int8 inputs `_weight_int8pack_mm`: torch's packed kernels are fast for bf16 only.
-Other inputs dequantize-then-multiply, where the multiply is compute-bound. On CUDA, decode-sized inputs (up to GEMV_MAX_ROWS rows) run a Triton
-kernel that dequantizes each weight tile in registers as it streams it (a weight is read once, in its stored bits);
-larger inputs, where the multiply is compute-bound, dequantize the weight and run the dense matmul.
+Other inputs dequantize-then-multiply, where the multiply is compute-bound. On CUDA, decode-sized inputs (up to
+GEMV_MAX_ROWS rows) run a Triton kernel that dequantizes each weight tile in registers as it streams it (a weight is
+read once, in its stored bits); larger inputs, where the multiply is compute-bound, dequantize the weight and run the
+dense matmul.
 """
 from __future__ import annotations  # keeps the `tl.constexpr` annotations inert until triton is imported
 

@@ -8,13 +8,16 @@
  * A tile walks K in blocks of BLOCK_BYTES a row (of x or W, the wider): ROWS weight rows and MAX_M x rows stay in L1
  * while XROWS x rows at a time run over them, so one load of W feeds XROWS sums and one load of x feeds ROWS; between
  * blocks the sums wait in a [MAX_M][ROWS] array of vectors. A step takes one 64-byte line of each weight row and
- * prefetches the same line of the next tile's rows (ROWS rows on): a fixed distance ahead in the thread's stretch of
- * W, whatever the row length. Prefetching a fixed 512 bytes ahead within each row ran off the end of the short rows
- * of decode models (a bf16 row of 768 is 1.5 KiB) and streamed 20-25% slower (22.7 against 28.5 GB/s, bf16, batch
- * 1, `base` gqa's weights, 2-core Xeon). Loads are unaligned-type loads, as fast as aligned ones on an aligned
- * address: torch allocates 64-byte aligned, so every row of W and of a contiguous x starts on a line when a row is
- * whole lines (every model width). The last k % (one line) columns are summed in scalar. GCC vector types hold LANES
- * floats, one register on any target; the compiler's macros (-march=native) pick LANES, XROWS and dpbf16.
+ * prefetches into L2 the same line of the tile PREFETCH_BYTES or more on: a fixed distance ahead in the thread's
+ * stretch of W, whatever the row length. Prefetching a fixed 512 bytes ahead within each row ran off the end of the
+ * short rows of decode models (a bf16 row of 768 is 1.5 KiB) and streamed 20-25% slower (22.7 against 28.5 GB/s,
+ * bf16, batch 1, `base` gqa's weights, 2-core Xeon); prefetching into L1 the next tile's rows, 3 KiB ahead for int8
+ * rows of 768, streamed int8 at 18.6-19.8 GB/s against 26.4-28.4 into L2 32 KiB ahead (fp32 and bf16 within noise:
+ * 26-28 and 24-26 GB/s either way; same run, those weights). Loads are unaligned-type loads, as fast as aligned
+ * ones on an aligned address: torch allocates 64-byte aligned, so every row of W and of a contiguous x starts on a
+ * line when a row is whole lines (every model width). The last k % (one line) columns are summed in scalar. GCC
+ * vector types hold LANES floats, one register on any target; the compiler's macros (-march=native) pick LANES, XROWS
+ * and dpbf16.
  * bf16: with AVX512-BF16, _mm512_dpbf16_ps multiplies 32 bf16 pairs into 16 fp32 sums as stored; elsewhere x is
  * widened to an fp32 copy once and each weight vector by a 16-bit shift as it is loaded. int8: x is widened to an
  * fp32 copy once, each weight vector sign-extended and converted as it is loaded, and a channel's sums are scaled
@@ -39,6 +42,7 @@
 #define MAX_M 16
 #define LINE 64
 #define BLOCK_BYTES 1024     /* a block of 16 x rows and 4 weight rows is at most 20 KiB: in L1 on any x86 since 2012 */
+#define PREFETCH_BYTES 32768 /* how far ahead in W the prefetches run, at least (whole tiles) */
 #define INLINE static inline __attribute__((always_inline))
 
 typedef float floats_v __attribute__((vector_size(4 * LANES)));
@@ -123,7 +127,7 @@ INLINE void run_block(const char *const *w, const char *const *x, floats_v (*sum
         for (int r = 0; r < ROWS; r++) acc[m][r] = sums[m][r];
     int64_t step = LINE / w_bytes(format);
     for (int64_t i = k0; i < k1; i += step) {
-        for (int r = 0; r < ROWS; r++) __builtin_prefetch(w[r] + w_bytes(format) * i + ahead); /* never faults */
+        for (int r = 0; r < ROWS; r++) __builtin_prefetch(w[r] + w_bytes(format) * i + ahead, 0, 1); /* to L2 */
         for (int64_t j = i; j < i + step; j += vector_elements(format))
             for (int r = 0; r < ROWS; r++) {
                 floats_v wv = load_w(w[r], j, format);
@@ -175,7 +179,7 @@ INLINE void tile(const struct gemv *g, int64_t n0, int64_t m0, int mp, int forma
     memset(sums, 0, sizeof sums);
     int64_t step = LINE / w_bytes(format), whole = g->k - g->k % step;
     int64_t block = BLOCK_BYTES / (x_bytes(format) > w_bytes(format) ? x_bytes(format) : w_bytes(format));
-    int64_t ahead = ROWS * g->k * w_bytes(format); /* the next tile's rows */
+    int64_t tile_bytes = ROWS * g->k * w_bytes(format), ahead = tile_bytes * (1 + (PREFETCH_BYTES - 1) / tile_bytes);
     for (int64_t k0 = 0; k0 < whole; k0 += block) {
         int64_t k1 = k0 + block < whole ? k0 + block : whole;
         for (int m = 0; m < mp; m += XROWS)
