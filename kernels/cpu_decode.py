@@ -40,6 +40,15 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LAYOUTS = ("blocks", "rows")
 ONE_BYTE_ROWS = (torch.int8, torch.float8_e4m3fn)  # a quantized cache's rows (cache/quantized_rows.py)
 _MIN_KEYS_PER_SPLIT = 256  # a split's fixed cost (its query load, the merge) is small against 256 keys
+# The hot ops' CPU kernels, registered with the dispatcher directly beneath custom_op's own Python wrapper: a call
+# costs ~2.5 µs less eagerly and ~5 µs less in a compiled graph (a `base` decode step makes 85 GEMV calls and 12
+# attention ones). custom_op still gives each its schema and fake.
+_DIRECT_CPU = torch.library.Library("archzoo", "IMPL")
+
+
+def op_or_function(op, function):
+    """The op in a graph being compiled (it keeps the graph whole); eagerly the plain function (no dispatch)."""
+    return op if torch.compiler.is_compiling() else function
 
 
 def cache_dir() -> Path:
@@ -119,8 +128,7 @@ def _strides(x: torch.Tensor, layout: str) -> tuple[int, int, int]:
     return x.stride(0), x.stride(2), x.stride(1)
 
 
-@torch.library.custom_op("archzoo::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, table: torch.Tensor,
+def decode_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, table: torch.Tensor,
                      seq_lens: torch.Tensor, layout: str, scale: float, value_dim: int, starts: torch.Tensor | None = None,
                      sinks: int = 0, max_keys: int = 0, splits: int = 0, k_scales: torch.Tensor | None = None,
                      v_scales: torch.Tensor | None = None, stride: int = 1, ring: int = 0) -> torch.Tensor:
@@ -173,6 +181,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, t
     return out
 
 
+decode_attention = torch.library.custom_op("archzoo::decode_attention", mutates_args=())(decode_attention_eager)
+_DIRECT_CPU.impl("decode_attention", decode_attention_eager, "CPU")
+
+
 @decode_attention.register_fake
 def _(q, k, v, table, seq_lens, layout, scale, value_dim, starts=None, sinks=0, max_keys=0, splits=0, k_scales=None,
       v_scales=None, stride=1, ring=0):
@@ -188,27 +200,32 @@ def fits(q: torch.Tensor, cache: torch.Tensor, kv_heads: int, value_dim: int, sc
             and q.shape[1] % kv_heads == 0 and q.shape[1] // kv_heads <= 128 and max(q.shape[2], value_dim) <= 1024)
 
 
+def _attend():
+    """decode_attention as the op in a compiled graph, eagerly as the plain function."""
+    return op_or_function(decode_attention, decode_attention_eager)
+
+
 def paged_decode_attention_cpu(q, k_pool, v_pool, block_table, seq_lens, scale: float, starts=None, sinks: int = 0,
                                max_keys: int | None = None, k_scales=None, v_scales=None, stride: int = 1):
     """The paged kernel's contract (kernels/paged_attention.py) on the CPU kernel."""
-    return decode_attention(q, k_pool, v_pool, block_table, seq_lens, "blocks", scale, v_pool.shape[-1], starts, sinks,
-                            max_keys or 0, k_scales=k_scales, v_scales=v_scales, stride=stride)
+    return _attend()(q, k_pool, v_pool, block_table, seq_lens, "blocks", scale, v_pool.shape[-1], starts, sinks,
+                     max_keys or 0, k_scales=k_scales, v_scales=v_scales, stride=stride)
 
 
 def mla_decode_attention_cpu(q, latent_pool, block_table, seq_lens, scale: float, value_dim: int, latent_scales=None):
     """The MLA kernel's contract (kernels/mla_attention.py): latent_pool [num_blocks, block_size, W]; a one-byte
     pool's scales [num_blocks, block_size, 1, 1 or 2]."""
-    return decode_attention(q, latent_pool.unsqueeze(2), None, block_table, seq_lens, "blocks", scale, value_dim,
-                            k_scales=latent_scales)
+    return _attend()(q, latent_pool.unsqueeze(2), None, block_table, seq_lens, "blocks", scale, value_dim,
+                     k_scales=latent_scales)
 
 
 def contiguous_decode_attention_cpu(q, k, v, slots, seq_lens, scale: float, value_dim: int, k_scales=None,
                                     v_scales=None, starts=None, stride: int = 1):
     """kernels/contiguous_attention.py's contract: k, v [slots, kv_heads, rows, dim], v None for a latent cache; with
     starts, a strided span whose position p lives in row p % rows."""
-    return decode_attention(q, k, v, slots.to(torch.int32).unsqueeze(1), seq_lens, "rows", scale, value_dim,
-                            starts, k_scales=k_scales, v_scales=v_scales, stride=stride,
-                            ring=0 if starts is None else k.shape[2])
+    return _attend()(q, k, v, slots.to(torch.int32).unsqueeze(1), seq_lens, "rows", scale, value_dim,
+                     starts, k_scales=k_scales, v_scales=v_scales, stride=stride,
+                     ring=0 if starts is None else k.shape[2])
 
 
 def state_update_fits(state: torch.Tensor) -> bool:
@@ -340,6 +357,9 @@ def quantized_gemv_eager(x: torch.Tensor, weight: torch.Tensor, scales: torch.Te
     return out.reshape(*x.shape[:-1], n)
 
 
+_DIRECT_CPU.impl("quantized_gemv", quantized_gemv_eager, "CPU")
+
+
 @quantized_gemv.register_fake
 def _(x, weight, scales, zeros, group_size):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
@@ -388,6 +408,9 @@ def dense_gemv_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         raise (MemoryError("dense_gemv: out of memory for the fp32 copy of x") if status == -2 else
                ValueError(f"dense_gemv: dtype {x.dtype} is beyond the CPU kernel (fp32, bf16)"))
     return out.reshape(*x.shape[:-1], n)
+
+
+_DIRECT_CPU.impl("dense_gemv", dense_gemv_eager, "CPU")
 
 
 @dense_gemv.register_fake
