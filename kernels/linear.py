@@ -15,7 +15,8 @@ torch's F.linear were called bare and side by side in one run:
 (bf16 W @ x^T streamed 17.6-18.8 GB/s at 2-16 rows, but rounds its sums too early: it missed F.linear on the same
 inputs by up to 1.7% where the others stay within one bf16 rounding.)
 
-The C GEMV (kernels/cpu/dense_gemv.c through cpu_decode.dense_gemv, a custom op that torch.compile keeps in the graph)
+The C GEMV (kernels/cpu/dense_gemv.c through cpu_decode.dense_gemv, a custom op that torch.compile keeps in the graph,
+whose CPU kernel is C++ glue where that builds: kernels/cpu/ops.cpp)
 streams each weight byte once for every row; W @ x^T lets the BLAS read the weight as row-major A in one pass. A
 prefill's many rows, fp16, and a batch whose gradient is recorded take nn.Linear's own path. Same parameters and
 state_dict as nn.Linear, so weights load unchanged.
@@ -51,9 +52,8 @@ def transposed_path(x: torch.Tensor, rows: int) -> bool:
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if dense_gemv_path(x, self.weight, self.bias):
-            # eagerly the plain function saves the op's dispatch (85 layers x 8 µs)
-            return cpu_decode.op_or_function(cpu_decode.dense_gemv, cpu_decode.dense_gemv_eager)(x, self.weight,
-                                                                                                  self.bias)
+            gemv = cpu_decode.gemv_op_or_function(cpu_decode.dense_gemv, cpu_decode.dense_gemv_eager)
+            return gemv(x, self.weight, self.bias)
         rows = rows_of(x)
         if not transposed_path(x, rows):
             return super().forward(x)

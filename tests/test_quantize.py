@@ -89,9 +89,10 @@ def test_decode_sized_inputs_run_the_c_gemvs(monkeypatch):
     if not cpu_kernels_available():
         pytest.skip("no C compiler: the CPU kernels did not build")
     calls = []
-    real = cpu_decode.quantized_gemv_eager
-    monkeypatch.setattr(cpu_decode, "quantized_gemv_eager",
-                        lambda *args: calls.append((args[0].shape, args[0].dtype, args[4])) or real(*args))
+    for name in ("quantized_gemv", "quantized_gemv_eager"):  # the op (its C++ glue) or the plain function
+        real = getattr(cpu_decode, name)
+        monkeypatch.setattr(cpu_decode, name, lambda *args, real=real: calls.append((args[0].shape, args[0].dtype,
+                                                                                     args[4])) or real(*args))
     weight = torch.randn(64, 128)
     q8, scales8 = quantize_int8(weight)
     q4, scales4, zeros4 = quantize_int4(weight, 32)
