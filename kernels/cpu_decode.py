@@ -6,7 +6,8 @@ the CPU it runs on) and registered as torch custom ops, so `torch.compile` calls
 - the dense fp32 / bf16 GEMV for decode-sized batches (kernels/cpu/dense_gemv.c, kernels/linear.py's dispatch), and
   the weight-only int8 GEMV on the same tiles (int8_gemv there);
 - the weight-only int4 GEMV for fp32 and fp16 activations (kernels/cpu/quantized_gemv.c);
-  the GEMV ops' CPU kernels are C++ glue (kernels/cpu/ops.cpp, built by torch's extension loader) where it builds;
+- the C++ glue of decode attention and the GEMVs (kernels/cpu/ops.cpp, built by torch's extension loader): the
+  dispatcher calls the kernels above without entering Python; their Python glue serves where it does not build;
 - the streaming read that measures the machine's memory read rate (kernels/cpu/read_bandwidth.c; a plain call).
 
 Layouts (k and v 4-D, last dim contiguous):
@@ -41,23 +42,18 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 LAYOUTS = ("blocks", "rows")
 ONE_BYTE_ROWS = (torch.int8, torch.float8_e4m3fn)  # a quantized cache's rows (cache/quantized_rows.py)
 _MIN_KEYS_PER_SPLIT = 256  # a split's fixed cost (its query load, the merge) is small against 256 keys
-GLUE = Path(__file__).with_name("cpu") / "ops.cpp"  # the GEMV ops' CPU kernels in C++
-# The hot ops' Python CPU kernels, registered with the dispatcher directly beneath custom_op's own Python wrapper: a
-# call costs ~2.5 µs less eagerly and ~5 µs less in a compiled graph (a `base` decode step makes 85 GEMV calls and
-# 12 attention ones). custom_op still gives each its schema and fake. The GEMVs' are registered only where the C++
-# glue (GLUE) did not build.
+GLUE = Path(__file__).with_name("cpu") / "ops.cpp"  # the hot ops' CPU kernels in C++
+# Where the C++ glue does not build, the hot ops' Python glue is registered with the dispatcher directly, beneath
+# custom_op's own Python wrapper: a call costs ~2.5 µs less eagerly and ~5 µs less in a compiled graph than through
+# that wrapper. custom_op gives each op its schema and fake either way.
 _DIRECT_CPU = torch.library.Library("archzoo", "IMPL")
 
 
 def op_or_function(op, function):
-    """The op in a graph being compiled (it keeps the graph whole); eagerly the plain function (no dispatch)."""
-    return op if torch.compiler.is_compiling() else function
-
-
-def gemv_op_or_function(op, function):
-    """A GEMV as its op where the op's CPU kernel is the C++ glue (~1.5 µs a call, against ~8 µs for the plain
-    function) or a graph is being compiled; otherwise the plain function."""
-    return op if gemv_glue_available() or torch.compiler.is_compiling() else function
+    """A hot op (decode attention, a GEMV) as its op where the op's CPU kernel is the C++ glue (~1.5 µs a call,
+    against ~8 µs for the plain function) or a graph is being compiled (the op keeps it whole); otherwise the plain
+    function."""
+    return op if torch.compiler.is_compiling() or glue_available() else function
 
 
 def cache_dir() -> Path:
@@ -191,7 +187,6 @@ def decode_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | N
 
 
 decode_attention = torch.library.custom_op("archzoo::decode_attention", mutates_args=())(decode_attention_eager)
-_DIRECT_CPU.impl("decode_attention", decode_attention_eager, "CPU")
 
 
 @decode_attention.register_fake
@@ -424,31 +419,33 @@ def _(x, weight, bias):
 @functools.cache
 def _glue_registered() -> bool:
     """Builds (once per source and torch version, into cache_dir()) and loads kernels/cpu/ops.cpp, which registers
-    the GEMV ops' CPU kernels in C++, and points it at the C kernels. Where it cannot build (no C++ compiler, ninja or
-    torch headers), the Python kernels are registered instead, said aloud: each GEMV call then costs ~10 µs more."""
+    the hot ops' CPU kernels in C++, and points it at the C kernels. Where it cannot build (no C++ compiler, ninja or
+    torch headers), the Python glue is registered instead, said aloud: each call then costs ~10 µs more."""
     lib = _library()
     if lib is None:
         return False
-    from torch.utils import cpp_extension  # imported here: it is slow to import and only a CPU GEMV needs it
+    from torch.utils import cpp_extension  # imported here: it is slow to import and only the CPU kernels need it
 
     key = hashlib.sha256(GLUE.read_bytes() + f"{torch.__version__}".encode()).hexdigest()[:16]
     directory = cache_dir() / f"glue_{key}"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        path = cpp_extension.load(f"archzoo_gemv_glue_{key}", [str(GLUE)], extra_cflags=["-O2"],
+        path = cpp_extension.load(f"archzoo_cpu_glue_{key}", [str(GLUE)], extra_cflags=["-O2"],
                                   build_directory=str(directory), is_python_module=False, verbose=False)
-    except Exception as error:  # said aloud below; the Python kernels serve
-        warnings.warn(f"archzoo's C++ GEMV glue ({GLUE.name}) did not build ({str(error).splitlines()[0][:200]}); "
-                      "the GEMV ops run their Python glue, ~10 µs more a call", RuntimeWarning, stacklevel=2)
+    except Exception as error:  # said aloud below; the Python glue serves
+        warnings.warn(f"archzoo's C++ glue for the CPU kernels ({GLUE.name}) did not build "
+                      f"({str(error).splitlines()[0][:200]}); decode attention and the GEMVs run their Python glue, "
+                      "~10 µs more a call", RuntimeWarning, stacklevel=2)
+        _DIRECT_CPU.impl("decode_attention", decode_attention_eager, "CPU")
         _DIRECT_CPU.impl("quantized_gemv", quantized_gemv_eager, "CPU")
         _DIRECT_CPU.impl("dense_gemv", dense_gemv_eager, "CPU")
         return False
     glue = ctypes.CDLL(path)
-    glue.archzoo_point_gemvs(*(ctypes.cast(kernel, ctypes.c_void_p) for kernel in
-                               (lib.dense_gemv, lib.int8_gemv, lib.quantized_gemv)))
+    glue.archzoo_point_kernels(*(ctypes.cast(kernel, ctypes.c_void_p) for kernel in
+                                 (lib.dense_gemv, lib.int8_gemv, lib.quantized_gemv, lib.decode_attention)))
     return True
 
 
 @torch.compiler.assume_constant_result  # asked once at trace time (and the glue built then)
-def gemv_glue_available() -> bool:
+def glue_available() -> bool:
     return _glue_registered()

@@ -52,7 +52,7 @@ def transposed_path(x: torch.Tensor, rows: int) -> bool:
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if dense_gemv_path(x, self.weight, self.bias):
-            gemv = cpu_decode.gemv_op_or_function(cpu_decode.dense_gemv, cpu_decode.dense_gemv_eager)
+            gemv = cpu_decode.op_or_function(cpu_decode.dense_gemv, cpu_decode.dense_gemv_eager)
             return gemv(x, self.weight, self.bias)
         rows = rows_of(x)
         if not transposed_path(x, rows):

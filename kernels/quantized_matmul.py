@@ -88,7 +88,7 @@ def cpu_gemv_path(x: torch.Tensor, group_size: int) -> bool:
 def cpu_gemv(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
              group_size: int) -> torch.Tensor:
     """The C GEMV: its op (C++ glue beneath, or a compiled graph's), else the plain function."""
-    gemv = cpu_decode.gemv_op_or_function(cpu_decode.quantized_gemv, cpu_decode.quantized_gemv_eager)
+    gemv = cpu_decode.op_or_function(cpu_decode.quantized_gemv, cpu_decode.quantized_gemv_eager)
     return gemv(x, weight, scales, zeros, group_size)
 
 

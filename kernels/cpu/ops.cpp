@@ -1,14 +1,16 @@
-// The GEMV ops' CPU kernels in C++ (archzoo::dense_gemv, archzoo::quantized_gemv; their schemas and fakes are
-// kernels/cpu_decode.py's custom ops), so the dispatcher calls the C kernels beside this file without entering
-// Python: ~1.5 µs a call against ~11 µs for the same glue in Python (a `base` decode step makes 85 GEMV calls; its
-// compiled bf16 step measured 12.0-12.5 against 13.7-13.9 ms). Built with torch's C++ extension loader at the first
-// CPU GEMV (kernels/cpu_decode.py's _glue_registered); the C kernels come from the library kernels/cpu_decode.py
-// built, by pointer (archzoo_point_gemvs), so both use one build of them.
+// The hot ops' CPU kernels in C++ (archzoo::dense_gemv, archzoo::quantized_gemv, archzoo::decode_attention; their
+// schemas and fakes are kernels/cpu_decode.py's custom ops), so the dispatcher calls the C kernels beside this file
+// without entering Python: ~1.5 µs a call against ~11 µs for the same glue in Python (a `base` decode step makes 85
+// GEMV calls and 12 attention ones; its compiled bf16 step measured 12.0-12.5 against 13.7-13.9 ms with the GEMVs'
+// glue alone). Built with torch's C++ extension loader at a hot op's first CPU use (kernels/cpu_decode.py's
+// _glue_registered); the C kernels come from the library kernels/cpu_decode.py built, by pointer
+// (archzoo_point_kernels), so both use one build of them. Each function mirrors its Python glue there.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <string>
 
 namespace {
@@ -19,14 +21,20 @@ using Int8Fn = int (*)(const void *, int64_t, int64_t, int64_t, int, const void 
                        int64_t, int);
 using Int4Fn = int (*)(const void *, int64_t, int64_t, int64_t, int, const void *, int64_t, int64_t, const void *,
                        const void *, int, void *, int64_t, int);
+using AttentionFn = int (*)(const void *, int64_t, int64_t, const void *, int64_t, int64_t, int64_t, const void *,
+                            int64_t, int64_t, int64_t, const void *, int64_t, int64_t, int64_t, const void *, int64_t,
+                            int64_t, int64_t, const int32_t *, int64_t, int64_t, const int32_t *, const int32_t *,
+                            int64_t, int64_t, int64_t, int, int, int, int, int, int, float, int, void *, int64_t,
+                            int64_t, int, int, int, int64_t, int);
 
 struct Kernels {
     DenseFn dense = nullptr;
     Int8Fn int8 = nullptr;
     Int4Fn int4 = nullptr;
+    AttentionFn attention = nullptr;
 };
 
-Kernels &kernels() {  // set once by archzoo_point_gemvs, before the first call
+Kernels &kernels() {  // set once by archzoo_point_kernels, before the first call
     static Kernels k;
     return k;
 }
@@ -106,14 +114,72 @@ at::Tensor quantized_gemv(const at::Tensor &x, const at::Tensor &weight, const a
     return shaped(out, x);
 }
 
+// (block or slot, position, head) element strides of a cache tensor in its layout
+struct Strides {
+    int64_t block, pos, head;
+};
+
+Strides strides_of(const at::Tensor &x, bool blocks) {
+    return blocks ? Strides{x.stride(0), x.stride(1), x.stride(2)} : Strides{x.stride(0), x.stride(2), x.stride(1)};
+}
+
+constexpr int64_t MIN_KEYS_PER_SPLIT = 256;  // kernels/cpu_decode.py's _MIN_KEYS_PER_SPLIT
+
+at::Tensor int32_rows(const at::Tensor &t) { return t.to(at::kInt).contiguous(); }
+
+at::Tensor decode_attention(const at::Tensor &q_in, const at::Tensor &k, const std::optional<at::Tensor> &v,
+                            const at::Tensor &table_in, const at::Tensor &seq_lens_in, c10::string_view layout,
+                            double scale, int64_t value_dim, const std::optional<at::Tensor> &starts_in, int64_t sinks,
+                            int64_t max_keys, int64_t splits, const std::optional<at::Tensor> &k_scales,
+                            const std::optional<at::Tensor> &v_scales, int64_t stride, int64_t ring) {
+    TORCH_CHECK(kernels().attention, "decode_attention: the C kernel is not pointed to");
+    bool blocks = layout == "blocks";
+    TORCH_CHECK_VALUE(blocks || layout == "rows", "unknown cache layout '", std::string(layout),
+                      "'; allowed: blocks, rows");
+    at::Tensor q = q_in.contiguous(), table = int32_rows(table_in), seq_lens = int32_rows(seq_lens_in);
+    std::optional<at::Tensor> starts = starts_in ? std::optional<at::Tensor>(int32_rows(*starts_in)) : std::nullopt;
+    int64_t batch = q.size(0), heads = q.size(1), dim_k = q.size(2);
+    int64_t kv_heads = blocks ? k.size(2) : k.size(1), block_size = blocks ? k.size(1) : k.size(2);
+    const at::Tensor &values = v ? *v : k;
+    const std::optional<at::Tensor> &value_scales = v ? v_scales : k_scales;
+    at::Tensor out = at::empty({batch, heads, value_dim}, q.options());
+    Strides ks = strides_of(k, blocks), vs = strides_of(values, blocks), none{0, 0, 0};
+    Strides kss = k_scales ? strides_of(*k_scales, blocks) : none, vss = value_scales ? strides_of(*value_scales, blocks)
+                                                                                     : none;
+    // a latent row's two scales: the first over its value_dim latent columns, the second over the rest
+    bool two_scales = k_scales && k_scales->size(-1) == 2;
+    int threads = at::get_num_threads();
+    // a paged task reads all KV heads of its blocks; a contiguous cache streams one KV head per task
+    int64_t kv_per_task = blocks ? kv_heads : 1, span = table.size(1) * block_size;
+    max_keys = max_keys <= 0 ? span : std::min(max_keys, span);
+    if (splits == 0) {  // enough key splits to keep every thread busy, none shorter than MIN_KEYS_PER_SPLIT
+        int64_t tasks = batch * kv_heads / kv_per_task, wanted = (4 * threads + tasks - 1) / tasks;
+        splits = std::max<int64_t>(1, std::min(wanted, (max_keys + MIN_KEYS_PER_SPLIT - 1) / MIN_KEYS_PER_SPLIT));
+    }
+    int status = kernels().attention(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), ks.block, ks.pos, ks.head, values.data_ptr(), vs.block,
+        vs.pos, vs.head, k_scales ? k_scales->data_ptr() : nullptr, kss.block, kss.pos, kss.head,
+        value_scales ? value_scales->data_ptr() : nullptr, vss.block, vss.pos, vss.head,
+        table.data_ptr<int32_t>(), table.stride(0), block_size, seq_lens.data_ptr<int32_t>(),
+        starts ? starts->data_ptr<int32_t>() : nullptr, sinks, stride, ring, batch, heads, kv_heads, kv_per_task,
+        dim_k, value_dim, static_cast<float>(scale), splits, out.data_ptr(), out.stride(0), out.stride(1),
+        dtype_code(q, "q"), threads, k.scalar_type() == at::kFloat8_e4m3fn, two_scales ? k_scales->stride(-1) : 0,
+        two_scales ? value_dim : dim_k);
+    TORCH_CHECK_VALUE(status == 0, "decode_attention: sizes beyond the CPU kernel (query heads per KV head ",
+                      heads / kv_heads, " <= 128, dims ", dim_k, ", ", value_dim, " <= 1024; stride ", stride,
+                      " >= 1 and 1 with sinks ", sinks, ", ring ", ring, " >= 0)");
+    return out;
+}
+
 }  // namespace
 
-extern "C" void archzoo_point_gemvs(void *dense, void *int8, void *int4) {
+extern "C" void archzoo_point_kernels(void *dense, void *int8, void *int4, void *attention) {
     kernels() = Kernels{reinterpret_cast<DenseFn>(dense), reinterpret_cast<Int8Fn>(int8),
-                        reinterpret_cast<Int4Fn>(int4)};
+                        reinterpret_cast<Int4Fn>(int4), reinterpret_cast<AttentionFn>(attention)};
 }
 
 TORCH_LIBRARY_IMPL(archzoo, CPU, m) {
     m.impl("dense_gemv", &dense_gemv);
     m.impl("quantized_gemv", &quantized_gemv);
+    m.impl("decode_attention", &decode_attention);
 }
