@@ -134,9 +134,10 @@ def _strides(x: torch.Tensor, layout: str) -> tuple[int, int, int]:
 
 
 def decode_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, table: torch.Tensor,
-                     seq_lens: torch.Tensor, layout: str, scale: float, value_dim: int, starts: torch.Tensor | None = None,
-                     sinks: int = 0, max_keys: int = 0, splits: int = 0, k_scales: torch.Tensor | None = None,
-                     v_scales: torch.Tensor | None = None, stride: int = 1, ring: int = 0) -> torch.Tensor:
+                           seq_lens: torch.Tensor, layout: str, scale: float, value_dim: int,
+                           starts: torch.Tensor | None = None, sinks: int = 0, max_keys: int = 0, splits: int = 0,
+                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, stride: int = 1,
+                           ring: int = 0) -> torch.Tensor:
     """q [B, H, Dk] -> [B, H, value_dim]: each sequence's query over keys 0..seq_lens[b]-1, or with starts over
     [0, min(sinks, starts[b])) and [starts[b], seq_lens[b]) (kernels/paged_attention.py); max_keys > 0 bounds how
     many keys a query sees. stride > 1: every stride-th position of the span (a dilated window); ring > 0: position
@@ -205,7 +206,7 @@ def fits(q: torch.Tensor, cache: torch.Tensor, kv_heads: int, value_dim: int, sc
 
 
 def _attend():
-    """decode_attention as the op in a compiled graph, eagerly as the plain function."""
+    """decode_attention as op_or_function picks it."""
     return op_or_function(decode_attention, decode_attention_eager)
 
 
