@@ -174,14 +174,24 @@ def test_the_floor_is_priced_at_the_read_rate_never_the_gemv_rate():
     cost = roofline.StepCost(weight_bytes=3 * 2**20, cache_read_bytes=0, cache_write_bytes=0, flops=1)
     slow_gemv = MachineRates(20e9, 1e15, "float32", "cpu", "", read_rates=read, gemv_bytes_per_s=5e9)
     fast_gemv = dataclasses.replace(slow_gemv, gemv_bytes_per_s=500e9)
-    # 3 MiB: the sizes in (0.75 MiB, 3 MiB] are 1 and 2 MiB, the faster of which prices it
-    assert roofline.floor_seconds(cost, slow_gemv) == roofline.floor_seconds(cost, fast_gemv) == 3 * 2**20 / 80e9
-    assert roofline.mbu(cost, 3 * 2**20 / 80e9, slow_gemv) == pytest.approx(1.0)  # at the floor: 100%, never above
-    assert read.at(2**23) == 40e9  # 8 MiB: 4 and 8 MiB measured within it
+    # 3 MiB: the largest size within it is 2 MiB; 1 MiB's faster rate is a cache a 3 MiB working set does not fit
+    assert roofline.floor_seconds(cost, slow_gemv) == roofline.floor_seconds(cost, fast_gemv) == 3 * 2**20 / 60e9
+    assert roofline.mbu(cost, 3 * 2**20 / 60e9, slow_gemv) == pytest.approx(1.0)  # at the floor: 100%, never above
+    assert read.at(2**23) == 20e9  # 8 MiB: its own size's rate
     assert read.at(2**30) == 20e9  # past the largest size: the memory's own rate
-    assert read.at(1000) == 80e9  # below the smallest: the smallest size's
+    assert read.at(1000) == 80e9  # below the smallest: the fastest measured
     no_curve = MachineRates(20e9, 1e15, "float32", "cuda", "")
     assert roofline.floor_seconds(cost, no_curve) == 3 * 2**20 / 20e9
+
+
+def test_a_slow_pass_cannot_raise_the_floor():
+    """Measured rates that rise with size (a noisy pass at a smaller one) are read as the larger size's: a working set
+    reads at least as fast as any larger one did; past a cache cliff the floor takes the memory's rate, not the cache's."""
+    noisy = roofline.ReadRates(sizes=(2**20, 2**21, 2**22, 2**23), rates=(80e9, 30e9, 50e9, 20e9))
+    assert noisy.at(2**21) == noisy.at(3 * 2**20) == 50e9  # 2 MiB's slow pass: 4 MiB read faster
+    assert noisy.at(2**22) == 50e9 and noisy.at(2**24) == 20e9
+    cliff = roofline.ReadRates(sizes=(2**25, 2**26, 2**27), rates=(54e9, 31e9, 30e9))  # a 32 MiB L3, then memory
+    assert cliff.at(91 * 10**6) == 31e9
 
 
 def test_disturbance_says_when_the_read_rate_moved():

@@ -102,7 +102,7 @@ def linear_calls(monkeypatch) -> list:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_linear_dispatch(monkeypatch, dtype):
-    """fp32 batches of 3..16 rows and bf16 ones of 1..8 take the C GEMV when no gradient is recorded (where it measured
+    """fp32 batches of 1..16 rows and bf16 ones of 1..8 take the C GEMV when no gradient is recorded (where it measured
     fastest, kernels/linear.py); other sizes, fp16, a gradient to record, and ARCHZOO_CPU_KERNELS=0 take torch's
     paths. All equal F.linear."""
     calls = linear_calls(monkeypatch)
@@ -117,7 +117,7 @@ def test_linear_dispatch(monkeypatch, dtype):
         assert calls == ([shape] if rows in taken else []), shape
         if rows and dtype != torch.float16:
             assert_linear(got, x, layer.weight, layer.bias)
-    assert list(GEMV_ROWS[torch.float32]) == list(range(3, 17)) and list(GEMV_ROWS[torch.bfloat16]) == list(range(1, 9))
+    assert list(GEMV_ROWS[torch.float32]) == list(range(1, 17)) and list(GEMV_ROWS[torch.bfloat16]) == list(range(1, 9))
     x = torch.randn(3, 100).to(dtype)
     calls.clear()
     layer(x).sum().backward()  # weights that require grad, grad mode on: autograd's path
@@ -141,7 +141,7 @@ def test_engine_decodes_as_without_the_kernels(monkeypatch):
     from harness import Engine
 
     model = random_model("gqa")
-    prompts = make_prompts([5, 19, 11], model.config.vocab_size)  # 3 rows a decode step: fp32's C GEMV takes 3..16
+    prompts = make_prompts([5, 19, 11], model.config.vocab_size)  # 3 rows a decode step: fp32's C GEMV takes 1..16
     calls = linear_calls(monkeypatch)
     fast = Engine(model, max_batch=3, max_seq_len=40).generate(prompts, greedy(8))
     assert calls, "the engine's linear layers never took the C GEMV"
@@ -153,7 +153,8 @@ def test_engine_decodes_as_without_the_kernels(monkeypatch):
 
 
 def test_transposed_path_takes_only_the_rows_above_the_c_gemv():
-    """W @ x^T is for fp32 batches of 17..64 rows: at 1-2 rows F.linear streams twice as fast (25 against 11.5 GB/s)."""
+    """W @ x^T is for fp32 batches of 17..64 rows, above the C GEMV's 1..16: at 1-16 rows it streams at half the C
+    GEMV's rate or less."""
     from kernels.linear import transposed_path
 
     x32, x16 = torch.zeros(1, 8), torch.zeros(1, 8, dtype=torch.bfloat16)
