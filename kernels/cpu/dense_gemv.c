@@ -13,11 +13,15 @@
  * short rows of decode models (a bf16 row of 768 is 1.5 KiB) and streamed 20-25% slower (22.7 against 28.5 GB/s,
  * bf16, batch 1, `base` gqa's weights, 2-core Xeon); prefetching into L1 the next tile's rows, 3 KiB ahead for int8
  * rows of 768, streamed int8 at 18.6-19.8 GB/s against 26.4-28.4 into L2 32 KiB ahead (fp32 and bf16 within noise:
- * 26-28 and 24-26 GB/s either way; same run, those weights). Loads are unaligned-type loads, as fast as aligned
- * ones on an aligned address: torch allocates 64-byte aligned, so every row of W and of a contiguous x starts on a
- * line when a row is whole lines (every model width). The last k % (one line) columns are summed in scalar. GCC
- * vector types hold LANES floats, one register on any target; the compiler's macros (-march=native) pick LANES, XROWS
- * and dpbf16.
+ * 26-28 and 24-26 GB/s either way; same run, those weights). One row of x (fp32 or bf16) walks the four weight
+ * rows of a block one after another rather than a line of each in turn: on a 2-core EPYC (Zen 4), those weights,
+ * alternating in one process, that streamed bf16 at 23.5-24.5 against 22.3-23.6 GB/s and fp32 at 25.2-32.4 against
+ * 24.3-29.9 (one of six the other way); at two rows it lost in fp32 (22.6-25.7 against 24.8-30.4), at 16 by half,
+ * and int8 at one row (12.1 against 17.1 GB/s), whose four vectors a line then make one chain of dependent adds.
+ * Loads are unaligned-type loads, as fast as aligned ones on an aligned address: torch allocates 64-byte aligned, so
+ * every row of W and of a contiguous x starts on a line when a row is whole lines (every model width). The last
+ * k % (one line) columns are summed in scalar. GCC vector types hold LANES floats, one register on any target; the
+ * compiler's macros (-march=native) pick LANES, XROWS and dpbf16.
  * bf16: with AVX512-BF16, _mm512_dpbf16_ps multiplies 32 bf16 pairs into 16 fp32 sums as stored; elsewhere x is
  * widened to an fp32 copy once and each weight vector by a 16-bit shift as it is loaded. int8: x is widened to an
  * fp32 copy once, each weight vector sign-extended and converted as it is loaded, and a channel's sums are scaled
@@ -118,36 +122,49 @@ INLINE float sum_lanes(floats_v v) { /* GCC makes this an extract-and-add tree *
     return s;
 }
 
-/* sums[m][r] += W row w[r] . x row x[m] over columns [k0, k1), a line of each weight row a step, prefetching
- * `ahead` bytes on (the next tile's rows); xr is a constant at every call, so the sums live in registers */
+/* sums[m][r] += W row w[r] . x row x[m] over columns [k0, k1), a line of each weight row a step (by_row: each
+ * weight row's lines in turn), prefetching `ahead` bytes on (the next tile's rows); xr and by_row are constants at
+ * every call, so the sums live in registers. Either order adds each sum's terms in the same order. */
 INLINE void run_block(const char *const *w, const char *const *x, floats_v (*sums)[ROWS], int64_t k0, int64_t k1,
-                      int xr, int format, int64_t ahead) {
+                      int xr, int format, int64_t ahead, int by_row) {
     floats_v acc[XROWS][ROWS];
     for (int m = 0; m < xr; m++)
         for (int r = 0; r < ROWS; r++) acc[m][r] = sums[m][r];
     int64_t step = LINE / w_bytes(format);
-    for (int64_t i = k0; i < k1; i += step) {
-        for (int r = 0; r < ROWS; r++) __builtin_prefetch(w[r] + w_bytes(format) * i + ahead, 0, 1); /* to L2 */
-        for (int64_t j = i; j < i + step; j += vector_elements(format))
-            for (int r = 0; r < ROWS; r++) {
-                floats_v wv = load_w(w[r], j, format);
-                for (int m = 0; m < xr; m++) acc[m][r] = madd(acc[m][r], wv, x[m], j, format);
+    if (by_row) {
+        for (int r = 0; r < ROWS; r++)
+            for (int64_t i = k0; i < k1; i += step) {
+                __builtin_prefetch(w[r] + w_bytes(format) * i + ahead, 0, 1); /* to L2 */
+                for (int64_t j = i; j < i + step; j += vector_elements(format)) {
+                    floats_v wv = load_w(w[r], j, format);
+                    for (int m = 0; m < xr; m++) acc[m][r] = madd(acc[m][r], wv, x[m], j, format);
+                }
             }
+    } else {
+        for (int64_t i = k0; i < k1; i += step) {
+            for (int r = 0; r < ROWS; r++) __builtin_prefetch(w[r] + w_bytes(format) * i + ahead, 0, 1); /* to L2 */
+            for (int64_t j = i; j < i + step; j += vector_elements(format))
+                for (int r = 0; r < ROWS; r++) {
+                    floats_v wv = load_w(w[r], j, format);
+                    for (int m = 0; m < xr; m++) acc[m][r] = madd(acc[m][r], wv, x[m], j, format);
+                }
+        }
     }
     for (int m = 0; m < xr; m++)
         for (int r = 0; r < ROWS; r++) sums[m][r] = acc[m][r];
 }
 
-/* x rows [0, xr) against the block, xr <= XROWS made a constant for run_block */
+/* x rows [0, xr) against the block, xr <= XROWS made a constant for run_block; one row of fp32 or bf16 walks W
+ * row by row */
 INLINE void run_rows(const char *const *w, const char *const *x, floats_v (*sums)[ROWS], int64_t k0, int64_t k1,
                      int xr, int format, int64_t ahead) {
     switch (xr) {
-    case 1: run_block(w, x, sums, k0, k1, 1, format, ahead); break;
+    case 1: run_block(w, x, sums, k0, k1, 1, format, ahead, format != BYTES); break; /* int8: see the top */
 #if XROWS > 2
-    case 2: run_block(w, x, sums, k0, k1, 2, format, ahead); break;
-    case 3: run_block(w, x, sums, k0, k1, 3, format, ahead); break;
+    case 2: run_block(w, x, sums, k0, k1, 2, format, ahead, 0); break;
+    case 3: run_block(w, x, sums, k0, k1, 3, format, ahead, 0); break;
 #endif
-    default: run_block(w, x, sums, k0, k1, XROWS, format, ahead); break;
+    default: run_block(w, x, sums, k0, k1, XROWS, format, ahead, 0); break;
     }
 }
 
