@@ -78,7 +78,8 @@ def main(argv=None) -> int:
         probe.median_step(3, warmup=2)  # captures and compiles outside the profile
         start = time.perf_counter()
         table, busy_s, wall_s = profile_steps(probe, args.steps, args.device)
-        parts.append(f"## {label}, {kv_cache} cache: step {wall_s * 1e3:.3f} ms wall (median of {args.steps}, profiled); "
+        parts.append(f"## {label}, {kv_cache} cache: step {wall_s * 1e3:.3f} ms wall (median of {args.steps}, "
+                     "profiled); "
                      f"{'kernels' if args.device == 'cuda' else 'CPU ops'} {busy_s * 1e3:.3f} ms per step "
                      f"({busy_s / wall_s:.0%} of the wall time); read rate implied by the step: "
                      f"{cost.bytes / wall_s / 1e9:.0f} GB/s, by the kernels' time alone: "

@@ -186,7 +186,8 @@ def test_the_floor_is_priced_at_the_read_rate_never_the_gemv_rate():
 
 def test_a_slow_pass_cannot_raise_the_floor():
     """Measured rates that rise with size (a noisy pass at a smaller one) are read as the larger size's: a working set
-    reads at least as fast as any larger one did; past a cache cliff the floor takes the memory's rate, not the cache's."""
+    reads at least as fast as any larger one did; past a cache cliff the floor takes the memory's rate, not the
+    cache's."""
     noisy = roofline.ReadRates(sizes=(2**20, 2**21, 2**22, 2**23), rates=(80e9, 30e9, 50e9, 20e9))
     assert noisy.at(2**21) == noisy.at(3 * 2**20) == 50e9  # 2 MiB's slow pass: 4 MiB read faster
     assert noisy.at(2**22) == 50e9 and noisy.at(2**24) == 20e9
