@@ -10,7 +10,7 @@ from cache.layouts import fresh_attention
 from cache.retention import Retention
 from cache.spec import CacheBatch, CacheSpec
 from attention.reference import attention_reference
-from attention.rope import RotaryEmbedding, apply_rope
+from attention.rope import RotaryEmbedding
 from kernels import Linear
 
 
@@ -151,14 +151,13 @@ class Attention(nn.Module):
         if positions is None:
             positions = torch.arange(t, device=x.device).expand(b, t)
         q = self.normed_heads(self.q_proj(x), "q_norm", self.n_heads)
-        cos, sin = self.rope(positions, q.dtype)
-        q = apply_rope(q, cos, sin)
         if self.kv_source is not None:
+            (q,) = self.rope.rotate(positions, q)
             out = cache.attend(q, batch, self.scale)
         else:
             k = self.normed_heads(self.k_proj(x), "k_norm", self.n_kv_heads)
             v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-            k = apply_rope(k, cos, sin)
+            q, k = self.rope.rotate(positions, q, k)
             if cache is not None and self.retention.scored:  # what stays depends on this step's attention
                 out = cache.attend_scored(q, k, v, batch, self.scale)
                 return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))

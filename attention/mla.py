@@ -7,7 +7,7 @@ from cache.spec import CacheBatch, CacheSpec
 from cache.layouts import fresh_attention
 from cache.retention import FULL
 from attention.reference import mla_reference
-from attention.rope import RotaryEmbedding, apply_rope
+from attention.rope import RotaryEmbedding
 from attention.norm import RMSNorm
 from kernels import Linear
 
@@ -88,8 +88,7 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q.view(b, t, self.n_heads, -1).transpose(1, 2).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent).unsqueeze(1)  # [B, 1, T, rank]: one "head" shared by all
-        cos, sin = self.rope(positions, q.dtype)
-        q_rope, k_rope = apply_rope(q_rope, cos, sin), apply_rope(k_rope.unsqueeze(1), cos, sin)
+        q_rope, k_rope = self.rope.rotate(positions, q_rope, k_rope.unsqueeze(1))
         rows = torch.cat([latent, k_rope], dim=-1)
         if cache is not None:
             cache.write(rows, None, batch)

@@ -2,6 +2,8 @@
 import torch
 from torch import nn
 
+from kernels import cpu_fused
+
 
 class RotaryEmbedding(nn.Module):
     """cos/sin for absolute positions, computed per call (cheap, fuses under compile, no table sized to a context)."""
@@ -25,6 +27,15 @@ class RotaryEmbedding(nn.Module):
         angles = positions.unsqueeze(-1).float() * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def rotate(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each x [B, heads, T, head_dim] rotated at positions [B, T]: one fused call per x in an eager CPU decode
+        step (kernels/cpu_fused.py), else cos and sin once for all of them."""
+        b, t = positions.shape
+        if all(cpu_fused.fused_path(x, b * t) for x in xs):
+            return tuple(cpu_fused.rotary(x, positions, self.inv_freq) for x in xs)
+        cos, sin = self(positions, xs[0].dtype)
+        return tuple(apply_rope(x, cos, sin) for x in xs)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

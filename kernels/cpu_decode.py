@@ -6,8 +6,10 @@ the CPU it runs on) and registered as torch custom ops, so `torch.compile` calls
 - the dense fp32 / bf16 GEMV for decode-sized batches (kernels/cpu/dense_gemv.c, kernels/linear.py's dispatch), and
   the weight-only int8 GEMV on the same tiles (int8_gemv there);
 - the weight-only int4 GEMV for fp32 and fp16 activations (kernels/cpu/quantized_gemv.c);
-- the C++ glue of decode attention and the GEMVs (kernels/cpu/ops.cpp, built by torch's extension loader): the
-  dispatcher calls the kernels above without entering Python; their Python glue serves where it does not build;
+- RMSNorm and rotary position embedding for decode-sized rows (kernels/cpu/norm_rope.c; kernels/cpu_fused.py);
+- the C++ glue of decode attention, the GEMVs and kernels/cpu_fused.py's ops (kernels/cpu/ops.cpp, built by torch's
+  extension loader): the dispatcher calls the kernels above without entering Python; their Python glue serves where
+  it does not build;
 - the streaming read that measures the machine's memory read rate (kernels/cpu/read_bandwidth.c; a plain call).
 
 Layouts (k and v 4-D, last dim contiguous):
@@ -112,6 +114,10 @@ def _library() -> ctypes.CDLL | None:
     lib.dense_gemv.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, ptr, ptr, i64, i32]
     lib.int8_gemv.restype = ctypes.c_int
     lib.int8_gemv.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, ptr, i32, ptr, i64, i32]
+    lib.rms_norm.restype = ctypes.c_int
+    lib.rms_norm.argtypes = [ptr, i64, i64, i64, i32, ptr, ctypes.c_float, ptr]
+    lib.rotary.restype = ctypes.c_int
+    lib.rotary.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, ptr, i64, i64, ptr, i32, ptr]
     return lib
 
 
@@ -440,10 +446,11 @@ def _glue_registered() -> bool:
         _DIRECT_CPU.impl("decode_attention", decode_attention_eager, "CPU")
         _DIRECT_CPU.impl("quantized_gemv", quantized_gemv_eager, "CPU")
         _DIRECT_CPU.impl("dense_gemv", dense_gemv_eager, "CPU")
-        return False
+        return False  # kernels/cpu_fused.py's ops are then called as their plain functions, never as ops
     glue = ctypes.CDLL(path)
     glue.archzoo_point_kernels(*(ctypes.cast(kernel, ctypes.c_void_p) for kernel in
-                                 (lib.dense_gemv, lib.int8_gemv, lib.quantized_gemv, lib.decode_attention)))
+                                 (lib.dense_gemv, lib.int8_gemv, lib.quantized_gemv, lib.decode_attention,
+                                  lib.rms_norm, lib.rotary)))
     return True
 
 

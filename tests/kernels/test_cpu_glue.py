@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels_available() or not cpu_decode.gl
 
 
 def test_the_ops_cpu_kernels_are_the_glue():
-    for op in ("dense_gemv", "quantized_gemv", "decode_attention"):
+    for op in ("dense_gemv", "quantized_gemv", "decode_attention", "rms_norm", "rotary", "swiglu_gemv"):
         cpu_line = next(line for line in torch._C._dispatch_dump(f"archzoo::{op}").splitlines()
                         if line.startswith("CPU:"))
         assert "ops.cpp" in cpu_line, cpu_line
@@ -125,6 +125,14 @@ q, k, v = torch.randn(1, 4, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 
 got = cpu_decode.decode_attention(q, k, v, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([8]), "rows", 0.25, 16)
 want = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=0.25, enable_gqa=True)[:, :, 0]
 torch.testing.assert_close(got, want)
+from kernels import cpu_fused
+x, weight = torch.randn(2, 64), torch.randn(64)
+want = weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+torch.testing.assert_close(cpu_fused.rms_norm(x, weight, 1e-5), want)  # the plain function: no op without the glue
+torch.testing.assert_close(torch.ops.archzoo.rms_norm(x, weight, 1e-5), want)
+gate, up, down = torch.randn(96, 64), torch.randn(96, 64), torch.randn(64, 96)
+want = torch.nn.functional.silu(x @ gate.T) * (x @ up.T) @ down.T
+torch.testing.assert_close(cpu_fused.swiglu_gemv(x, gate, up, down), want, rtol=1e-5, atol=1e-4)
 print("python glue ok")
 """
     env = {**os.environ, "CXX": "false", "XDG_CACHE_HOME": str(tmp_path),

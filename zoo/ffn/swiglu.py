@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import Linear
+from kernels import Linear, cpu_fused
 
 
 class SwiGLU(nn.Module):
@@ -13,11 +13,19 @@ class SwiGLU(nn.Module):
         self.up_proj = Linear(d_model, hidden, bias=False)
         self.down_proj = Linear(hidden, d_model, bias=False)
 
+    @property
+    def dense(self) -> bool:
+        """All three projections plain Linear layers (not quantized ones)."""
+        return all(type(p) is Linear for p in (self.gate_proj, self.up_proj, self.down_proj))
+
     @staticmethod
     def module_bytes(dtype: torch.dtype, d_model: int, hidden: int) -> int:
         return 3 * d_model * hidden * dtype.itemsize
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        weights = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+        if self.dense and cpu_fused.swiglu_fits(x, *weights):  # an eager CPU decode step: one call, not five
+            return cpu_fused.swiglu_gemv(x, *weights)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
