@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "floats.h"
+#include "vector_exp.h"
 
 #define MAX_STATE 1024 /* d_state per channel (mamba-ssm's largest is 256) */
 
@@ -62,8 +63,11 @@ int selective_state_update(void *state, int64_t s_b, int64_t s_h, int64_t s_p, i
                 if (a_n == 0) { /* Mamba-2: A is one number per head */
                     float shared = expf(a[0] * delta);
                     for (int n = 0; n < dstate; n++) decay[n] = shared;
-                } else {
-                    for (int n = 0; n < dstate; n++) decay[n] = expf(a[n * a_n] * delta);
+                } else { /* Mamba-1: one exp per state element, 8 lanes at a time along a contiguous row of A */
+                    int n = 0;
+                    if (a_n == 1)
+                        for (; n + 8 <= dstate; n += 8) *(v8 *)(decay + n) = exp8(*(const v8 *)(a + n) * delta);
+                    for (; n < dstate; n++) decay[n] = expf(a[n * a_n] * delta);
                 }
                 cached = row / head_dim;
             }

@@ -29,6 +29,7 @@ OPTIONS = {
 LAYOUTS = {
     "mamba1": (None, 24, 16, 1),
     "mamba1_dstate5": (None, 10, 5, 1),
+    "mamba1_dstate21": (None, 6, 21, 1),  # the CPU kernel's 8-lane exp over A's row, then a scalar tail
     "mamba2_g1": (4, 12, 16, 1),
     "mamba2_g2": (4, 12, 16, 2),
 }
