@@ -92,7 +92,8 @@ def test_the_cpp_and_python_glue_agree():
         q, positions = torch.randn(3, 4, 1, 64).to(dtype), torch.tensor([[5], [700], [2**20]])
         inv_freq = RotaryEmbedding(64).inv_freq
         assert torch.equal(cpu_fused.rotary_op(q, positions, inv_freq), cpu_fused.rotary_eager(q, positions, inv_freq))
-        gate, up, down = (torch.randn(*shape, generator=generator).to(dtype) for shape in ((64, 128),) * 2 + ((128, 64),))
+        shapes = ((64, 128), (64, 128), (128, 64))
+        gate, up, down = (torch.randn(*shape, generator=generator).to(dtype) for shape in shapes)
         assert torch.equal(cpu_fused.swiglu_gemv_op(x, gate, up, down), cpu_fused.swiglu_gemv_eager(x, gate, up, down))
 
 
