@@ -45,7 +45,7 @@ static inline const float *row_f32(const void *p, int64_t offset, int n, int dty
     return buf;
 }
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));  /* 8 fp32 lanes, any 4-byte alignment */
+/* v8: 8 fp32 lanes at any 4-byte alignment, from vector_exp.h */
 
 typedef struct {
     const void *k, *v;
