@@ -20,6 +20,9 @@
  * and int8 at one row (12.1 against 17.1 GB/s), whose four vectors a line then make one chain of dependent adds.
  * One row of bf16 also walks each weight row whole rather than BLOCK_BYTES at a time: 24.9-26.8 against 23.3-24.4
  * GB/s, six rounds alternating (fp32: no difference, 26.8-29.0 against 27.0-29.4, so it keeps its blocks).
+ * That one row adds alternate lines into two sums, not one: one sum waited on each add (4 cycles) and ran at a third
+ * of L2's rate. Weights in cache, fp32, 1 row (EPYC): 512 x 512 31 -> 13 µs, 1408 x 512 88 -> 37; from memory no
+ * change (20-22 GB/s either way). Four sums measured slower than two (24 and 61 µs).
  * Loads are unaligned-type loads, as fast as aligned ones on an aligned address: torch allocates 64-byte aligned, so
  * every row of W and of a contiguous x starts on a line when a row is whole lines (every model width). The last
  * k % (one line) columns are summed in scalar. GCC vector types hold LANES floats, one register on any target; the
@@ -45,6 +48,7 @@
 #define XROWS 2 /* 8 sums, 4 weight vectors and 2 of x in the 16 */
 #endif
 #define ROWS 4
+#define CHAINS 2 /* one row of x: sums a weight row keeps (more measured slower: 4 lost 1.6x in L2) */
 #define MAX_M 16
 #define LINE 64
 #define BLOCK_BYTES 1024     /* a block of 16 x rows and 4 weight rows is at most 20 KiB: in L1 on any x86 since 2012 */
@@ -124,9 +128,9 @@ INLINE float sum_lanes(floats_v v) { /* GCC makes this an extract-and-add tree *
     return s;
 }
 
-/* sums[m][r] += W row w[r] . x row x[m] over columns [k0, k1), a line of each weight row a step (by_row: each
- * weight row's lines in turn), prefetching `ahead` bytes on (the next tile's rows); xr and by_row are constants at
- * every call, so the sums live in registers. Either order adds each sum's terms in the same order. */
+/* sums[m][r] += W row w[r] . x row x[m] over columns [k0, k1), a line of each weight row a step (by_row, one row of
+ * x: each weight row's lines in turn, into CHAINS sums), prefetching `ahead` bytes on (the next tile's rows); xr and
+ * by_row are constants at every call, so the sums live in registers. */
 INLINE void run_block(const char *const *w, const char *const *x, floats_v (*sums)[ROWS], int64_t k0, int64_t k1,
                       int xr, int format, int64_t ahead, int by_row) {
     floats_v acc[XROWS][ROWS];
@@ -134,14 +138,23 @@ INLINE void run_block(const char *const *w, const char *const *x, floats_v (*sum
         for (int r = 0; r < ROWS; r++) acc[m][r] = sums[m][r];
     int64_t step = LINE / w_bytes(format);
     if (by_row) {
-        for (int r = 0; r < ROWS; r++)
-            for (int64_t i = k0; i < k1; i += step) {
-                __builtin_prefetch(w[r] + w_bytes(format) * i + ahead, 0, 1); /* to L2 */
-                for (int64_t j = i; j < i + step; j += vector_elements(format)) {
-                    floats_v wv = load_w(w[r], j, format);
-                    for (int m = 0; m < xr; m++) acc[m][r] = madd(acc[m][r], wv, x[m], j, format);
+        for (int r = 0; r < ROWS; r++) { /* xr is 1: CHAINS sums a row, alternate lines, so adds overlap */
+            floats_v chain[CHAINS] = {acc[0][r]};
+            int64_t i = k0;
+            for (; i + CHAINS * step <= k1; i += CHAINS * step)
+                for (int c = 0; c < CHAINS; c++) {
+                    __builtin_prefetch(w[r] + w_bytes(format) * (i + c * step) + ahead, 0, 1); /* to L2 */
+                    for (int64_t j = i + c * step; j < i + (c + 1) * step; j += vector_elements(format))
+                        chain[c] = madd(chain[c], load_w(w[r], j, format), x[0], j, format);
                 }
+            for (; i < k1; i += step) {
+                __builtin_prefetch(w[r] + w_bytes(format) * i + ahead, 0, 1);
+                for (int64_t j = i; j < i + step; j += vector_elements(format))
+                    chain[0] = madd(chain[0], load_w(w[r], j, format), x[0], j, format);
             }
+            for (int c = 1; c < CHAINS; c++) chain[0] += chain[c];
+            acc[0][r] = chain[0];
+        }
     } else {
         for (int64_t i = k0; i < k1; i += step) {
             for (int r = 0; r < ROWS; r++) __builtin_prefetch(w[r] + w_bytes(format) * i + ahead, 0, 1); /* to L2 */
@@ -195,7 +208,7 @@ INLINE void tile(const struct gemv *g, int64_t n0, int64_t m0, int mp, int forma
     for (int r = 0; r < ROWS; r++) w[r] = g->w + (n0 + r < g->n ? n0 + r : g->n - 1) * g->k * w_bytes(format);
     for (int m = 0; m < mp; m++) x[m] = g->x + (m0 + m) * g->ldx * x_bytes(format);
     floats_v sums[MAX_M][ROWS];
-    memset(sums, 0, sizeof sums);
+    memset(sums, 0, mp * sizeof sums[0]); /* the rows used: all 16 is 4 KiB a tile, 12 -> 7.5 µs a 64 KiB call */
     int64_t step = LINE / w_bytes(format), whole = g->k - g->k % step;
     int64_t block = BLOCK_BYTES / (x_bytes(format) > w_bytes(format) ? x_bytes(format) : w_bytes(format));
     if (mp == 1 && w_bytes(format) == 2) block = whole; /* one bf16 row: each weight row in one run, see the top */
