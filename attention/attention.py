@@ -6,12 +6,13 @@ from torch import nn
 
 from attention.heads import default_head_dim
 from attention.norm import RMSNorm
-from cache.layouts import fresh_attention
+from cache.layouts import ContiguousKV, fresh_attention
 from cache.retention import Retention
 from cache.spec import CacheBatch, CacheSpec
 from attention.reference import attention_reference
 from attention.rope import RotaryEmbedding
-from kernels import Linear
+from kernels import Linear, cpu_blocks, cpu_decode, cpu_fused
+from kernels.linear import GEMV_ROWS
 
 
 def check_heads(n_heads: int, n_kv_heads: int) -> None:
@@ -169,6 +170,33 @@ class Attention(nn.Module):
             else:
                 out = cache.attend(q, batch, self.scale, causal=self.causal)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def decode_residual(self, norm: nn.Module, x: torch.Tensor, positions: torch.Tensor, cache, batch: CacheBatch
+                        ) -> torch.Tensor | None:
+        """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) on an eager CPU one-token decode step over a
+        float contiguous cache, after an RMSNorm, with plain bias-free projections on the C GEMV and no q/k norm,
+        scoring, dilation or bidirectional attention; None elsewhere, where the block runs the two modules."""
+        if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded or batch.tree is not None
+                or type(cache) is not ContiguousKV or cache.quantized or type(norm) is not RMSNorm
+                or self.qk_norm is not None or self.retention.scored or self.dilation > 1 or not self.causal):
+            return None
+        shares = self.kv_source is not None
+        projections = (self.q_proj, self.o_proj) if shares else (self.q_proj, self.o_proj, self.k_proj, self.v_proj)
+        if any(type(p) is not Linear or p.bias is not None for p in projections):
+            return None
+        weights = [p.weight for p in projections]
+        rows = x.shape[0] * x.shape[1]
+        if (x.shape[1] != 1 or rows not in GEMV_ROWS.get(x.dtype, ())
+                or not cpu_fused.fused_path(x, rows, norm.weight, *weights, cache.k, cache.v)
+                or not all(cpu_decode.dense_gemv_fits(x, w, None) for w in weights)
+                or not cpu_decode.attention_fits(self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim, cache.k)
+                or cache.v.stride(-1) != 1):
+            return None
+        new_rows, lengths = cache.decode_rows(batch)
+        wk, wv = (None, None) if shares else (self.k_proj.weight, self.v_proj.weight)
+        return cpu_blocks.attention_block(x, norm.weight, norm.eps, self.q_proj.weight, wk, wv, self.o_proj.weight,
+                                          positions, self.rope.inv_freq, cache.k, cache.v, batch.slots, new_rows,
+                                          lengths, self.scale)
 
     def normed_heads(self, y: torch.Tensor, norm: str, n: int) -> torch.Tensor:
         """A projection [B, T, n * head_dim] -> [B, n, T, head_dim], through the q/k norm `norm` when there is one."""

@@ -177,6 +177,12 @@ class ContiguousKV(KVTensors):
         if self.v is not None:
             self.v[index] = v
 
+    def decode_rows(self, batch: CacheBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-token step's rows, as store and attend find them: where each sequence's new key goes [B], and how
+        many rows its query reads [B] (a ring's live rows, its first ones). Not for a dilated span."""
+        lengths = self.retention.rows_held(batch.lengths) if self.rolling else batch.lengths
+        return self.retention.row(batch.positions[:, 0]), lengths
+
     def attend(self, q: torch.Tensor, batch: CacheBatch, scale: float, value_dim: int | None = None,
                causal: bool = True) -> torch.Tensor:
         """causal=False: each query sees every cached key of its row before batch.lengths, not only earlier ones."""

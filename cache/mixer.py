@@ -5,7 +5,9 @@ A mixer is an nn.Module constructed as cls(d_model=..., layer_idx=..., **its set
 int / float / bool / str constructor parameters (the registry validates them by those annotations). Taking a
 `causal: bool` parameter says it can also attend both ways (a masked diffusion LM's layers). A mixer may name, in a
 class attribute `query_key_projections`, its linear layers whose outputs meet in a query-key product (zoo.quantize's
-AWQ does not clip their weights).
+AWQ does not clip their weights). A mixer (or feed-forward) may offer `decode_residual(norm, x, ...)`: its block's
+whole half, x + self(norm(x), ...), as one call where it can (attention/attention.py's, on the CPU), else None; the
+block then runs the norm and the mixer itself (zoo/model.py's Block).
 """
 from typing import Protocol, runtime_checkable
 

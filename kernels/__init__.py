@@ -2,7 +2,7 @@
 the PyTorch reference it must equal."""
 
 from .contiguous_attention import contiguous_decode_attention, contiguous_decode_attention_ref
-from . import cpu_fused  # its ops' schemas, before kernels/cpu/ops.cpp registers their CPU kernels
+from . import cpu_blocks, cpu_fused  # their ops' schemas, before kernels/cpu/ops.cpp registers their CPU kernels
 from .cpu_decode import cpu_kernels_available
 from .linear import Linear
 from .dispatch import FORCE_TRITON_ENV, triton_available, use_cpu_kernel, use_triton

@@ -206,9 +206,15 @@ def fits(q: torch.Tensor, cache: torch.Tensor, kv_heads: int, value_dim: int, sc
     """Whether decode_attention takes these tensors: a supported dtype (an int8 or fp8 cache with scales in q's), the
     cache's last dim contiguous, sizes in range."""
     stored = (q.dtype,) if scales is None else ONE_BYTE_ROWS
-    return (q.dtype in DTYPE_CODES and cache.dtype in stored and cache.stride(-1) == 1
-            and (scales is None or scales.dtype == q.dtype)
-            and q.shape[1] % kv_heads == 0 and q.shape[1] // kv_heads <= 128 and max(q.shape[2], value_dim) <= 1024)
+    return (q.dtype in DTYPE_CODES and cache.dtype in stored and (scales is None or scales.dtype == q.dtype)
+            and attention_fits(q.shape[1], kv_heads, q.shape[2], value_dim, cache))
+
+
+def attention_fits(heads: int, kv_heads: int, key_dim: int, value_dim: int, cache: torch.Tensor) -> bool:
+    """decode_attention's sizes: query heads a multiple of the KV heads, at most 128 a KV head, dims at most 1024, the
+    cache's last dim contiguous."""
+    return (cache.stride(-1) == 1 and heads % kv_heads == 0 and heads // kv_heads <= 128
+            and max(key_dim, value_dim) <= 1024)
 
 
 def _attend():

@@ -22,9 +22,15 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(config.norm, config.d_model, config.norm_eps) if self.mlp is not None else None
 
     def forward(self, x, positions=None, cache=None, batch=None):
-        x = x + self.mixer(self.mixer_norm(x), positions, cache, batch)
+        # a mixer or feed-forward may offer its whole half of the block (norm, itself, residual) as one call on an
+        # eager CPU decode step (kernels/cpu_blocks.py); None where it cannot
+        fused = getattr(self.mixer, "decode_residual", None)
+        y = fused(self.mixer_norm, x, positions, cache, batch) if fused else None
+        x = x + self.mixer(self.mixer_norm(x), positions, cache, batch) if y is None else y
         if self.mlp is not None:
-            x = x + self.mlp(self.mlp_norm(x), batch)
+            fused = getattr(self.mlp, "decode_residual", None)
+            y = fused(self.mlp_norm, x) if fused else None
+            x = x + self.mlp(self.mlp_norm(x), batch) if y is None else y
         return x
 
 

@@ -1,6 +1,7 @@
 // The hot ops' CPU kernels in C++ (archzoo::dense_gemv, archzoo::quantized_gemv, archzoo::decode_attention; their
 // schemas and fakes are kernels/cpu_decode.py's custom ops; archzoo::rms_norm, archzoo::rotary and
-// archzoo::swiglu_gemv are kernels/cpu_fused.py's), so the dispatcher calls the C kernels beside this file
+// archzoo::swiglu_gemv are kernels/cpu_fused.py's; archzoo::ffn_block and archzoo::attention_block, whole
+// halves of a decode block, kernels/cpu_blocks.py's), so the dispatcher calls the C kernels beside this file
 // without entering Python: ~1.5 µs a call against ~11 µs for the same glue in Python (a `base` decode step makes 85
 // GEMV calls and 12 attention ones; its compiled bf16 step measured 12.0-12.5 against 13.7-13.9 ms with the GEMVs'
 // glue alone). Built with torch's C++ extension loader at a hot op's first CPU use (kernels/cpu_decode.py's
@@ -13,6 +14,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
+#include <initializer_list>
 #include <string>
 
 namespace {
@@ -220,6 +223,66 @@ at::Tensor decode_attention(const at::Tensor &q_in, const at::Tensor &k, const s
     return out;
 }
 
+// x + SwiGLU(RMSNorm(x)): a block's feed-forward half of a decode step in one call (kernels/cpu_blocks.py)
+at::Tensor ffn_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &gate,
+                     const at::Tensor &up, const at::Tensor &down) {
+    return swiglu_gemv(rms_norm(x, norm, eps), gate, up, down).add_(x);
+}
+
+// cache[slots[i], :, rows[i], :] = values[i] for values [B, heads, dim] contiguous, as the index_put it replaces
+void write_rows(at::Tensor &cache, const at::Tensor &values, const int64_t *slots, const int64_t *rows) {
+    int64_t batch = values.size(0), heads = values.size(1), element = values.element_size();
+    size_t row_bytes = static_cast<size_t>(values.size(2) * element);
+    char *base = static_cast<char *>(cache.data_ptr());
+    const char *source = static_cast<const char *>(values.data_ptr());
+    for (int64_t i = 0; i < batch; i++) {
+        TORCH_CHECK_INDEX(slots[i] >= 0 && slots[i] < cache.size(0) && rows[i] >= 0 && rows[i] < cache.size(2),
+                          "attention_block: slot ", slots[i], " and row ", rows[i], " must lie in the cache's ",
+                          cache.size(0), " slots and ", cache.size(2), " rows");
+        for (int64_t h = 0; h < heads; h++)
+            std::memcpy(base + (slots[i] * cache.stride(0) + h * cache.stride(1) + rows[i] * cache.stride(2)) * element,
+                        source + (i * heads + h) * static_cast<int64_t>(row_bytes), row_bytes);
+    }
+}
+
+// x [B, 1, D] + o(attention) after RMSNorm: q, k, v GEMVs, rotary q and k, this step's keys and values written at
+// (slots, rows) of a contiguous cache [slots, kv_heads, rows, head_dim] (no wk, wv: a layer that reads another's
+// cache), and decode attention over each sequence's first `lengths` rows: an attention layer's half of a decode
+// block in one call (kernels/cpu_blocks.py)
+at::Tensor attention_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &wq,
+                           const std::optional<at::Tensor> &wk, const std::optional<at::Tensor> &wv,
+                           const at::Tensor &wo, const at::Tensor &positions, const at::Tensor &inv_freq,
+                           at::Tensor k_cache, at::Tensor v_cache, const at::Tensor &slots_in,
+                           const at::Tensor &rows_in, const at::Tensor &lengths, double scale) {
+    int64_t batch = x.size(0), kv_heads = k_cache.size(1), head_dim = k_cache.size(3);
+    int64_t heads = wq.size(0) / head_dim;
+    TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == 1 && wq.size(0) == heads * head_dim && wk.has_value() == wv.has_value()
+                      && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.stride(3) == 1 &&
+                      v_cache.stride(3) == 1 && slots_in.numel() == batch && rows_in.numel() == batch,
+                      "attention_block: x ", x.sizes(), " must be [B, 1, D] with caches [slots, kv_heads, rows, dim] ",
+                      k_cache.sizes(), ", ", v_cache.sizes(), " (last dim contiguous), q rows ", wq.size(0),
+                      " a multiple of the head dim, and B slots and rows");
+    for (const at::Tensor *t : std::initializer_list<const at::Tensor *>{&wq, &wo, &k_cache, &v_cache,
+                                                                         wk ? &*wk : &wq, wv ? &*wv : &wq})
+        TORCH_CHECK_VALUE(t->scalar_type() == x.scalar_type(), "attention_block: weights and caches in x's dtype ",
+                          dtype_name(x.scalar_type()), ", got ", dtype_name(t->scalar_type()));
+    at::Tensor h = rms_norm(x, norm, eps);
+    at::Tensor q = rotary(dense_gemv(h, wq, std::nullopt).view({batch, 1, heads, head_dim}).transpose(1, 2),
+                          positions, inv_freq);
+    at::Tensor slots = slots_in.to(at::kLong).contiguous();
+    if (wk) {
+        at::Tensor k = rotary(dense_gemv(h, *wk, std::nullopt).view({batch, 1, kv_heads, head_dim}).transpose(1, 2),
+                              positions, inv_freq).view({batch, kv_heads, head_dim});
+        at::Tensor v = dense_gemv(h, *wv, std::nullopt).view({batch, kv_heads, head_dim});
+        at::Tensor rows = rows_in.to(at::kLong).contiguous();
+        write_rows(k_cache, k, slots.data_ptr<int64_t>(), rows.data_ptr<int64_t>());
+        write_rows(v_cache, v, slots.data_ptr<int64_t>(), rows.data_ptr<int64_t>());
+    }
+    at::Tensor out = decode_attention(q.view({batch, heads, head_dim}), k_cache, v_cache, slots.unsqueeze(1), lengths,
+                                      "rows", scale, head_dim, std::nullopt, 0, 0, 0, std::nullopt, std::nullopt, 1, 0);
+    return dense_gemv(out.view({batch, 1, heads * head_dim}), wo, std::nullopt).add_(x);
+}
+
 }  // namespace
 
 extern "C" void archzoo_point_kernels(void *dense, void *int8, void *int4, void *attention, void *rms_norm,
@@ -236,4 +299,6 @@ TORCH_LIBRARY_IMPL(archzoo, CPU, m) {
     m.impl("rms_norm", &rms_norm);
     m.impl("rotary", &rotary);
     m.impl("swiglu_gemv", &swiglu_gemv);
+    m.impl("ffn_block", &ffn_block);
+    m.impl("attention_block", &attention_block);
 }

@@ -3,7 +3,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import Linear, cpu_fused
+from attention.norm import RMSNorm
+from kernels import Linear, cpu_blocks, cpu_fused
 
 
 class SwiGLU(nn.Module):
@@ -27,6 +28,15 @@ class SwiGLU(nn.Module):
         if self.dense and cpu_fused.swiglu_fits(x, *weights):  # an eager CPU decode step: one call, not five
             return cpu_fused.swiglu_gemv(x, *weights)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def decode_residual(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """x + self(norm(x)) in one call (kernels/cpu_blocks.py) where norm is an RMSNorm and this call would take the
+        fused SwiGLU (an eager CPU decode step); None elsewhere, where the block runs the two modules."""
+        weights = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+        if type(norm) is not RMSNorm or norm.weight.dtype != x.dtype or not self.dense \
+                or not cpu_fused.swiglu_fits(x, *weights):
+            return None
+        return cpu_blocks.ffn_block(x, norm.weight, norm.eps, *weights)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """float64: down(g / (1 + e^-g) * u) with g = x W_gate^T, u = x W_up^T."""

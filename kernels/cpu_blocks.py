@@ -1,0 +1,76 @@
+"""Whole halves of a decoder block as one call each in an eager CPU decode step: the feed-forward half
+(x + SwiGLU(RMSNorm(x))) and an attention layer's half (x + o(attention) after RMSNorm, its keys and values written
+into a contiguous cache on the way).
+
+After the fused small ops (kernels/cpu_fused.py), a `small` gqa decode step on a 2-core CPU still spent ~3 ms of its
+7.2 outside its GEMVs, ~0.26 of them in attention: per layer ~20 module calls, the dispatch checks before each op,
+two cache index_puts and the views between. Each op here is C++ (kernels/cpu/ops.cpp) over the same C kernels the
+modules' path calls, in the same order with the same roundings, so its result is bit-identical to that path; the
+Python functions below are the same composition, serving where the C++ glue does not build.
+
+The modules decide when a half runs here (zoo/ffn/swiglu.py's SwiGLU.decode_residual, attention/attention.py's
+Attention.decode_residual): decode-sized rows in fp32 or bf16, parameters in that dtype, no gradient recorded and no
+graph being compiled (kernels/cpu_fused.py's fused_path), plain weights, and for attention a one-token step over a
+float contiguous cache.
+"""
+import torch
+
+from . import cpu_decode
+from .cpu_fused import rms_norm_eager, rotary_eager, swiglu_gemv_eager
+
+
+def ffn_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, gate: torch.Tensor, up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+    """x + SwiGLU(RMSNorm(x)) on the C kernels (zoo/model.py's Block with an RMSNorm and a bias-free SwiGLU)."""
+    return x + swiglu_gemv_eager(rms_norm_eager(x, norm, eps), gate, up, down)
+
+
+ffn_block_op = torch.library.custom_op("archzoo::ffn_block", mutates_args=())(ffn_block_eager)
+
+
+@ffn_block_op.register_fake
+def _(x, norm, eps, gate, up, down):
+    return torch.empty_like(x)
+
+
+def attention_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: torch.Tensor, wk: torch.Tensor | None,
+                          wv: torch.Tensor | None, wo: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+                          lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """x [B, 1, D] + o(attention(q)) after RMSNorm, with q, k rotated at positions [B, 1] and this step's keys and
+    values written at cache[slots[i], :, rows[i]] first (k_cache, v_cache [slots, kv_heads, rows, head_dim]; wk and
+    wv None: a layer that reads another layer's cache writes nothing); each sequence's query sees its cache's first
+    lengths[i] rows (attention/attention.py's decode step over cache/layouts.py's ContiguousKV)."""
+    b = x.shape[0]
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    heads = wq.shape[0] // head_dim
+    h = rms_norm_eager(x, norm, eps)
+    q = rotary_eager(cpu_decode.dense_gemv_eager(h, wq, None).view(b, 1, heads, head_dim).transpose(1, 2),
+                     positions, inv_freq)
+    if wk is not None:
+        k = rotary_eager(cpu_decode.dense_gemv_eager(h, wk, None).view(b, 1, kv_heads, head_dim).transpose(1, 2),
+                         positions, inv_freq)
+        k_cache[slots, :, rows] = k[:, :, 0]
+        v_cache[slots, :, rows] = cpu_decode.dense_gemv_eager(h, wv, None).view(b, kv_heads, head_dim)
+    out = cpu_decode.decode_attention_eager(q[:, :, 0], k_cache, v_cache, slots.to(torch.int32)[:, None], lengths,
+                                            "rows", scale, head_dim)
+    return x + cpu_decode.dense_gemv_eager(out.reshape(b, 1, heads * head_dim), wo, None)
+
+
+attention_block_op = torch.library.custom_op("archzoo::attention_block",
+                                             mutates_args=("k_cache", "v_cache"))(attention_block_eager)
+
+
+@attention_block_op.register_fake
+def _(x, norm, eps, wq, wk, wv, wo, positions, inv_freq, k_cache, v_cache, slots, rows, lengths, scale):
+    return torch.empty_like(x)
+
+
+def ffn_block(x, norm, eps, gate, up, down) -> torch.Tensor:
+    return cpu_decode.op_or_function(ffn_block_op, ffn_block_eager)(x, norm, eps, gate, up, down)
+
+
+def attention_block(x, norm, eps, wq, wk, wv, wo, positions, inv_freq, k_cache, v_cache, slots, rows, lengths,
+                    scale) -> torch.Tensor:
+    return cpu_decode.op_or_function(attention_block_op, attention_block_eager)(
+        x, norm, eps, wq, wk, wv, wo, positions, inv_freq, k_cache, v_cache, slots, rows, lengths, scale)

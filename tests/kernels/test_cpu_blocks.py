@@ -1,0 +1,150 @@
+"""kernels/cpu_blocks.py: a block's feed-forward half and an attention layer's half as one call each in an eager CPU
+decode step, checked bit for bit against the modules' own path (the same C kernels, one op at a time), the C++ glue
+against its Python glue, and the rule that decides where they serve."""
+import pytest
+import torch
+
+import zoo
+from attention.attention import Attention
+from harness.decode_probe import decode_probe
+from cache.layouts import ContiguousKV
+from kernels import cpu_blocks, cpu_decode, cpu_kernels_available
+from zoo.ffn.swiglu import SwiGLU
+from zoo.quantize import QuantizeConfig, quantize
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the C kernels did not build here (a warning "
+                                                                     "said why)")
+
+
+def turn_off(monkeypatch):
+    """The blocks run their two modules each, as where the fused halves do not serve."""
+    monkeypatch.setattr(Attention, "decode_residual", lambda *args: None)
+    monkeypatch.setattr(SwiGLU, "decode_residual", lambda *args: None)
+
+
+def decode_steps(model, batch: int, context: int, steps: int = 3):
+    """Logits of `steps` greedy decode steps from a random cache of `context` tokens, and every layer's keys after."""
+    torch.manual_seed(1)
+    probe = decode_probe(model, batch, context, "contiguous", 16, compile=False, cuda_graphs=False)
+    logits = []
+    for _ in range(steps):
+        logits.append(probe.engine.runner.decode(probe.seqs))
+        for seq, row in zip(probe.seqs, logits[-1]):
+            seq.output_ids.append(int(row.argmax()))
+    return torch.stack(logits), [layer.k.clone() for layer in probe.engine.pool.layers if hasattr(layer, "k")]
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mha", "cla", "swa", "mamba2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch, context", [(1, 12), (3, 40)])
+def test_decode_steps_are_bit_identical_to_the_modules_path(arch, dtype, batch, context, monkeypatch):
+    """tiny's window is 16: swa at 40 tokens writes a ring; cla's second layer reads the first's cache; mamba2 takes
+    only the feed-forward half."""
+    torch.manual_seed(0)
+    model = zoo.build(arch, preset="tiny").to(dtype).eval()
+    served = {"attention": 0, "ffn": 0}
+
+    def counted(method, key):
+        def call(*args):
+            out = method(*args)
+            served[key] += out is not None
+            return out
+        return call
+
+    monkeypatch.setattr(Attention, "decode_residual", counted(Attention.decode_residual, "attention"))
+    monkeypatch.setattr(SwiGLU, "decode_residual", counted(SwiGLU.decode_residual, "ffn"))
+    fused_logits, fused_keys = decode_steps(model, batch, context)
+    turn_off(monkeypatch)
+    logits, keys = decode_steps(model, batch, context)
+    assert served["ffn"] == 3 * len(model.blocks)
+    assert served["attention"] == (0 if arch == "mamba2" else 3 * len(model.blocks))
+    assert torch.equal(fused_logits, logits)
+    assert all(torch.equal(a, b) for a, b in zip(fused_keys, keys))
+
+
+def block_inputs(dtype, batch=2, kv_heads=2, heads=4, head_dim=16, d_model=32, slots=3, rows=24):
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    return dict(x=randn(batch, 1, d_model), norm=randn(d_model), eps=1e-5, wq=randn(heads * head_dim, d_model),
+                wk=randn(kv_heads * head_dim, d_model), wv=randn(kv_heads * head_dim, d_model),
+                wo=randn(d_model, heads * head_dim), positions=torch.tensor([[5], [17]]),
+                inv_freq=1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim),
+                k_cache=randn(slots, kv_heads, rows, head_dim), v_cache=randn(slots, kv_heads, rows, head_dim),
+                slots=torch.tensor([2, 0]), rows=torch.tensor([5, 17]), lengths=torch.tensor([6, 18]),
+                scale=head_dim**-0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shares", [False, True])
+def test_the_cpp_and_python_glue_agree(dtype, shares):
+    if not cpu_decode.glue_available():
+        pytest.skip("the C++ glue did not build here (a warning said why)")
+    inputs = block_inputs(dtype)
+    if shares:  # a layer that reads another's cache: no keys or values of its own, nothing written
+        inputs.update(wk=None, wv=None)
+    caches = {}
+    outs = {}
+    for name, fn in (("op", cpu_blocks.attention_block_op), ("python", cpu_blocks.attention_block_eager)):
+        args = {**inputs, "k_cache": inputs["k_cache"].clone(), "v_cache": inputs["v_cache"].clone()}
+        outs[name] = fn(**args)
+        caches[name] = args["k_cache"], args["v_cache"]
+    assert torch.equal(outs["op"], outs["python"])
+    assert all(torch.equal(a, b) for a, b in zip(caches["op"], caches["python"]))
+    written = not torch.equal(caches["op"][0], inputs["k_cache"])
+    assert written != shares
+    ffn = dict(x=inputs["x"], norm=inputs["norm"], eps=1e-5, gate=inputs["wq"], up=inputs["wq"].flip(0),
+               down=inputs["wo"])
+    assert torch.equal(cpu_blocks.ffn_block_op(**ffn), cpu_blocks.ffn_block_eager(**ffn))
+
+
+def test_bad_input_is_refused_before_any_write():
+    if not cpu_decode.glue_available():
+        pytest.skip("the C++ glue did not build here (a warning said why)")
+    inputs = block_inputs(torch.float32)
+    before = inputs["k_cache"].clone()
+    with pytest.raises(ValueError, match="torch.bfloat16"):
+        cpu_blocks.attention_block_op(**{**inputs, "v_cache": inputs["v_cache"].bfloat16()})
+    with pytest.raises(IndexError, match="slot 3"):
+        cpu_blocks.attention_block_op(**{**inputs, "slots": torch.tensor([3, 0])})
+    assert torch.equal(inputs["k_cache"], before)
+
+
+def halves(model, cache_kind="contiguous", batch=2, grad=False, cache=None, **batch_fields):
+    """(layer 0's attention half, its feed-forward half) as decode_residual answers them on an engine's decode step:
+    None where the block runs its two modules. cache: a layer-0 cache to use instead of the engine's."""
+    probe = decode_probe(model, batch, 12, cache_kind, 16, compile=False, cuda_graphs=False)
+    seqs = probe.seqs
+    step = probe.engine.runner.cache_batch(seqs, [[s.num_cached] for s in seqs], [s.num_cached + 1 for s in seqs],
+                                           step="decode")
+    for name, value in batch_fields.items():
+        setattr(step, name, value)
+    block = model.blocks[0]
+    x = torch.randn(batch, 1, model.config.d_model, dtype=block.mixer_norm.weight.dtype, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        attention = block.mixer.decode_residual(block.mixer_norm, x, step.positions,
+                                                cache or probe.engine.pool.layers[0], step)
+        ffn = block.mlp.decode_residual(block.mlp_norm, x)
+    return attention, ffn
+
+
+def served(pair) -> tuple[bool, bool]:
+    return tuple(half is not None for half in pair)
+
+
+def test_where_the_fused_halves_serve():
+    torch.manual_seed(0)
+    model = zoo.build("gqa", preset="tiny").eval()
+    assert served(halves(model)) == (True, True)
+    assert served(halves(model, "paged")) == (False, True)
+    assert served(halves(model, checkpoints=True)) == (False, True)  # a speculative step keeps what it overwrites
+    assert served(halves(model, padded=True)) == (False, True)
+    assert served(halves(model, grad=True)) == (False, False)
+    one_byte = ContiguousKV(model.blocks[0].mixer.cache_spec(), 2, 32, torch.float32, "cpu", kv_format="int8")
+    assert served(halves(model, cache=one_byte)) == (False, True)
+    bf16 = zoo.build("gqa", preset="tiny").bfloat16().eval()
+    assert served(halves(bf16, batch=8)) == (True, True)
+    assert served(halves(bf16, batch=9)) == (False, False)  # F.linear's rows, past the C GEMV's
+    assert served(halves(quantize(model, QuantizeConfig(weights="int8")))) == (False, False)
