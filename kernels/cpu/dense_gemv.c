@@ -230,20 +230,12 @@ static void tile_int8(const struct gemv *g, int64_t n0, int64_t m0, int mp) { ti
 
 typedef void (*tile_fn)(const struct gemv *, int64_t, int64_t, int);
 
-#define MAX_GEMVS 4 /* GEMVs of one x in one parallel region (dense_gemv_many) */
-
-/* every tile (ROWS channels) of the count GEMVs g[0..count) for every MAX_M rows of x at a time, in one parallel
- * region: the threads split their tiles, in order, as one list */
-static void run(const struct gemv *g, int count, int64_t m, tile_fn tile_of, int threads) {
-    int64_t first[MAX_GEMVS + 1] = {0};
-    for (int j = 0; j < count; j++) first[j + 1] = first[j] + (g[j].n + ROWS - 1) / ROWS;
+/* every tile of g (ROWS channels each) for every MAX_M rows of x at a time */
+static void run(const struct gemv *g, int64_t m, tile_fn tile_of, int threads) {
+    int64_t tiles = (g->n + ROWS - 1) / ROWS;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < first[count]; t++) {
-        int j = 0;
-        while (t >= first[j + 1]) j++;
-        for (int64_t m0 = 0; m0 < m; m0 += MAX_M)
-            tile_of(&g[j], (t - first[j]) * ROWS, m0, m - m0 < MAX_M ? (int)(m - m0) : MAX_M);
-    }
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t m0 = 0; m0 < m; m0 += MAX_M) tile_of(g, t * ROWS, m0, m - m0 < MAX_M ? (int)(m - m0) : MAX_M);
 }
 
 /* x [m, k] (row stride ldx, x_dtype) as a contiguous fp32 copy; NULL out of memory */
@@ -269,30 +261,7 @@ int dense_gemv(const void *x, int64_t m, int64_t k, int64_t ldx, int dtype, cons
         ldx = k;
     }
     struct gemv g = {x, weight, bias, NULL, out, k, n, ldx, ldo, format, dtype, F32};
-    run(&g, 1, m, dtype == F32 ? tile_fp32 : tile_bf16, threads);
-    free(wide);
-    return 0;
-}
-
-/* count (<= MAX_GEMVS) bias-free GEMVs of one x in one parallel region: out_j [m, n_j] (contiguous) = x W_j^T for
- * W_j [n_j, k]. An attention layer's q, k and v (its k and v are a quarter of q's rows under 4-way GQA), or SwiGLU's
- * gate and up: one fork and join, and no thread idles at the end of a short GEMV while the other finishes. */
-int dense_gemv_many(const void *x, int64_t m, int64_t k, int64_t ldx, int dtype, int count,
-                    const void *const *weights, const int64_t *n, void *const *outs, int threads) {
-    if (dtype != F32 && dtype != BF16) return -1;
-    if (count < 1 || count > MAX_GEMVS) return -3;
-    if (m <= 0) return 0;
-    int format = dtype == F32 ? PLAIN : BF16_FORMAT;
-    float *wide = NULL;
-    if (format == WIDEN) {
-        if (!(wide = widened(x, m, k, ldx, BF16))) return -2;
-        x = wide;
-        ldx = k;
-    }
-    struct gemv g[MAX_GEMVS];
-    for (int j = 0; j < count; j++)
-        g[j] = (struct gemv){x, weights[j], NULL, NULL, outs[j], k, n[j], ldx, n[j], format, dtype, F32};
-    run(g, count, m, dtype == F32 ? tile_fp32 : tile_bf16, threads);
+    run(&g, m, dtype == F32 ? tile_fp32 : tile_bf16, threads);
     free(wide);
     return 0;
 }
@@ -306,7 +275,7 @@ int int8_gemv(const void *x, int64_t m, int64_t k, int64_t ldx, int x_dtype, con
     float *wide = widened(x, m, k, ldx, x_dtype);
     if (!wide) return -2;
     struct gemv g = {(const char *)wide, q, NULL, scales, out, k, n, k, ldo, BYTES, x_dtype, s_dtype};
-    run(&g, 1, m, tile_int8, threads);
+    run(&g, m, tile_int8, threads);
     free(wide);
     return 0;
 }

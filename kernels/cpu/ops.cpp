@@ -17,7 +17,6 @@
 #include <cstring>
 #include <initializer_list>
 #include <string>
-#include <vector>
 
 namespace {
 
@@ -36,9 +35,6 @@ using RmsNormFn = int (*)(const void *, int64_t, int64_t, int64_t, int, const vo
 using RotaryFn = int (*)(const void *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t *,
                          int64_t, int64_t, const float *, int, void *);
 
-using DenseManyFn = int (*)(const void *, int64_t, int64_t, int64_t, int, int, const void *const *, const int64_t *,
-                            void *const *, int);
-
 struct Kernels {
     DenseFn dense = nullptr;
     Int8Fn int8 = nullptr;
@@ -46,7 +42,6 @@ struct Kernels {
     AttentionFn attention = nullptr;
     RmsNormFn rms_norm = nullptr;
     RotaryFn rotary = nullptr;
-    DenseManyFn dense_many = nullptr;
 };
 
 Kernels &kernels() {  // set once by archzoo_point_kernels, before the first call
@@ -163,43 +158,11 @@ at::Tensor rotary(const at::Tensor &x_in, const at::Tensor &positions_in, const 
     return out;
 }
 
-// x W_j^T for each bias-free W_j, in one parallel region (kernels/cpu/dense_gemv.c's dense_gemv_many): each result
-// equals dense_gemv's, bit for bit
-std::vector<at::Tensor> dense_gemv_many(const at::Tensor &x, std::initializer_list<const at::Tensor *> weights) {
-    TORCH_CHECK(kernels().dense_many, "dense_gemv_many: the C kernels are not pointed to");
-    at::Tensor rows = as_rows(x);
-    int code = dtype_code(x, "x");
-    TORCH_CHECK_VALUE(code != 2, "dense_gemv: dtype ", dtype_name(x.scalar_type()), " is beyond the CPU kernel (fp32, "
-                      "bf16)");
-    std::vector<at::Tensor> ws, outs;
-    std::vector<const void *> w_ptrs;
-    std::vector<void *> out_ptrs;
-    std::vector<int64_t> ns;
-    for (const at::Tensor *w : weights) {
-        TORCH_CHECK_VALUE(w->scalar_type() == x.scalar_type() && w->size(1) == rows.size(1), "dense_gemv: weight ",
-                          w->sizes(), " ", dtype_name(w->scalar_type()), " must be [N, ", rows.size(1), "] in x's ",
-                          dtype_name(x.scalar_type()));
-        ws.push_back(w->contiguous());
-        outs.push_back(at::empty({rows.size(0), w->size(0)}, x.options()));
-        w_ptrs.push_back(ws.back().data_ptr());
-        out_ptrs.push_back(outs.back().data_ptr());
-        ns.push_back(w->size(0));
-    }
-    int status = kernels().dense_many(rows.data_ptr(), rows.size(0), rows.size(1), rows.stride(0), code,
-                                      static_cast<int>(ws.size()), w_ptrs.data(), ns.data(), out_ptrs.data(),
-                                      at::get_num_threads());
-    TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "dense_gemv: out of memory for the fp32 copy of x");
-    TORCH_CHECK_VALUE(status == 0, "dense_gemv_many: ", ws.size(), " weights, beyond the kernel's 1-4");
-    for (at::Tensor &out : outs) out = shaped(out, x);
-    return outs;
-}
-
-// SwiGLU's down(silu(gate x) * up x) on dense GEMVs (gate and up in one region), silu and the product in x's dtype as
-// F.silu and * do
+// SwiGLU's down(silu(gate x) * up x) on three dense GEMVs, silu and the product in x's dtype as F.silu and * do
 at::Tensor swiglu_gemv(const at::Tensor &x, const at::Tensor &gate, const at::Tensor &up, const at::Tensor &down) {
-    std::vector<at::Tensor> gate_up = dense_gemv_many(x, {&gate, &up});
-    at::Tensor hidden = at::silu_(gate_up[0]);
-    hidden.mul_(gate_up[1]);
+    at::Tensor hidden = dense_gemv(x, gate, std::nullopt);
+    at::silu_(hidden);
+    hidden.mul_(dense_gemv(x, up, std::nullopt));
     return dense_gemv(hidden, down, std::nullopt);
 }
 
@@ -304,13 +267,13 @@ at::Tensor attention_block(const at::Tensor &x, const at::Tensor &norm, double e
         TORCH_CHECK_VALUE(t->scalar_type() == x.scalar_type(), "attention_block: weights and caches in x's dtype ",
                           dtype_name(x.scalar_type()), ", got ", dtype_name(t->scalar_type()));
     at::Tensor h = rms_norm(x, norm, eps);
-    std::vector<at::Tensor> qkv = wk ? dense_gemv_many(h, {&wq, &*wk, &*wv}) : dense_gemv_many(h, {&wq});
-    at::Tensor q = rotary(qkv[0].view({batch, 1, heads, head_dim}).transpose(1, 2), positions, inv_freq);
+    at::Tensor q = rotary(dense_gemv(h, wq, std::nullopt).view({batch, 1, heads, head_dim}).transpose(1, 2),
+                          positions, inv_freq);
     at::Tensor slots = slots_in.to(at::kLong).contiguous();
     if (wk) {
-        at::Tensor k = rotary(qkv[1].view({batch, 1, kv_heads, head_dim}).transpose(1, 2), positions, inv_freq)
-                           .view({batch, kv_heads, head_dim});
-        at::Tensor v = qkv[2].view({batch, kv_heads, head_dim});
+        at::Tensor k = rotary(dense_gemv(h, *wk, std::nullopt).view({batch, 1, kv_heads, head_dim}).transpose(1, 2),
+                              positions, inv_freq).view({batch, kv_heads, head_dim});
+        at::Tensor v = dense_gemv(h, *wv, std::nullopt).view({batch, kv_heads, head_dim});
         at::Tensor rows = rows_in.to(at::kLong).contiguous();
         write_rows(k_cache, k, slots.data_ptr<int64_t>(), rows.data_ptr<int64_t>());
         write_rows(v_cache, v, slots.data_ptr<int64_t>(), rows.data_ptr<int64_t>());
@@ -323,11 +286,10 @@ at::Tensor attention_block(const at::Tensor &x, const at::Tensor &norm, double e
 }  // namespace
 
 extern "C" void archzoo_point_kernels(void *dense, void *int8, void *int4, void *attention, void *rms_norm,
-                                      void *rotary, void *dense_many) {
+                                      void *rotary) {
     kernels() = Kernels{reinterpret_cast<DenseFn>(dense), reinterpret_cast<Int8Fn>(int8),
                         reinterpret_cast<Int4Fn>(int4), reinterpret_cast<AttentionFn>(attention),
-                        reinterpret_cast<RmsNormFn>(rms_norm), reinterpret_cast<RotaryFn>(rotary),
-                        reinterpret_cast<DenseManyFn>(dense_many)};
+                        reinterpret_cast<RmsNormFn>(rms_norm), reinterpret_cast<RotaryFn>(rotary)};
 }
 
 TORCH_LIBRARY_IMPL(archzoo, CPU, m) {
