@@ -19,9 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention.heads import default_head_dim
+from attention.norm import RMSNorm
 from attention.reference import linear_attention_reference
 from cache.spec import CacheBatch, CacheSpec
-from kernels import Linear, linear_attention_chunked, linear_attention_parallel_ref, linear_attention_step
+from cache.state_slots import StateSlots
+from kernels import Linear, cpu_blocks, cpu_decode, cpu_fused, linear_attention_chunked, linear_attention_parallel_ref
+from kernels import linear_attention_step
+from kernels.linear import GEMV_ROWS
 
 FEATURE_MAPS = ("elu", "taylor")
 
@@ -146,6 +150,28 @@ class LinearAttention(nn.Module):
             out, s, z = linear_attention_chunked(q, k, v, s, z, chunk_size=self.chunk_size, eps=self.eps)
         cache.write({"kv": s, "normalizer": z}, batch)
         return self.merge(out)
+
+    def decode_residual(self, norm: nn.Module, x: torch.Tensor, positions, cache, batch: CacheBatch | None
+                        ) -> torch.Tensor | None:
+        """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) on an eager CPU one-token decode step over the
+        engine's state slots, after an RMSNorm, with the elu + 1 feature map and plain projections on the C GEMV;
+        None elsewhere, where the block runs the two modules."""
+        if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded or type(cache) is not StateSlots
+                or type(norm) is not RMSNorm or self.feature_map != "elu"):
+            return None
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        if any(type(p) is not Linear or p.bias is not None for p in projections):
+            return None
+        weights = [p.weight for p in projections]
+        rows = x.shape[0] * x.shape[1]
+        kv, normalizer = cache.tensors["kv"], cache.tensors["normalizer"]
+        if (x.shape[1] != 1 or rows not in GEMV_ROWS.get(x.dtype, ())
+                or not cpu_fused.fused_path(x, rows, norm.weight, *weights)
+                or not all(cpu_decode.dense_gemv_fits(x, w, None) for w in weights)
+                or kv.dtype != torch.float32 or normalizer.dtype != torch.float32 or kv.device != x.device):
+            return None
+        return cpu_blocks.linear_attention_block(x, norm.weight, norm.eps, *weights, kv, normalizer, batch.slots,
+                                                 self.eps)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The float64 oracle: the recurrence, one token at a time (attention/reference.py)."""

@@ -1,21 +1,30 @@
 """Whole halves of a decoder block as one call each in an eager CPU decode step: the feed-forward half
-(x + SwiGLU(RMSNorm(x))) and an attention layer's half (x + o(attention) after RMSNorm, its keys and values written
-into a contiguous cache on the way).
+(x + SwiGLU(RMSNorm(x))), an attention layer's half (x + o(attention) after RMSNorm, its keys and values written
+into a contiguous cache on the way), and a linear attention layer's (its recurrent state updated in its cache rows).
 
-After the fused small ops (kernels/cpu_fused.py), a `small` gqa decode step on a 2-core CPU still spent ~3 ms of its
-7.2 outside its GEMVs, ~0.26 of them in attention: per layer ~20 module calls, the dispatch checks before each op,
-two cache index_puts and the views between. Each op here is C++ (kernels/cpu/ops.cpp) over the same C kernels the
-modules' path calls, in the same order with the same roundings, so its result is bit-identical to that path; the
-Python functions below are the same composition, serving where the C++ glue does not build.
+Each op here is C++ (kernels/cpu/ops.cpp) over the C kernels. The attention and feed-forward halves call the same
+kernels the modules' path calls, in the same order with the same roundings, so their results are bit-identical to
+that path; the linear attention half updates its state in place in one pass (kernels/cpu/linear_attention_step.c)
+where the module's path copied it five times, and sums in another order. The Python functions below compose the
+same steps, serving where the C++ glue does not build.
+
+What the module path cost, `small` (8 layers, d_model 512) on a 2-core EPYC, fp32, batch 1: per layer ~20 module
+calls and dispatch checks, two cache index_puts and the views between them, ~0.15-0.2 ms a step in all (2-3%). The
+halves that write a cache are ops of their own schema, not torch.library.custom_op: a custom op that mutates an
+input runs a Python ADInplaceOrView kernel on every call (its fill_defaults alone ~60 µs over 15 arguments), which
+cost more than the attention half's kernels. With that, a `small` gqa step measured 6.20 -> 5.11 ms (alternating,
+one process).
 
 The modules decide when a half runs here (zoo/ffn/swiglu.py's SwiGLU.decode_residual, attention/attention.py's
-Attention.decode_residual): decode-sized rows in fp32 or bf16, parameters in that dtype, no gradient recorded and no
-graph being compiled (kernels/cpu_fused.py's fused_path), plain weights, and for attention a one-token step over a
-float contiguous cache.
+Attention.decode_residual, attention/linear_attention.py's LinearAttention.decode_residual): decode-sized rows in
+fp32 or bf16, parameters in that dtype, no gradient recorded and no graph being compiled (kernels/cpu_fused.py's
+fused_path), plain weights, and a one-token step over the engine's contiguous cache or state slots.
 """
 import torch
+import torch.nn.functional as F
 
 from . import cpu_decode
+from .linear_attention import linear_attention_step_ref
 from .cpu_fused import rms_norm_eager, rotary_eager, swiglu_gemv_eager
 
 
@@ -73,6 +82,34 @@ def _(x, norm, eps, wq, wk, wv, wo, positions, inv_freq, k_cache, v_cache, slots
     return torch.empty_like(x)
 
 
+def linear_attention_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: torch.Tensor, wk: torch.Tensor,
+                                 wv: torch.Tensor, wo: torch.Tensor, kv: torch.Tensor, normalizer: torch.Tensor,
+                                 slots: torch.Tensor, attention_eps: float) -> torch.Tensor:
+    """x [B, 1, D] + o(linear attention) after RMSNorm, with the elu + 1 feature map and one recurrent step on the
+    fp32 states kv [slots, H, dk, dv] and normalizer [slots, H, dk] at rows `slots`, updated in place
+    (attention/linear_attention.py's decode step over cache/state_slots.py's StateSlots)."""
+    b, heads, dk, dv = x.shape[0], kv.shape[1], kv.shape[2], kv.shape[3]
+    h = rms_norm_eager(x, norm, eps)
+    q, k = (F.elu(cpu_decode.dense_gemv_eager(h, w, None)) + 1 for w in (wq, wk))
+    v = cpu_decode.dense_gemv_eager(h, wv, None)
+    state, total = kv[slots], normalizer[slots]
+    out = linear_attention_step_ref(q.view(b, heads, dk), k.view(b, heads, dk), v.view(b, heads, dv), state, total,
+                                    attention_eps)
+    kv[slots], normalizer[slots] = state, total
+    return x + cpu_decode.dense_gemv_eager(out.reshape(b, 1, heads * dv), wo, None)
+
+
+_LIBRARY.define("linear_attention_block(Tensor x, Tensor norm, float eps, Tensor wq, Tensor wk, Tensor wv, Tensor wo, "
+                "Tensor(a!) kv, Tensor(b!) normalizer, Tensor slots, float attention_eps) -> Tensor")
+_LIBRARY.impl("linear_attention_block", linear_attention_block_eager, "CompositeExplicitAutograd")
+linear_attention_block_op = torch.ops.archzoo.linear_attention_block.default
+
+
+@torch.library.register_fake("archzoo::linear_attention_block")
+def _(x, norm, eps, wq, wk, wv, wo, kv, normalizer, slots, attention_eps):
+    return torch.empty_like(x)
+
+
 def ffn_block(x, norm, eps, gate, up, down) -> torch.Tensor:
     return cpu_decode.op_or_function(ffn_block_op, ffn_block_eager)(x, norm, eps, gate, up, down)
 
@@ -81,3 +118,8 @@ def attention_block(x, norm, eps, wq, wk, wv, wo, positions, inv_freq, k_cache, 
                     scale) -> torch.Tensor:
     return cpu_decode.op_or_function(attention_block_op, attention_block_eager)(
         x, norm, eps, wq, wk, wv, wo, positions, inv_freq, k_cache, v_cache, slots, rows, lengths, scale)
+
+
+def linear_attention_block(x, norm, eps, wq, wk, wv, wo, kv, normalizer, slots, attention_eps) -> torch.Tensor:
+    return cpu_decode.op_or_function(linear_attention_block_op, linear_attention_block_eager)(
+        x, norm, eps, wq, wk, wv, wo, kv, normalizer, slots, attention_eps)

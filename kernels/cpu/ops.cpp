@@ -1,7 +1,7 @@
 // The hot ops' CPU kernels in C++ (archzoo::dense_gemv, archzoo::quantized_gemv, archzoo::decode_attention; their
 // schemas and fakes are kernels/cpu_decode.py's custom ops; archzoo::rms_norm, archzoo::rotary and
-// archzoo::swiglu_gemv are kernels/cpu_fused.py's; archzoo::ffn_block and archzoo::attention_block, whole
-// halves of a decode block, kernels/cpu_blocks.py's), so the dispatcher calls the C kernels beside this file
+// archzoo::swiglu_gemv are kernels/cpu_fused.py's; archzoo::ffn_block, archzoo::attention_block and
+// archzoo::linear_attention_block, whole halves of a decode block, kernels/cpu_blocks.py's), so the dispatcher calls the C kernels beside this file
 // without entering Python: ~1.5 µs a call against ~11 µs for the same glue in Python (a `base` decode step makes 85
 // GEMV calls and 12 attention ones; its compiled bf16 step measured 12.0-12.5 against 13.7-13.9 ms with the GEMVs'
 // glue alone). Built with torch's C++ extension loader at a hot op's first CPU use (kernels/cpu_decode.py's
@@ -9,6 +9,7 @@
 // (archzoo_point_kernels), so both use one build of them. Each function mirrors its Python glue there.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/elu.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/silu.h>
 #include <torch/library.h>
@@ -35,6 +36,9 @@ using RmsNormFn = int (*)(const void *, int64_t, int64_t, int64_t, int, const vo
 using RotaryFn = int (*)(const void *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t *,
                          int64_t, int64_t, const float *, int, void *);
 
+using LinearStepFn = int (*)(const float *, const float *, const float *, float *, int64_t, int64_t, float *, int64_t,
+                             int64_t, const int64_t *, int, int, int, int, float, float *, int);
+
 struct Kernels {
     DenseFn dense = nullptr;
     Int8Fn int8 = nullptr;
@@ -42,6 +46,7 @@ struct Kernels {
     AttentionFn attention = nullptr;
     RmsNormFn rms_norm = nullptr;
     RotaryFn rotary = nullptr;
+    LinearStepFn linear_step = nullptr;
 };
 
 Kernels &kernels() {  // set once by archzoo_point_kernels, before the first call
@@ -283,13 +288,51 @@ at::Tensor attention_block(const at::Tensor &x, const at::Tensor &norm, double e
     return dense_gemv(out.view({batch, 1, heads * head_dim}), wo, std::nullopt).add_(x);
 }
 
+// x [B, 1, D] + o(linear attention) after RMSNorm: q, k, v GEMVs, the elu + 1 feature map on q and k (torch's own
+// ops, so its roundings are the module's), and one recurrent step on the fp32 state cache rows of `slots` in place
+// (kv [slots, H, dk, dv], normalizer [slots, H, dk]; kernels/cpu/linear_attention_step.c): a linear attention
+// layer's half of a decode block in one call (kernels/cpu_blocks.py)
+at::Tensor linear_attention_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &wq,
+                                  const at::Tensor &wk, const at::Tensor &wv, const at::Tensor &wo, at::Tensor kv,
+                                  at::Tensor normalizer, const at::Tensor &slots_in, double attention_eps) {
+    TORCH_CHECK(kernels().linear_step, "linear_attention_block: the C kernels are not pointed to");
+    int64_t batch = x.size(0), heads = kv.size(1), dk = kv.size(2), dv = kv.size(3);
+    TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == 1 && kv.scalar_type() == at::kFloat &&
+                      normalizer.scalar_type() == at::kFloat && kv.dim() == 4 && normalizer.dim() == 3 &&
+                      normalizer.size(1) == heads && normalizer.size(2) == dk && kv.stride(3) == 1 &&
+                      kv.stride(2) == dv && normalizer.stride(2) == 1 && wq.size(0) == heads * dk &&
+                      wk.size(0) == heads * dk && wv.size(0) == heads * dv && slots_in.numel() == batch,
+                      "linear_attention_block: x ", x.sizes(), " must be [B, 1, D], the fp32 states [slots, H, dk, dv] ",
+                      kv.sizes(), " (rows contiguous) and [slots, H, dk] ", normalizer.sizes(), ", q and k ", heads,
+                      " x ", dk, " rows, v ", heads, " x ", dv, ", and B slots");
+    at::Tensor slots = slots_in.to(at::kLong).contiguous();
+    auto slot = slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < batch; i++)
+        TORCH_CHECK_INDEX(slot[i] >= 0 && slot[i] < kv.size(0) && slot[i] < normalizer.size(0),
+                          "linear_attention_block: slot ", slot[i], " must lie in the cache's ", kv.size(0), " slots");
+    at::Tensor h = rms_norm(x, norm, eps);
+    auto features = [&](const at::Tensor &w) {  // elu + 1 in x's dtype, as the module's feature map, then fp32
+        return at::elu(dense_gemv(h, w, std::nullopt)).add_(1).to(at::kFloat).contiguous();
+    };
+    at::Tensor q = features(wq), k = features(wk), v = dense_gemv(h, wv, std::nullopt).to(at::kFloat).contiguous();
+    at::Tensor out = at::empty({batch, heads * dv}, x.options().dtype(at::kFloat));
+    int status = kernels().linear_step(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                                       kv.data_ptr<float>(), kv.stride(0), kv.stride(1), normalizer.data_ptr<float>(),
+                                       normalizer.stride(0), normalizer.stride(1), slot, static_cast<int>(batch),
+                                       static_cast<int>(heads), static_cast<int>(dk), static_cast<int>(dv),
+                                       static_cast<float>(attention_eps), out.data_ptr<float>(), at::get_num_threads());
+    TORCH_CHECK_VALUE(status == 0, "linear_attention_block: value width ", dv, " is beyond the CPU kernel (<= 4096)");
+    return dense_gemv(out.to(x.scalar_type()).view({batch, 1, heads * dv}), wo, std::nullopt).add_(x);
+}
+
 }  // namespace
 
 extern "C" void archzoo_point_kernels(void *dense, void *int8, void *int4, void *attention, void *rms_norm,
-                                      void *rotary) {
+                                      void *rotary, void *linear_step) {
     kernels() = Kernels{reinterpret_cast<DenseFn>(dense), reinterpret_cast<Int8Fn>(int8),
                         reinterpret_cast<Int4Fn>(int4), reinterpret_cast<AttentionFn>(attention),
-                        reinterpret_cast<RmsNormFn>(rms_norm), reinterpret_cast<RotaryFn>(rotary)};
+                        reinterpret_cast<RmsNormFn>(rms_norm), reinterpret_cast<RotaryFn>(rotary),
+                        reinterpret_cast<LinearStepFn>(linear_step)};
 }
 
 TORCH_LIBRARY_IMPL(archzoo, CPU, m) {
@@ -301,4 +344,5 @@ TORCH_LIBRARY_IMPL(archzoo, CPU, m) {
     m.impl("swiglu_gemv", &swiglu_gemv);
     m.impl("ffn_block", &ffn_block);
     m.impl("attention_block", &attention_block);
+    m.impl("linear_attention_block", &linear_attention_block);
 }

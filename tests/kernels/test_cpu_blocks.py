@@ -6,6 +6,7 @@ import torch
 
 import zoo
 from attention.attention import Attention
+from attention.linear_attention import LinearAttention
 from harness.decode_probe import decode_probe
 from cache.layouts import ContiguousKV
 from kernels import cpu_blocks, cpu_decode, cpu_kernels_available
@@ -16,14 +17,18 @@ pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the C kerne
                                                                      "said why)")
 
 
+MIXERS = (Attention, LinearAttention)  # the mixers with a fused decode half
+
+
 def turn_off(monkeypatch):
     """The blocks run their two modules each, as where the fused halves do not serve."""
-    monkeypatch.setattr(Attention, "decode_residual", lambda *args: None)
-    monkeypatch.setattr(SwiGLU, "decode_residual", lambda *args: None)
+    for cls in (*MIXERS, SwiGLU):
+        monkeypatch.setattr(cls, "decode_residual", lambda *args: None)
 
 
 def decode_steps(model, batch: int, context: int, steps: int = 3):
-    """Logits of `steps` greedy decode steps from a random cache of `context` tokens, and every layer's keys after."""
+    """Logits of `steps` greedy decode steps from a random cache of `context` tokens, and every layer's cache
+    tensors after."""
     torch.manual_seed(1)
     probe = decode_probe(model, batch, context, "contiguous", 16, compile=False, cuda_graphs=False)
     logits = []
@@ -31,18 +36,22 @@ def decode_steps(model, batch: int, context: int, steps: int = 3):
         logits.append(probe.engine.runner.decode(probe.seqs))
         for seq, row in zip(probe.seqs, logits[-1]):
             seq.output_ids.append(int(row.argmax()))
-    return torch.stack(logits), [layer.k.clone() for layer in probe.engine.pool.layers if hasattr(layer, "k")]
+    layers = probe.engine.pool.layers
+    caches = [t.clone() for layer in layers for t in (layer.tensors.values() if hasattr(layer, "tensors")
+                                                      else [layer.k, layer.v])]
+    return torch.stack(logits), caches
 
 
-@pytest.mark.parametrize("arch", ["gqa", "mha", "cla", "swa", "mamba2"])
+@pytest.mark.parametrize("arch", ["gqa", "mha", "cla", "swa", "linear", "mamba2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch, context", [(1, 12), (3, 40)])
-def test_decode_steps_are_bit_identical_to_the_modules_path(arch, dtype, batch, context, monkeypatch):
-    """tiny's window is 16: swa at 40 tokens writes a ring; cla's second layer reads the first's cache; mamba2 takes
-    only the feed-forward half."""
+def test_decode_steps_match_the_modules_path(arch, dtype, batch, context, monkeypatch):
+    """Bit for bit, except linear attention's fp32 state step, which sums in another order. tiny's window is 16:
+    swa at 40 tokens writes a ring; cla's second layer reads the first's cache; mamba2 takes only the feed-forward
+    half."""
     torch.manual_seed(0)
     model = zoo.build(arch, preset="tiny").to(dtype).eval()
-    served = {"attention": 0, "ffn": 0}
+    served = {"mixer": 0, "ffn": 0}
 
     def counted(method, key):
         def call(*args):
@@ -51,15 +60,21 @@ def test_decode_steps_are_bit_identical_to_the_modules_path(arch, dtype, batch, 
             return out
         return call
 
-    monkeypatch.setattr(Attention, "decode_residual", counted(Attention.decode_residual, "attention"))
+    for cls in MIXERS:
+        monkeypatch.setattr(cls, "decode_residual", counted(cls.decode_residual, "mixer"))
     monkeypatch.setattr(SwiGLU, "decode_residual", counted(SwiGLU.decode_residual, "ffn"))
-    fused_logits, fused_keys = decode_steps(model, batch, context)
+    fused_logits, fused_caches = decode_steps(model, batch, context)
     turn_off(monkeypatch)
-    logits, keys = decode_steps(model, batch, context)
+    logits, caches = decode_steps(model, batch, context)
     assert served["ffn"] == 3 * len(model.blocks)
-    assert served["attention"] == (0 if arch == "mamba2" else 3 * len(model.blocks))
-    assert torch.equal(fused_logits, logits)
-    assert all(torch.equal(a, b) for a, b in zip(fused_keys, keys))
+    assert served["mixer"] == (0 if arch == "mamba2" else 3 * len(model.blocks))
+    if arch == "linear" and dtype == torch.float32:
+        torch.testing.assert_close(fused_logits, logits, rtol=1e-5, atol=1e-6)
+        for fused, plain in zip(fused_caches, caches):
+            torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(fused_logits, logits)
+        assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches))
 
 
 def block_inputs(dtype, batch=2, kv_heads=2, heads=4, head_dim=16, d_model=32, slots=3, rows=24):
@@ -148,3 +163,39 @@ def test_where_the_fused_halves_serve():
     assert served(halves(bf16, batch=8)) == (True, True)
     assert served(halves(bf16, batch=9)) == (False, False)  # F.linear's rows, past the C GEMV's
     assert served(halves(quantize(model, QuantizeConfig(weights="int8")))) == (False, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_attention_half_cpp_and_python_agree(dtype):
+    if not cpu_decode.glue_available():
+        pytest.skip("the C++ glue did not build here (a warning said why)")
+    g = torch.Generator().manual_seed(0)
+    heads, dk, dv, d_model = 2, 8, 16, 32
+
+    def randn(*shape, to=dtype):
+        return torch.randn(*shape, generator=g).to(to)
+
+    inputs = dict(x=randn(2, 1, d_model), norm=randn(d_model), eps=1e-5, wq=randn(heads * dk, d_model),
+                  wk=randn(heads * dk, d_model), wv=randn(heads * dv, d_model), wo=randn(d_model, heads * dv),
+                  kv=randn(3, heads, dk, dv, to=torch.float32), normalizer=randn(3, heads, dk, to=torch.float32).abs(),
+                  slots=torch.tensor([2, 0]), attention_eps=1e-6)
+    results = {}
+    for name, fn in (("op", cpu_blocks.linear_attention_block_op), ("python", cpu_blocks.linear_attention_block_eager)):
+        args = {**inputs, "kv": inputs["kv"].clone(), "normalizer": inputs["normalizer"].clone()}
+        results[name] = fn(**args), args["kv"], args["normalizer"]
+    for op, python in zip(results["op"], results["python"]):
+        torch.testing.assert_close(op, python, rtol=1e-5, atol=1e-5)
+    assert torch.equal(results["op"][1][1], inputs["kv"][1])  # slot 1 is no sequence's: untouched
+    assert not torch.equal(results["op"][1][2], inputs["kv"][2])
+    with pytest.raises(IndexError, match="slot 3"):
+        cpu_blocks.linear_attention_block_op(**{**inputs, "slots": torch.tensor([3, 0])})
+
+
+def test_where_the_linear_attention_half_serves():
+    torch.manual_seed(0)
+    model = zoo.build("linear", preset="tiny").eval()
+    assert served(halves(model)) == (True, True)
+    assert served(halves(model, checkpoints=True)) == (False, True)
+    assert served(halves(model, grad=True)) == (False, False)
+    taylor = zoo.build("linear", preset="tiny", feature_map="taylor").eval()
+    assert served(halves(taylor)) == (False, True)
