@@ -110,6 +110,50 @@ def _(x, norm, eps, wq, wk, wv, wo, kv, normalizer, slots, attention_eps):
     return torch.empty_like(x)
 
 
+def mamba2_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, in_w: torch.Tensor, conv_w: torch.Tensor,
+                       conv_b: torch.Tensor | None, dt_bias: torch.Tensor, A_log: torch.Tensor, D: torch.Tensor,
+                       gate_norm: torch.Tensor, gate_eps: float, out_w: torch.Tensor, conv: torch.Tensor,
+                       ssm: torch.Tensor, slots: torch.Tensor, groups: int) -> torch.Tensor:
+    """x [B, 1, D] + out_proj(Mamba-2's decode step) after RMSNorm, the states at rows `slots` of conv [slots,
+    conv_dim, d_conv] and ssm [slots, H, P, N] updated in place (ssm/mamba2.py's Mamba2.step over the engine's state
+    slots); conv_w [conv_dim, d_conv], the depthwise conv's taps."""
+    heads, head_dim, dstate = ssm.shape[1:]
+    d_inner, conv_dim = heads * head_dim, conv.shape[1]
+    z, xbc, dt = cpu_decode.dense_gemv_eager(rms_norm_eager(x, norm, eps), in_w, None)[:, 0].split(
+        [d_inner, conv_dim, heads], dim=-1)
+    window = torch.cat([conv[slots][..., 1:], xbc[..., None].to(conv.dtype)], dim=-1)
+    conv[slots] = window
+    mixed = (window * conv_w).sum(-1)
+    if conv_b is not None:
+        mixed = mixed + conv_b
+    xs, B, C = F.silu(mixed).to(z.dtype).split([d_inner, groups * dstate, groups * dstate], dim=-1)
+    A = (-torch.exp(A_log.float()))[:, None, None].expand(-1, head_dim, dstate)
+    state = ssm[slots]
+    y = cpu_decode.state_update_eager(state, xs.unflatten(-1, (heads, head_dim)).float(),
+                                      dt[..., None].expand(-1, -1, head_dim).float(), A,
+                                      B.unflatten(-1, (groups, dstate)).float(), C.unflatten(-1, (groups, dstate)).float(),
+                                      D[:, None].expand(-1, head_dim).float(), None,
+                                      dt_bias[:, None].expand(-1, head_dim).float(), True)
+    ssm[slots] = state
+    gated = y.to(x.dtype).flatten(-2).float() * F.silu(z.float())
+    parts = gated.unflatten(-1, (-1, d_inner // groups))
+    parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + gate_eps)
+    normed = gate_norm * parts.flatten(-2).to(x.dtype)
+    return x + cpu_decode.dense_gemv_eager(normed[:, None], out_w, None)
+
+
+_LIBRARY.define("mamba2_block(Tensor x, Tensor norm, float eps, Tensor in_w, Tensor conv_w, Tensor? conv_b, "
+                "Tensor dt_bias, Tensor A_log, Tensor D, Tensor gate_norm, float gate_eps, Tensor out_w, "
+                "Tensor(a!) conv, Tensor(b!) ssm, Tensor slots, int groups) -> Tensor")
+_LIBRARY.impl("mamba2_block", mamba2_block_eager, "CompositeExplicitAutograd")
+mamba2_block_op = torch.ops.archzoo.mamba2_block.default
+
+
+@torch.library.register_fake("archzoo::mamba2_block")
+def _(x, norm, eps, in_w, conv_w, conv_b, dt_bias, A_log, D, gate_norm, gate_eps, out_w, conv, ssm, slots, groups):
+    return torch.empty_like(x)
+
+
 def ffn_block(x, norm, eps, gate, up, down) -> torch.Tensor:
     return cpu_decode.op_or_function(ffn_block_op, ffn_block_eager)(x, norm, eps, gate, up, down)
 
@@ -123,3 +167,9 @@ def attention_block(x, norm, eps, wq, wk, wv, wo, positions, inv_freq, k_cache, 
 def linear_attention_block(x, norm, eps, wq, wk, wv, wo, kv, normalizer, slots, attention_eps) -> torch.Tensor:
     return cpu_decode.op_or_function(linear_attention_block_op, linear_attention_block_eager)(
         x, norm, eps, wq, wk, wv, wo, kv, normalizer, slots, attention_eps)
+
+
+def mamba2_block(x, norm, eps, in_w, conv_w, conv_b, dt_bias, A_log, D, gate_norm, gate_eps, out_w, conv, ssm, slots,
+                 groups) -> torch.Tensor:
+    return cpu_decode.op_or_function(mamba2_block_op, mamba2_block_eager)(
+        x, norm, eps, in_w, conv_w, conv_b, dt_bias, A_log, D, gate_norm, gate_eps, out_w, conv, ssm, slots, groups)

@@ -17,9 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.norm import RMSNorm
 from cache.spec import CacheBatch, CacheSpec
+from cache.state_slots import StateSlots
 from ssm.reference import mamba2_reference
-from kernels import Linear, selective_state_update
+from kernels import Linear, cpu_blocks, cpu_decode, cpu_fused, selective_state_update
+from kernels.linear import GEMV_ROWS
 
 
 class GatedRMSNorm(nn.Module):
@@ -181,6 +184,29 @@ class Mamba2(nn.Module):
                                    dt_softplus=True)
         y = self.norm(y.flatten(-2), z)
         return y, conv_state, ssm_state
+
+    def decode_residual(self, norm: nn.Module, x: torch.Tensor, positions, cache, batch: CacheBatch | None
+                        ) -> torch.Tensor | None:
+        """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) on an eager CPU one-token decode step over the
+        engine's state slots in x's dtype, after an RMSNorm, with plain bias-free projections on the C GEMV; None
+        elsewhere, where the block runs the two modules."""
+        if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded or type(cache) is not StateSlots
+                or type(norm) is not RMSNorm):
+            return None
+        projections = (self.in_proj, self.out_proj)
+        if any(type(p) is not Linear or p.bias is not None for p in projections):
+            return None
+        weights = [p.weight for p in projections]
+        rows = x.shape[0] * x.shape[1]
+        conv, ssm = cache.tensors["conv"], cache.tensors["ssm"]
+        params = (norm.weight, *weights, self.conv1d.weight, self.dt_bias, self.A_log, self.D, self.norm.weight)
+        if (x.shape[1] != 1 or rows not in GEMV_ROWS.get(x.dtype, ()) or not cpu_fused.fused_path(x, rows, *params)
+                or not all(cpu_decode.dense_gemv_fits(x, w, None) for w in weights)
+                or conv.dtype != x.dtype or ssm.dtype != x.dtype or not cpu_decode.state_update_fits(ssm)):
+            return None
+        return cpu_blocks.mamba2_block(x, norm.weight, norm.eps, weights[0], self.conv1d.weight[:, 0],
+                                       self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight,
+                                       self.norm.eps, weights[1], conv, ssm, batch.slots, self.n_groups)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The float64 oracle: the recurrence, one token at a time (ssm/reference.py)."""

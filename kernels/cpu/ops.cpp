@@ -1,7 +1,8 @@
 // The hot ops' CPU kernels in C++ (archzoo::dense_gemv, archzoo::quantized_gemv, archzoo::decode_attention; their
 // schemas and fakes are kernels/cpu_decode.py's custom ops; archzoo::rms_norm, archzoo::rotary and
 // archzoo::swiglu_gemv are kernels/cpu_fused.py's; archzoo::ffn_block, archzoo::attention_block and
-// archzoo::linear_attention_block, whole halves of a decode block, kernels/cpu_blocks.py's), so the dispatcher calls the C kernels beside this file
+// archzoo::linear_attention_block and archzoo::mamba2_block, whole halves of a decode block,
+// kernels/cpu_blocks.py's), so the dispatcher calls the C kernels beside this file
 // without entering Python: ~1.5 µs a call against ~11 µs for the same glue in Python (a `base` decode step makes 85
 // GEMV calls and 12 attention ones; its compiled bf16 step measured 12.0-12.5 against 13.7-13.9 ms with the GEMVs'
 // glue alone). Built with torch's C++ extension loader at a hot op's first CPU use (kernels/cpu_decode.py's
@@ -9,6 +10,7 @@
 // (archzoo_point_kernels), so both use one build of them. Each function mirrors its Python glue there.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
 #include <ATen/ops/elu.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/silu.h>
@@ -39,6 +41,12 @@ using RotaryFn = int (*)(const void *, int64_t, int64_t, int64_t, int64_t, int64
 using LinearStepFn = int (*)(const float *, const float *, const float *, float *, int64_t, int64_t, float *, int64_t,
                              int64_t, const int64_t *, int, int, int, int, float, float *, int);
 
+using StateUpdateFn = int (*)(void *, int64_t, int64_t, int64_t, int64_t, int, const float *, int64_t, int64_t, int64_t,
+                              const float *, int64_t, int64_t, int64_t, const float *, int64_t, int64_t, const float *,
+                              int64_t, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, const float *,
+                              int64_t, int64_t, int64_t, const float *, int64_t, int64_t, const float *, int64_t,
+                              int64_t, int64_t, float *, int, int, int, int, int, int, int);
+
 struct Kernels {
     DenseFn dense = nullptr;
     Int8Fn int8 = nullptr;
@@ -47,6 +55,7 @@ struct Kernels {
     RmsNormFn rms_norm = nullptr;
     RotaryFn rotary = nullptr;
     LinearStepFn linear_step = nullptr;
+    StateUpdateFn state_update = nullptr;
 };
 
 Kernels &kernels() {  // set once by archzoo_point_kernels, before the first call
@@ -325,14 +334,83 @@ at::Tensor linear_attention_block(const at::Tensor &x, const at::Tensor &norm, d
     return dense_gemv(out.to(x.scalar_type()).view({batch, 1, heads * dv}), wo, std::nullopt).add_(x);
 }
 
+// x [B, 1, D] + out_proj(Mamba-2's decode step) after RMSNorm (ssm/mamba2.py's Mamba2.step, op for op in torch's
+// own ops so its roundings are the module's): in_proj GEMV; the depthwise conv's window shifted in the conv state
+// cache rows of `slots` and summed; the selective state update (kernels/cpu/selective_state_update.c) on the SSM
+// state cache rows in place, not on a copy written back; the gated RMSNorm; out_proj GEMV. A Mamba-2 layer's half of
+// a decode block in one call (kernels/cpu_blocks.py)
+at::Tensor mamba2_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &in_w,
+                        const at::Tensor &conv_w, const std::optional<at::Tensor> &conv_b, const at::Tensor &dt_bias,
+                        const at::Tensor &A_log, const at::Tensor &D, const at::Tensor &gate_norm, double gate_eps,
+                        const at::Tensor &out_w, at::Tensor conv, at::Tensor ssm, const at::Tensor &slots_in,
+                        int64_t groups) {
+    TORCH_CHECK(kernels().state_update, "mamba2_block: the C kernels are not pointed to");
+    int64_t batch = x.size(0), heads = ssm.size(1), head_dim = ssm.size(2), dstate = ssm.size(3);
+    int64_t d_inner = heads * head_dim, conv_dim = conv.size(1), d_conv = conv.size(2);
+    TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == 1 && ssm.dim() == 4 && conv.dim() == 3 && groups >= 1 &&
+                      heads % groups == 0 && conv_dim == d_inner + 2 * groups * dstate &&
+                      in_w.size(0) == d_inner + conv_dim + heads && conv_w.size(0) == conv_dim &&
+                      conv_w.size(-1) == d_conv && slots_in.numel() == batch && dstate <= 1024 &&
+                      conv.scalar_type() == x.scalar_type() && ssm.scalar_type() == x.scalar_type(),
+                      "mamba2_block: x ", x.sizes(), " must be [B, 1, D] with conv state [slots, conv_dim, d_conv] ",
+                      conv.sizes(), " and SSM state [slots, H, P, N <= 1024] ", ssm.sizes(), " in x's dtype, ", groups,
+                      " groups, in_proj ", in_w.sizes(), " and B slots");
+    at::Tensor slots = slots_in.to(at::kLong).contiguous();
+    auto slot = slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < batch; i++)
+        TORCH_CHECK_INDEX(slot[i] >= 0 && slot[i] < conv.size(0) && slot[i] < ssm.size(0), "mamba2_block: slot ",
+                          slot[i], " must lie in the cache's ", ssm.size(0), " slots");
+    at::Tensor projected = dense_gemv(rms_norm(x, norm, eps), in_w, std::nullopt).select(1, 0);  // [B, in_width]
+    at::Tensor z = projected.narrow(-1, 0, d_inner), xbc = projected.narrow(-1, d_inner, conv_dim);
+    at::Tensor dt = projected.narrow(-1, d_inner + conv_dim, heads);
+    at::Tensor window = at::cat({conv.index_select(0, slots).narrow(-1, 1, d_conv - 1),
+                                 xbc.unsqueeze(-1).to(conv.scalar_type())}, -1);
+    conv.index_copy_(0, slots, window);
+    at::Tensor mixed = (window * conv_w).sum(-1);
+    if (conv_b) mixed = mixed + *conv_b;
+    at::Tensor activated = at::silu(mixed).to(z.scalar_type());
+    at::Tensor xs = activated.narrow(-1, 0, d_inner).unflatten(-1, {heads, head_dim});
+    at::Tensor B = activated.narrow(-1, d_inner, groups * dstate).unflatten(-1, {groups, dstate}).to(at::kFloat);
+    at::Tensor C = activated.narrow(-1, d_inner + groups * dstate, groups * dstate).unflatten(-1, {groups, dstate})
+                       .to(at::kFloat);
+    // as the module hands them to the kernel: per-head values broadcast over head_dim (and d_state) as views, in fp32
+    at::Tensor A = (-at::exp(A_log.to(at::kFloat))).unsqueeze(-1).unsqueeze(-1).expand({heads, head_dim, dstate});
+    at::Tensor x32 = xs.to(at::kFloat), dt32 = dt.unsqueeze(-1).expand({batch, heads, head_dim}).to(at::kFloat);
+    at::Tensor D32 = D.unsqueeze(-1).expand({heads, head_dim}).to(at::kFloat);
+    at::Tensor bias32 = dt_bias.unsqueeze(-1).expand({heads, head_dim}).to(at::kFloat);
+    at::Tensor y = at::empty({batch, heads, head_dim}, x.options().dtype(at::kFloat));
+    int element = static_cast<int>(ssm.element_size());
+    for (int64_t i = 0; i < batch; i++) {  // each sequence's state row in place
+        char *state = static_cast<char *>(ssm.data_ptr()) + slot[i] * ssm.stride(0) * element;
+        int status = kernels().state_update(
+            state, ssm.stride(0), ssm.stride(1), ssm.stride(2), ssm.stride(3), dtype_code(ssm, "state"),
+            x32.data_ptr<float>() + i * x32.stride(0), x32.stride(0), x32.stride(1), x32.stride(2),
+            dt32.data_ptr<float>() + i * dt32.stride(0), dt32.stride(0), dt32.stride(1), dt32.stride(2),
+            bias32.data_ptr<float>(), bias32.stride(0), bias32.stride(1),
+            A.data_ptr<float>(), A.stride(0), A.stride(1), A.stride(2),
+            B.data_ptr<float>() + i * B.stride(0), B.stride(0), B.stride(1), B.stride(2),
+            C.data_ptr<float>() + i * C.stride(0), C.stride(0), C.stride(1), C.stride(2),
+            D32.data_ptr<float>(), D32.stride(0), D32.stride(1), nullptr, 0, 0, 0,
+            y.data_ptr<float>() + i * y.stride(0), 1, static_cast<int>(heads), static_cast<int>(head_dim),
+            static_cast<int>(dstate), static_cast<int>(groups), 1, at::get_num_threads());
+        TORCH_CHECK_VALUE(status == 0, "mamba2_block: d_state ", dstate, " is beyond the CPU kernel's 1024");
+    }
+    // the gated RMSNorm (ssm/mamba2.py's GatedRMSNorm) over groups of d_inner / groups channels
+    at::Tensor gated = y.to(x.scalar_type()).flatten(-2).to(at::kFloat) * at::silu(z.to(at::kFloat));
+    at::Tensor parts = gated.unflatten(-1, {-1, d_inner / groups});
+    parts = parts * at::rsqrt(parts.pow(2).mean(-1, true) + gate_eps);
+    at::Tensor normed = gate_norm * parts.flatten(-2).to(x.scalar_type());
+    return dense_gemv(normed.unsqueeze(1), out_w, std::nullopt).add_(x);
+}
+
 }  // namespace
 
 extern "C" void archzoo_point_kernels(void *dense, void *int8, void *int4, void *attention, void *rms_norm,
-                                      void *rotary, void *linear_step) {
+                                      void *rotary, void *linear_step, void *state_update) {
     kernels() = Kernels{reinterpret_cast<DenseFn>(dense), reinterpret_cast<Int8Fn>(int8),
                         reinterpret_cast<Int4Fn>(int4), reinterpret_cast<AttentionFn>(attention),
                         reinterpret_cast<RmsNormFn>(rms_norm), reinterpret_cast<RotaryFn>(rotary),
-                        reinterpret_cast<LinearStepFn>(linear_step)};
+                        reinterpret_cast<LinearStepFn>(linear_step), reinterpret_cast<StateUpdateFn>(state_update)};
 }
 
 TORCH_LIBRARY_IMPL(archzoo, CPU, m) {
@@ -345,4 +423,5 @@ TORCH_LIBRARY_IMPL(archzoo, CPU, m) {
     m.impl("ffn_block", &ffn_block);
     m.impl("attention_block", &attention_block);
     m.impl("linear_attention_block", &linear_attention_block);
+    m.impl("mamba2_block", &mamba2_block);
 }
