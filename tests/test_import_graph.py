@@ -104,12 +104,12 @@ def room(module: str) -> str:
     return RUNTIME if module == RUNTIME or module.startswith(RUNTIME + ".") else module.split(".")[0]
 
 
-# Which rooms each room may import (docs/architecture.md's table); ssm shares two of attention's layer helpers.
+# Which rooms each room may import (docs/architecture.md's table); ssm shares three of attention's layer helpers.
 ALLOWED = {
     "kernels": set(),
     "cache": {"kernels"},
     "attention": {"cache", "kernels"},
-    "ssm": {"cache", "kernels", "attention.heads", "attention.rope"},
+    "ssm": {"cache", "kernels", "attention.heads", "attention.rope", "attention.norm"},
     "zoo": {"attention", "ssm", "cache", "kernels"},
     RUNTIME: {"zoo", "cache", "kernels"},
     "harness": {RUNTIME, "zoo", "cache", "attention", "ssm", "kernels"},
