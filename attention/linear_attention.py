@@ -156,8 +156,8 @@ class LinearAttention(nn.Module):
         """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) on an eager CPU one-token decode step over the
         engine's state slots, after an RMSNorm, with the elu + 1 feature map and plain projections on the C GEMV;
         None elsewhere, where the block runs the two modules."""
-        if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded or type(cache) is not StateSlots
-                or type(norm) is not RMSNorm or self.feature_map != "elu"):
+        if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded
+                or type(cache) is not StateSlots or type(norm) is not RMSNorm or self.feature_map != "elu"):
             return None
         projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         if any(type(p) is not Linear or p.bias is not None for p in projections):

@@ -1,11 +1,13 @@
 """Whole halves of a decoder block as one call each in an eager CPU decode step: the feed-forward half
 (x + SwiGLU(RMSNorm(x))), an attention layer's half (x + o(attention) after RMSNorm, its keys and values written
-into a contiguous cache on the way), and a linear attention layer's (its recurrent state updated in its cache rows).
+into a contiguous cache on the way), and a linear attention, Mamba-2 or Mamba layer's (its recurrent states updated
+in place in the engine's state slots).
 
-Each op here is C++ (kernels/cpu/ops.cpp) over the C kernels. The attention and feed-forward halves call the same
-kernels the modules' path calls, in the same order with the same roundings, so their results are bit-identical to
-that path; the linear attention half updates its state in place in one pass (kernels/cpu/linear_attention_step.c)
-where the module's path copied it five times, and sums in another order. The Python functions below compose the
+Each op here is C++ (kernels/cpu/ops.cpp) over the C kernels. The attention, feed-forward, Mamba-2 and Mamba halves
+call the kernels and torch ops the modules' path calls, in the same order with the same roundings, so their results
+are bit-identical to that path; the recurrent halves update their states in the slots' rows rather than in copies
+written back. The linear attention half's state step is one pass in C (kernels/cpu/linear_attention_step.c), where
+the module's path copied the state five times, and sums in another order. The Python functions below compose the
 same steps, serving where the C++ glue does not build.
 
 What the module path cost, `small` (8 layers, d_model 512) on a 2-core EPYC, fp32, batch 1: per layer ~20 module
@@ -16,9 +18,10 @@ cost more than the attention half's kernels. With that, a `small` gqa step measu
 one process).
 
 The modules decide when a half runs here (zoo/ffn/swiglu.py's SwiGLU.decode_residual, attention/attention.py's
-Attention.decode_residual, attention/linear_attention.py's LinearAttention.decode_residual): decode-sized rows in
-fp32 or bf16, parameters in that dtype, no gradient recorded and no graph being compiled (kernels/cpu_fused.py's
-fused_path), plain weights, and a one-token step over the engine's contiguous cache or state slots.
+Attention.decode_residual, and the same in attention/linear_attention.py, ssm/mamba2.py and ssm/mamba.py):
+decode-sized rows in fp32 or bf16, parameters in that dtype, no gradient recorded and no graph being compiled
+(kernels/cpu_fused.py's fused_path), plain weights, and a one-token step over the engine's contiguous cache or
+state slots.
 """
 import torch
 import torch.nn.functional as F
@@ -131,7 +134,8 @@ def mamba2_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, in_w: to
     state = ssm[slots]
     y = cpu_decode.state_update_eager(state, xs.unflatten(-1, (heads, head_dim)).float(),
                                       dt[..., None].expand(-1, -1, head_dim).float(), A,
-                                      B.unflatten(-1, (groups, dstate)).float(), C.unflatten(-1, (groups, dstate)).float(),
+                                      B.unflatten(-1, (groups, dstate)).float(),
+                                      C.unflatten(-1, (groups, dstate)).float(),
                                       D[:, None].expand(-1, head_dim).float(), None,
                                       dt_bias[:, None].expand(-1, head_dim).float(), True)
     ssm[slots] = state
@@ -154,6 +158,43 @@ def _(x, norm, eps, in_w, conv_w, conv_b, dt_bias, A_log, D, gate_norm, gate_eps
     return torch.empty_like(x)
 
 
+def mamba_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, in_w: torch.Tensor, conv_w: torch.Tensor,
+                      conv_b: torch.Tensor | None, x_w: torch.Tensor, dt_w: torch.Tensor, dt_b: torch.Tensor,
+                      A_log: torch.Tensor, D: torch.Tensor, out_w: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor,
+                      slots: torch.Tensor) -> torch.Tensor:
+    """x [B, 1, D] + out_proj(Mamba's decode step) after RMSNorm, the states at rows `slots` of conv [slots, d_inner,
+    d_conv] and ssm [slots, d_inner, N] updated in place (ssm/mamba.py's Mamba.step over the engine's state slots);
+    conv_w [d_inner, d_conv], the depthwise conv's taps."""
+    d_inner, dstate, rank = ssm.shape[1], ssm.shape[2], dt_w.shape[1]
+    xs, z = cpu_decode.dense_gemv_eager(rms_norm_eager(x, norm, eps), in_w, None)[:, 0].chunk(2, dim=-1)
+    window = torch.cat([conv[slots][..., 1:], xs[..., None].to(conv.dtype)], dim=-1)
+    conv[slots] = window
+    mixed = (window * conv_w).sum(-1)
+    if conv_b is not None:
+        mixed = mixed + conv_b
+    xc = F.silu(mixed.to(x.dtype))
+    dt, B, C = cpu_decode.dense_gemv_eager(xc, x_w, None).split([rank, dstate, dstate], dim=-1)
+    dt = F.linear(dt, dt_w)
+    state = ssm[slots]
+    y = cpu_decode.state_update_eager(state.unsqueeze(1), xc[:, None].float(), dt[:, None].float(),
+                                      (-torch.exp(A_log.float()))[None], B[:, None].float(), C[:, None].float(),
+                                      D[None].float(), z[:, None].float(), dt_b[None].float(), True)
+    ssm[slots] = state
+    return x + cpu_decode.dense_gemv_eager(y[:, 0].to(x.dtype)[:, None], out_w, None)
+
+
+_LIBRARY.define("mamba_block(Tensor x, Tensor norm, float eps, Tensor in_w, Tensor conv_w, Tensor? conv_b, "
+                "Tensor x_w, Tensor dt_w, Tensor dt_b, Tensor A_log, Tensor D, Tensor out_w, Tensor(a!) conv, "
+                "Tensor(b!) ssm, Tensor slots) -> Tensor")
+_LIBRARY.impl("mamba_block", mamba_block_eager, "CompositeExplicitAutograd")
+mamba_block_op = torch.ops.archzoo.mamba_block.default
+
+
+@torch.library.register_fake("archzoo::mamba_block")
+def _(x, norm, eps, in_w, conv_w, conv_b, x_w, dt_w, dt_b, A_log, D, out_w, conv, ssm, slots):
+    return torch.empty_like(x)
+
+
 def ffn_block(x, norm, eps, gate, up, down) -> torch.Tensor:
     return cpu_decode.op_or_function(ffn_block_op, ffn_block_eager)(x, norm, eps, gate, up, down)
 
@@ -173,3 +214,8 @@ def mamba2_block(x, norm, eps, in_w, conv_w, conv_b, dt_bias, A_log, D, gate_nor
                  groups) -> torch.Tensor:
     return cpu_decode.op_or_function(mamba2_block_op, mamba2_block_eager)(
         x, norm, eps, in_w, conv_w, conv_b, dt_bias, A_log, D, gate_norm, gate_eps, out_w, conv, ssm, slots, groups)
+
+
+def mamba_block(x, norm, eps, in_w, conv_w, conv_b, x_w, dt_w, dt_b, A_log, D, out_w, conv, ssm, slots) -> torch.Tensor:
+    return cpu_decode.op_or_function(mamba_block_op, mamba_block_eager)(
+        x, norm, eps, in_w, conv_w, conv_b, x_w, dt_w, dt_b, A_log, D, out_w, conv, ssm, slots)

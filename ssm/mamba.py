@@ -16,9 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.norm import RMSNorm
 from cache.spec import CacheBatch, CacheSpec
+from cache.state_slots import StateSlots
 from ssm.reference import mamba_reference
-from kernels import Linear, cpu_decode, selective_state_update
+from kernels import Linear, cpu_blocks, cpu_decode, cpu_fused, selective_state_update
+from kernels.linear import GEMV_ROWS
 from ssm.scan import SelectiveScan, compiled_kernel_fits, scan_forward
 
 def selective_scan(x, dt, A, B, C, D, z, state, last=None, every_state: bool = False):
@@ -162,6 +165,30 @@ class Mamba(nn.Module):
             out, new_states = self.forward_scan(x, states, last=new_tokens - 1)
         cache.write(new_states, batch)
         return out
+
+    def decode_residual(self, norm: nn.Module, x: torch.Tensor, positions, cache, batch: CacheBatch | None
+                        ) -> torch.Tensor | None:
+        """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) on an eager CPU one-token decode step over the
+        engine's state slots in x's dtype, after an RMSNorm, with plain projections on the C GEMV (in_proj and
+        out_proj bias-free); None elsewhere, where the block runs the two modules."""
+        if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded
+                or type(cache) is not StateSlots or type(norm) is not RMSNorm):
+            return None
+        projections = (self.in_proj, self.x_proj, self.out_proj, self.dt_proj)
+        if any(type(p) is not Linear for p in projections) or self.in_proj.bias is not None \
+                or self.out_proj.bias is not None:
+            return None
+        weights = [p.weight for p in projections]
+        rows = x.shape[0] * x.shape[1]
+        conv, ssm = cache.tensors["conv"], cache.tensors["ssm"]
+        if (x.shape[1] != 1 or rows not in GEMV_ROWS.get(x.dtype, ())
+                or not cpu_fused.fused_path(x, rows, norm.weight, *weights, self.conv1d.weight, self.D)
+                or not all(cpu_decode.dense_gemv_fits(x, w, None) for w in weights[:3])
+                or conv.dtype != x.dtype or ssm.dtype != x.dtype or not cpu_decode.state_update_fits(ssm)):
+            return None
+        return cpu_blocks.mamba_block(x, norm.weight, norm.eps, weights[0], self.conv1d.weight[:, 0],
+                                      self.conv1d.bias, weights[1], weights[3], self.dt_proj.bias, self.A_log, self.D,
+                                      weights[2], conv, ssm, batch.slots)
 
     def zero_states(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         b = x.shape[0]

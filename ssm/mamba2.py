@@ -190,8 +190,8 @@ class Mamba2(nn.Module):
         """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) on an eager CPU one-token decode step over the
         engine's state slots in x's dtype, after an RMSNorm, with plain bias-free projections on the C GEMV; None
         elsewhere, where the block runs the two modules."""
-        if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded or type(cache) is not StateSlots
-                or type(norm) is not RMSNorm):
+        if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded
+                or type(cache) is not StateSlots or type(norm) is not RMSNorm):
             return None
         projections = (self.in_proj, self.out_proj)
         if any(type(p) is not Linear or p.bias is not None for p in projections):

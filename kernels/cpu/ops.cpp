@@ -1,7 +1,7 @@
 // The hot ops' CPU kernels in C++ (archzoo::dense_gemv, archzoo::quantized_gemv, archzoo::decode_attention; their
 // schemas and fakes are kernels/cpu_decode.py's custom ops; archzoo::rms_norm, archzoo::rotary and
-// archzoo::swiglu_gemv are kernels/cpu_fused.py's; archzoo::ffn_block, archzoo::attention_block and
-// archzoo::linear_attention_block and archzoo::mamba2_block, whole halves of a decode block,
+// archzoo::swiglu_gemv are kernels/cpu_fused.py's; archzoo::ffn_block, archzoo::attention_block,
+// archzoo::linear_attention_block, archzoo::mamba2_block and archzoo::mamba_block, whole halves of a decode block,
 // kernels/cpu_blocks.py's), so the dispatcher calls the C kernels beside this file
 // without entering Python: ~1.5 µs a call against ~11 µs for the same glue in Python (a `base` decode step makes 85
 // GEMV calls and 12 attention ones; its compiled bf16 step measured 12.0-12.5 against 13.7-13.9 ms with the GEMVs'
@@ -270,9 +270,10 @@ at::Tensor attention_block(const at::Tensor &x, const at::Tensor &norm, double e
                            const at::Tensor &rows_in, const at::Tensor &lengths, double scale) {
     int64_t batch = x.size(0), kv_heads = k_cache.size(1), head_dim = k_cache.size(3);
     int64_t heads = wq.size(0) / head_dim;
-    TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == 1 && wq.size(0) == heads * head_dim && wk.has_value() == wv.has_value()
-                      && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.stride(3) == 1 &&
-                      v_cache.stride(3) == 1 && slots_in.numel() == batch && rows_in.numel() == batch,
+    TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == 1 && wq.size(0) == heads * head_dim &&
+                      wk.has_value() == wv.has_value() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                      k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && slots_in.numel() == batch &&
+                      rows_in.numel() == batch,
                       "attention_block: x ", x.sizes(), " must be [B, 1, D] with caches [slots, kv_heads, rows, dim] ",
                       k_cache.sizes(), ", ", v_cache.sizes(), " (last dim contiguous), q rows ", wq.size(0),
                       " a multiple of the head dim, and B slots and rows");
@@ -311,9 +312,9 @@ at::Tensor linear_attention_block(const at::Tensor &x, const at::Tensor &norm, d
                       normalizer.size(1) == heads && normalizer.size(2) == dk && kv.stride(3) == 1 &&
                       kv.stride(2) == dv && normalizer.stride(2) == 1 && wq.size(0) == heads * dk &&
                       wk.size(0) == heads * dk && wv.size(0) == heads * dv && slots_in.numel() == batch,
-                      "linear_attention_block: x ", x.sizes(), " must be [B, 1, D], the fp32 states [slots, H, dk, dv] ",
-                      kv.sizes(), " (rows contiguous) and [slots, H, dk] ", normalizer.sizes(), ", q and k ", heads,
-                      " x ", dk, " rows, v ", heads, " x ", dv, ", and B slots");
+                      "linear_attention_block: x ", x.sizes(), " must be [B, 1, D], the fp32 states ",
+                      "[slots, H, dk, dv] ", kv.sizes(), " (rows contiguous) and [slots, H, dk] ", normalizer.sizes(),
+                      ", q and k ", heads, " x ", dk, " rows, v ", heads, " x ", dv, ", and B slots");
     at::Tensor slots = slots_in.to(at::kLong).contiguous();
     auto slot = slots.data_ptr<int64_t>();
     for (int64_t i = 0; i < batch; i++)
@@ -332,6 +333,54 @@ at::Tensor linear_attention_block(const at::Tensor &x, const at::Tensor &norm, d
                                        static_cast<float>(attention_eps), out.data_ptr<float>(), at::get_num_threads());
     TORCH_CHECK_VALUE(status == 0, "linear_attention_block: value width ", dv, " is beyond the CPU kernel (<= 4096)");
     return dense_gemv(out.to(x.scalar_type()).view({batch, 1, heads * dv}), wo, std::nullopt).add_(x);
+}
+
+// The selective state update (kernels/cpu/selective_state_update.c, softplus on dt) of each sequence's state row in
+// place: ssm [slots, H, P, N] at rows slot[0..B); x and dt [B, H, P], B and C [B, G, N], A [H, P, N], D and dt_bias
+// [H, P], z [B, H, P] or none, all fp32 at any strides. Returns y [B, H, P] fp32.
+at::Tensor state_update_rows(at::Tensor &ssm, const int64_t *slot, const at::Tensor &x, const at::Tensor &dt,
+                             const at::Tensor &A, const at::Tensor &B, const at::Tensor &C, const at::Tensor &D,
+                             const std::optional<at::Tensor> &z, const at::Tensor &dt_bias) {
+    int64_t batch = x.size(0), heads = ssm.size(1), head_dim = ssm.size(2), dstate = ssm.size(3);
+    at::Tensor y = at::empty({batch, heads, head_dim}, x.options().dtype(at::kFloat));
+    int64_t element = ssm.element_size();
+    for (int64_t i = 0; i < batch; i++) {
+        char *state = static_cast<char *>(ssm.data_ptr()) + slot[i] * ssm.stride(0) * element;
+        const float *zi = z ? z->data_ptr<float>() + i * z->stride(0) : nullptr;
+        int status = kernels().state_update(
+            state, ssm.stride(0), ssm.stride(1), ssm.stride(2), ssm.stride(3), dtype_code(ssm, "state"),
+            x.data_ptr<float>() + i * x.stride(0), x.stride(0), x.stride(1), x.stride(2),
+            dt.data_ptr<float>() + i * dt.stride(0), dt.stride(0), dt.stride(1), dt.stride(2),
+            dt_bias.data_ptr<float>(), dt_bias.stride(0), dt_bias.stride(1),
+            A.data_ptr<float>(), A.stride(0), A.stride(1), A.stride(2),
+            B.data_ptr<float>() + i * B.stride(0), B.stride(0), B.stride(1), B.stride(2),
+            C.data_ptr<float>() + i * C.stride(0), C.stride(0), C.stride(1), C.stride(2),
+            D.data_ptr<float>(), D.stride(0), D.stride(1), zi, z ? z->stride(0) : 0, z ? z->stride(1) : 0,
+            z ? z->stride(2) : 0, y.data_ptr<float>() + i * y.stride(0), 1, static_cast<int>(heads),
+            static_cast<int>(head_dim), static_cast<int>(dstate), static_cast<int>(B.size(1)), 1,
+            at::get_num_threads());
+        TORCH_CHECK_VALUE(status == 0, "selective state update: d_state ", dstate, " is beyond the CPU kernel's 1024");
+    }
+    return y;
+}
+
+// The slots' conv windows shifted by one with the new input at the end, written back to the conv state cache
+// [slots, channels, d_conv]; returns them (the module's torch.cat of the window's last d_conv - 1 and x)
+at::Tensor shift_windows(at::Tensor &conv, const at::Tensor &slots, const at::Tensor &x) {
+    int64_t d_conv = conv.size(2);
+    at::Tensor window = at::cat({conv.index_select(0, slots).narrow(-1, 1, d_conv - 1),
+                                 x.unsqueeze(-1).to(conv.scalar_type())}, -1);
+    conv.index_copy_(0, slots, window);
+    return window;
+}
+
+// each slot within the cache's rows, checked before anything is written
+const int64_t *checked_slots(const at::Tensor &slots, int64_t rows, const char *what) {
+    auto slot = slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < slots.numel(); i++)
+        TORCH_CHECK_INDEX(slot[i] >= 0 && slot[i] < rows, what, ": slot ", slot[i], " must lie in the cache's ", rows,
+                          " slots");
+    return slot;
 }
 
 // x [B, 1, D] + out_proj(Mamba-2's decode step) after RMSNorm (ssm/mamba2.py's Mamba2.step, op for op in torch's
@@ -356,17 +405,11 @@ at::Tensor mamba2_block(const at::Tensor &x, const at::Tensor &norm, double eps,
                       conv.sizes(), " and SSM state [slots, H, P, N <= 1024] ", ssm.sizes(), " in x's dtype, ", groups,
                       " groups, in_proj ", in_w.sizes(), " and B slots");
     at::Tensor slots = slots_in.to(at::kLong).contiguous();
-    auto slot = slots.data_ptr<int64_t>();
-    for (int64_t i = 0; i < batch; i++)
-        TORCH_CHECK_INDEX(slot[i] >= 0 && slot[i] < conv.size(0) && slot[i] < ssm.size(0), "mamba2_block: slot ",
-                          slot[i], " must lie in the cache's ", ssm.size(0), " slots");
+    const int64_t *slot = checked_slots(slots, std::min(conv.size(0), ssm.size(0)), "mamba2_block");
     at::Tensor projected = dense_gemv(rms_norm(x, norm, eps), in_w, std::nullopt).select(1, 0);  // [B, in_width]
     at::Tensor z = projected.narrow(-1, 0, d_inner), xbc = projected.narrow(-1, d_inner, conv_dim);
     at::Tensor dt = projected.narrow(-1, d_inner + conv_dim, heads);
-    at::Tensor window = at::cat({conv.index_select(0, slots).narrow(-1, 1, d_conv - 1),
-                                 xbc.unsqueeze(-1).to(conv.scalar_type())}, -1);
-    conv.index_copy_(0, slots, window);
-    at::Tensor mixed = (window * conv_w).sum(-1);
+    at::Tensor mixed = (shift_windows(conv, slots, xbc) * conv_w).sum(-1);
     if (conv_b) mixed = mixed + *conv_b;
     at::Tensor activated = at::silu(mixed).to(z.scalar_type());
     at::Tensor xs = activated.narrow(-1, 0, d_inner).unflatten(-1, {heads, head_dim});
@@ -378,29 +421,51 @@ at::Tensor mamba2_block(const at::Tensor &x, const at::Tensor &norm, double eps,
     at::Tensor x32 = xs.to(at::kFloat), dt32 = dt.unsqueeze(-1).expand({batch, heads, head_dim}).to(at::kFloat);
     at::Tensor D32 = D.unsqueeze(-1).expand({heads, head_dim}).to(at::kFloat);
     at::Tensor bias32 = dt_bias.unsqueeze(-1).expand({heads, head_dim}).to(at::kFloat);
-    at::Tensor y = at::empty({batch, heads, head_dim}, x.options().dtype(at::kFloat));
-    int element = static_cast<int>(ssm.element_size());
-    for (int64_t i = 0; i < batch; i++) {  // each sequence's state row in place
-        char *state = static_cast<char *>(ssm.data_ptr()) + slot[i] * ssm.stride(0) * element;
-        int status = kernels().state_update(
-            state, ssm.stride(0), ssm.stride(1), ssm.stride(2), ssm.stride(3), dtype_code(ssm, "state"),
-            x32.data_ptr<float>() + i * x32.stride(0), x32.stride(0), x32.stride(1), x32.stride(2),
-            dt32.data_ptr<float>() + i * dt32.stride(0), dt32.stride(0), dt32.stride(1), dt32.stride(2),
-            bias32.data_ptr<float>(), bias32.stride(0), bias32.stride(1),
-            A.data_ptr<float>(), A.stride(0), A.stride(1), A.stride(2),
-            B.data_ptr<float>() + i * B.stride(0), B.stride(0), B.stride(1), B.stride(2),
-            C.data_ptr<float>() + i * C.stride(0), C.stride(0), C.stride(1), C.stride(2),
-            D32.data_ptr<float>(), D32.stride(0), D32.stride(1), nullptr, 0, 0, 0,
-            y.data_ptr<float>() + i * y.stride(0), 1, static_cast<int>(heads), static_cast<int>(head_dim),
-            static_cast<int>(dstate), static_cast<int>(groups), 1, at::get_num_threads());
-        TORCH_CHECK_VALUE(status == 0, "mamba2_block: d_state ", dstate, " is beyond the CPU kernel's 1024");
-    }
+    at::Tensor y = state_update_rows(ssm, slot, x32, dt32, A, B, C, D32, std::nullopt, bias32);
     // the gated RMSNorm (ssm/mamba2.py's GatedRMSNorm) over groups of d_inner / groups channels
     at::Tensor gated = y.to(x.scalar_type()).flatten(-2).to(at::kFloat) * at::silu(z.to(at::kFloat));
     at::Tensor parts = gated.unflatten(-1, {-1, d_inner / groups});
     parts = parts * at::rsqrt(parts.pow(2).mean(-1, true) + gate_eps);
     at::Tensor normed = gate_norm * parts.flatten(-2).to(x.scalar_type());
     return dense_gemv(normed.unsqueeze(1), out_w, std::nullopt).add_(x);
+}
+
+// x [B, 1, D] + out_proj(Mamba's decode step) after RMSNorm (ssm/mamba.py's Mamba.step, op for op in torch's own
+// ops): in_proj GEMV into x and z; the depthwise conv's window shifted in the conv state cache rows of `slots`;
+// x_proj GEMV and dt_proj into dt, B and C; the selective state update on the SSM state cache rows [slots, d_inner, N]
+// in place, gated by z; out_proj GEMV. A Mamba layer's half of a decode block in one call (kernels/cpu_blocks.py)
+at::Tensor mamba_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &in_w,
+                       const at::Tensor &conv_w, const std::optional<at::Tensor> &conv_b, const at::Tensor &x_w,
+                       const at::Tensor &dt_w, const at::Tensor &dt_b, const at::Tensor &A_log, const at::Tensor &D,
+                       const at::Tensor &out_w, at::Tensor conv, at::Tensor ssm, const at::Tensor &slots_in) {
+    TORCH_CHECK(kernels().state_update, "mamba_block: the C kernels are not pointed to");
+    int64_t batch = x.size(0), d_inner = ssm.size(1), dstate = ssm.size(2), rank = dt_w.size(1);
+    TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == 1 && ssm.dim() == 3 && conv.dim() == 3 && conv.size(1) == d_inner &&
+                      in_w.size(0) == 2 * d_inner && x_w.size(0) == rank + 2 * dstate && dt_w.size(0) == d_inner &&
+                      conv_w.size(0) == d_inner && conv_w.size(-1) == conv.size(2) && A_log.size(0) == d_inner &&
+                      A_log.size(1) == dstate && slots_in.numel() == batch && dstate <= 1024 &&
+                      conv.scalar_type() == x.scalar_type() && ssm.scalar_type() == x.scalar_type(),
+                      "mamba_block: x ", x.sizes(), " must be [B, 1, D] with conv state [slots, d_inner, d_conv] ",
+                      conv.sizes(), " and SSM state [slots, d_inner, N <= 1024] ", ssm.sizes(), " in x's dtype, ",
+                      "in_proj ", in_w.sizes(), ", x_proj ", x_w.sizes(), ", dt_proj ", dt_w.sizes(), " and B slots");
+    at::Tensor slots = slots_in.to(at::kLong).contiguous();
+    const int64_t *slot = checked_slots(slots, std::min(conv.size(0), ssm.size(0)), "mamba_block");
+    at::Tensor projected = dense_gemv(rms_norm(x, norm, eps), in_w, std::nullopt).select(1, 0);  // [B, 2 d_inner]
+    at::Tensor xs = projected.narrow(-1, 0, d_inner), z = projected.narrow(-1, d_inner, d_inner);
+    at::Tensor mixed = (shift_windows(conv, slots, xs) * conv_w).sum(-1);
+    if (conv_b) mixed = mixed + *conv_b;
+    at::Tensor xc = at::silu(mixed.to(x.scalar_type()));
+    at::Tensor steps = dense_gemv(xc, x_w, std::nullopt);  // dt (before dt_proj), B, C
+    at::Tensor dt = at::linear(steps.narrow(-1, 0, rank), dt_w);
+    // the Mamba-1 layout as the kernel's Mamba-2 one: one head of d_inner channels, one group (views, in fp32)
+    at::Tensor heads = ssm.unsqueeze(1);
+    at::Tensor B = steps.narrow(-1, rank, dstate).unsqueeze(1).to(at::kFloat);
+    at::Tensor C = steps.narrow(-1, rank + dstate, dstate).unsqueeze(1).to(at::kFloat);
+    at::Tensor A = (-at::exp(A_log.to(at::kFloat))).unsqueeze(0).to(at::kFloat);
+    at::Tensor y = state_update_rows(heads, slot, xc.unsqueeze(1).to(at::kFloat), dt.unsqueeze(1).to(at::kFloat), A,
+                                     B, C, D.unsqueeze(0).to(at::kFloat), z.unsqueeze(1).to(at::kFloat),
+                                     dt_b.unsqueeze(0).to(at::kFloat));
+    return dense_gemv(y.select(1, 0).to(x.scalar_type()).unsqueeze(1), out_w, std::nullopt).add_(x);
 }
 
 }  // namespace
@@ -424,4 +489,5 @@ TORCH_LIBRARY_IMPL(archzoo, CPU, m) {
     m.impl("attention_block", &attention_block);
     m.impl("linear_attention_block", &linear_attention_block);
     m.impl("mamba2_block", &mamba2_block);
+    m.impl("mamba_block", &mamba_block);
 }

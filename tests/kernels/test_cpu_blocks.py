@@ -10,6 +10,7 @@ from attention.linear_attention import LinearAttention
 from harness.decode_probe import decode_probe
 from cache.layouts import ContiguousKV
 from kernels import cpu_blocks, cpu_decode, cpu_kernels_available
+from ssm.mamba import Mamba
 from ssm.mamba2 import Mamba2
 from zoo.ffn.swiglu import SwiGLU
 from zoo.quantize import QuantizeConfig, quantize
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the C kerne
                                                                      "said why)")
 
 
-MIXERS = (Attention, LinearAttention, Mamba2)  # the mixers with a fused decode half
+MIXERS = (Attention, LinearAttention, Mamba2, Mamba)  # the mixers with a fused decode half
 
 
 def turn_off(monkeypatch):
@@ -48,8 +49,7 @@ def decode_steps(model, batch: int, context: int, steps: int = 3):
 @pytest.mark.parametrize("batch, context", [(1, 12), (3, 40)])
 def test_decode_steps_match_the_modules_path(arch, dtype, batch, context, monkeypatch):
     """Bit for bit, except linear attention's fp32 state step, which sums in another order. tiny's window is 16:
-    swa at 40 tokens writes a ring; cla's second layer reads the first's cache; mamba takes only the feed-forward
-    half."""
+    swa at 40 tokens writes a ring; cla's second layer reads the first's cache."""
     torch.manual_seed(0)
     model = zoo.build(arch, preset="tiny").to(dtype).eval()
     served = {"mixer": 0, "ffn": 0}
@@ -68,7 +68,7 @@ def test_decode_steps_match_the_modules_path(arch, dtype, batch, context, monkey
     turn_off(monkeypatch)
     logits, caches = decode_steps(model, batch, context)
     assert served["ffn"] == 3 * len(model.blocks)
-    assert served["mixer"] == (0 if arch == "mamba" else 3 * len(model.blocks))
+    assert served["mixer"] == 3 * len(model.blocks)
     if arch == "linear" and dtype == torch.float32:
         torch.testing.assert_close(fused_logits, logits, rtol=1e-5, atol=1e-6)
         for fused, plain in zip(fused_caches, caches):
@@ -226,3 +226,29 @@ def test_mamba2_half_cpp_and_python_agree(dtype):
     assert torch.equal(results["op"][2][1], ssm[1]) and not torch.equal(results["op"][2][2], ssm[2])
     with pytest.raises(IndexError, match="slot 3"):
         cpu_blocks.mamba2_block_op(**{**inputs, "slots": torch.tensor([3, 0])})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba_half_cpp_and_python_agree(dtype):
+    if not cpu_decode.glue_available():
+        pytest.skip("the C++ glue did not build here (a warning said why)")
+    torch.manual_seed(0)
+    mixer = zoo.build("mamba", preset="tiny").to(dtype).blocks[0].mixer
+    g = torch.Generator().manual_seed(0)
+    d_model = mixer.in_proj.weight.shape[1]
+    ssm = torch.randn(3, mixer.d_inner, mixer.A_log.shape[1], generator=g).to(dtype)
+    inputs = dict(x=torch.randn(2, 1, d_model, generator=g).to(dtype), norm=torch.randn(d_model, generator=g).to(dtype),
+                  eps=1e-5, in_w=mixer.in_proj.weight, conv_w=mixer.conv1d.weight[:, 0], conv_b=mixer.conv1d.bias,
+                  x_w=mixer.x_proj.weight, dt_w=mixer.dt_proj.weight, dt_b=mixer.dt_proj.bias, A_log=mixer.A_log,
+                  D=mixer.D, out_w=mixer.out_proj.weight,
+                  conv=torch.randn(3, mixer.d_inner, mixer.conv1d.weight.shape[-1], generator=g).to(dtype), ssm=ssm,
+                  slots=torch.tensor([2, 0]))
+    results = {}
+    with torch.no_grad():
+        for name, fn in (("op", cpu_blocks.mamba_block_op), ("python", cpu_blocks.mamba_block_eager)):
+            args = {**inputs, "conv": inputs["conv"].clone(), "ssm": inputs["ssm"].clone()}
+            results[name] = fn(**args), args["conv"], args["ssm"]
+    assert all(torch.equal(op, python) for op, python in zip(results["op"], results["python"]))
+    assert torch.equal(results["op"][2][1], ssm[1]) and not torch.equal(results["op"][2][2], ssm[2])
+    with pytest.raises(IndexError, match="slot 3"):
+        cpu_blocks.mamba_block_op(**{**inputs, "slots": torch.tensor([3, 0])})
