@@ -4,12 +4,13 @@ import torch
 from torch import nn
 
 from cache.spec import CacheBatch, CacheSpec
-from cache.layouts import fresh_attention
+from cache.layouts import ContiguousKV, fresh_attention
 from cache.retention import FULL
 from attention.reference import mla_reference
 from attention.rope import RotaryEmbedding
 from attention.norm import RMSNorm
-from kernels import Linear
+from kernels import Linear, cpu_blocks, cpu_decode, cpu_fused
+from kernels.linear import GEMV_ROWS
 
 
 def check_sizes(n_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
@@ -98,6 +99,31 @@ class MLAttention(nn.Module):
         else:
             out = self.absorbed(q_nope, q_rope, cache, batch)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.v_head_dim))
+
+    def decode_residual(self, norm: nn.Module, x: torch.Tensor, positions: torch.Tensor, cache, batch: CacheBatch
+                        ) -> torch.Tensor | None:
+        """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) on an eager CPU one-token causal decode step over
+        a float contiguous latent cache, after an RMSNorm, with plain projections on the C GEMV (no q LoRA); None
+        elsewhere, where the block runs the two modules."""
+        if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded or batch.tree is not None
+                or type(cache) is not ContiguousKV or cache.quantized or type(norm) is not RMSNorm or not self.causal
+                or not hasattr(self, "q_proj")):
+            return None
+        projections = (self.q_proj, self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj)
+        if any(type(p) is not Linear or p.bias is not None for p in projections):
+            return None
+        weights = [p.weight for p in projections]
+        rows = x.shape[0] * x.shape[1]
+        if (x.shape[1] != 1 or rows not in GEMV_ROWS.get(x.dtype, ())
+                or not cpu_fused.fused_path(x, rows, norm.weight, self.kv_a_layernorm.weight, *weights, cache.k)
+                or not all(cpu_decode.dense_gemv_fits(x, w, None) for w in weights)
+                or not cpu_decode.attention_fits(self.n_heads, 1, cache.k.shape[-1], self.kv_lora_rank, cache.k)):
+            return None
+        new_rows, lengths = cache.decode_rows(batch)
+        return cpu_blocks.mla_block(x, norm.weight, norm.eps, weights[0], weights[1], self.kv_a_layernorm.weight,
+                                    self.kv_a_layernorm.eps, weights[2], weights[3], positions, self.rope.inv_freq,
+                                    cache.k, batch.slots, new_rows, lengths, self.scale, self.n_heads, self.nope_dim,
+                                    self.v_head_dim)
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, rank] and W_UV [H, v, rank], the per-head maps from the latent to keys and values."""

@@ -1,10 +1,10 @@
 """Whole halves of a decoder block as one call each in an eager CPU decode step: the feed-forward half
-(x + SwiGLU(RMSNorm(x))), an attention layer's half (x + o(attention) after RMSNorm, its keys and values written
-into a contiguous cache on the way), and a linear attention, Mamba-2 or Mamba layer's (its recurrent states updated
+(x + SwiGLU(RMSNorm(x))), an attention or MLA layer's half (x + o(attention) after RMSNorm, its keys and values or
+latent row written into a contiguous cache on the way), and a linear attention, Mamba-2 or Mamba layer's (its recurrent states updated
 in place in the engine's state slots).
 
-Each op here is C++ (kernels/cpu/ops.cpp) over the C kernels. The attention, feed-forward, Mamba-2 and Mamba halves
-call the kernels and torch ops the modules' path calls, in the same order with the same roundings, so their results
+Each op here is C++ (kernels/cpu/ops.cpp) over the C kernels. The attention, MLA, feed-forward, Mamba-2 and Mamba
+halves call the kernels and torch ops the modules' path calls, in the same order with the same roundings, so their results
 are bit-identical to that path; the recurrent halves update their states in the slots' rows rather than in copies
 written back. The linear attention half's state step is one pass in C (kernels/cpu/linear_attention_step.c), where
 the module's path copied the state five times, and sums in another order. The Python functions below compose the
@@ -18,7 +18,8 @@ cost more than the attention half's kernels. With that, a `small` gqa step measu
 one process).
 
 The modules decide when a half runs here (zoo/ffn/swiglu.py's SwiGLU.decode_residual, attention/attention.py's
-Attention.decode_residual, and the same in attention/linear_attention.py, ssm/mamba2.py and ssm/mamba.py):
+Attention.decode_residual, and the same in attention/mla.py, attention/linear_attention.py, ssm/mamba2.py and
+ssm/mamba.py):
 decode-sized rows in fp32 or bf16, parameters in that dtype, no gradient recorded and no graph being compiled
 (kernels/cpu_fused.py's fused_path), plain weights, and a one-token step over the engine's contiguous cache or
 state slots.
@@ -110,6 +111,43 @@ linear_attention_block_op = torch.ops.archzoo.linear_attention_block.default
 
 @torch.library.register_fake("archzoo::linear_attention_block")
 def _(x, norm, eps, wq, wk, wv, wo, kv, normalizer, slots, attention_eps):
+    return torch.empty_like(x)
+
+
+def mla_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: torch.Tensor, wkv_a: torch.Tensor,
+                    kv_norm: torch.Tensor, kv_eps: float, wkv_b: torch.Tensor, wo: torch.Tensor, positions: torch.Tensor,
+                    inv_freq: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+                    lengths: torch.Tensor, scale: float, heads: int, nope: int, v_dim: int) -> torch.Tensor:
+    """x [B, 1, D] + o(MLA's absorbed decode attention) after RMSNorm, this step's latent row written at
+    cache[slots[i], 0, rows[i]] of a contiguous latent cache [slots, 1, rows, rank + rope] first; each sequence's
+    query sees the cache's first lengths[i] rows (attention/mla.py's decode step over cache/layouts.py's ContiguousKV)."""
+    b, width, rank = x.shape[0], cache.shape[3], kv_norm.shape[0]
+    rope = width - rank
+    h = rms_norm_eager(x, norm, eps)
+    q = cpu_decode.dense_gemv_eager(h, wq, None).view(b, 1, heads, nope + rope).transpose(1, 2)
+    kv_a = cpu_decode.dense_gemv_eager(h, wkv_a, None)
+    latent = rms_norm_eager(kv_a[..., :rank], kv_norm, kv_eps).unsqueeze(1)
+    q_rope = rotary_eager(q[..., nope:], positions, inv_freq)
+    k_rope = rotary_eager(kv_a[..., rank:].unsqueeze(1), positions, inv_freq)
+    cache[slots, :, rows] = torch.cat([latent, k_rope], dim=-1)[:, :, 0]
+    w = wkv_b.view(heads, nope + v_dim, rank)
+    query = torch.cat([torch.einsum("bhtn,hnr->bhtr", q[..., :nope], w[:, :nope]), q_rope], dim=-1)
+    out = cpu_decode.decode_attention_eager(query[:, :, 0], cache, None, slots.to(torch.int32)[:, None], lengths,
+                                            "rows", scale, rank)
+    values = torch.einsum("bhtr,hvr->bhtv", out.unsqueeze(2), w[:, nope:])
+    return x + cpu_decode.dense_gemv_eager(values.transpose(1, 2).reshape(b, 1, heads * v_dim), wo, None)
+
+
+_LIBRARY.define("mla_block(Tensor x, Tensor norm, float eps, Tensor wq, Tensor wkv_a, Tensor kv_norm, float kv_eps, "
+                "Tensor wkv_b, Tensor wo, Tensor positions, Tensor inv_freq, Tensor(a!) cache, Tensor slots, "
+                "Tensor rows, Tensor lengths, float scale, int heads, int nope, int v_dim) -> Tensor")
+_LIBRARY.impl("mla_block", mla_block_eager, "CompositeExplicitAutograd")
+mla_block_op = torch.ops.archzoo.mla_block.default
+
+
+@torch.library.register_fake("archzoo::mla_block")
+def _(x, norm, eps, wq, wkv_a, kv_norm, kv_eps, wkv_b, wo, positions, inv_freq, cache, slots, rows, lengths, scale,
+      heads, nope, v_dim):
     return torch.empty_like(x)
 
 
@@ -219,3 +257,10 @@ def mamba2_block(x, norm, eps, in_w, conv_w, conv_b, dt_bias, A_log, D, gate_nor
 def mamba_block(x, norm, eps, in_w, conv_w, conv_b, x_w, dt_w, dt_b, A_log, D, out_w, conv, ssm, slots) -> torch.Tensor:
     return cpu_decode.op_or_function(mamba_block_op, mamba_block_eager)(
         x, norm, eps, in_w, conv_w, conv_b, x_w, dt_w, dt_b, A_log, D, out_w, conv, ssm, slots)
+
+
+def mla_block(x, norm, eps, wq, wkv_a, kv_norm, kv_eps, wkv_b, wo, positions, inv_freq, cache, slots, rows, lengths,
+              scale, heads, nope, v_dim) -> torch.Tensor:
+    return cpu_decode.op_or_function(mla_block_op, mla_block_eager)(
+        x, norm, eps, wq, wkv_a, kv_norm, kv_eps, wkv_b, wo, positions, inv_freq, cache, slots, rows, lengths, scale,
+        heads, nope, v_dim)

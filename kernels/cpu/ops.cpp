@@ -1,8 +1,8 @@
 // The hot ops' CPU kernels in C++ (archzoo::dense_gemv, archzoo::quantized_gemv, archzoo::decode_attention; their
 // schemas and fakes are kernels/cpu_decode.py's custom ops; archzoo::rms_norm, archzoo::rotary and
 // archzoo::swiglu_gemv are kernels/cpu_fused.py's; archzoo::ffn_block, archzoo::attention_block,
-// archzoo::linear_attention_block, archzoo::mamba2_block and archzoo::mamba_block, whole halves of a decode block,
-// kernels/cpu_blocks.py's), so the dispatcher calls the C kernels beside this file
+// archzoo::mla_block, archzoo::linear_attention_block, archzoo::mamba2_block and archzoo::mamba_block, whole halves
+// of a decode block, kernels/cpu_blocks.py's), so the dispatcher calls the C kernels beside this file
 // without entering Python: ~1.5 µs a call against ~11 µs for the same glue in Python (a `base` decode step makes 85
 // GEMV calls and 12 attention ones; its compiled bf16 step measured 12.0-12.5 against 13.7-13.9 ms with the GEMVs'
 // glue alone). Built with torch's C++ extension loader at a hot op's first CPU use (kernels/cpu_decode.py's
@@ -383,6 +383,42 @@ const int64_t *checked_slots(const at::Tensor &slots, int64_t rows, const char *
     return slot;
 }
 
+// x [B, 1, D] + o(MLA's absorbed decode attention) after RMSNorm (attention/mla.py's decode step, op for op): q and
+// the latent's GEMVs, the latent's RMSNorm, rotary on the rotary parts, this step's latent row written at (slots,
+// rows) of a contiguous latent cache [slots, 1, rows, rank + rope], the query folded through W_UK, decode attention
+// over each sequence's first `lengths` rows with the latent as values, W_UV, o. An MLA layer's half of a decode
+// block in one call (kernels/cpu_blocks.py)
+at::Tensor mla_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &wq,
+                     const at::Tensor &wkv_a, const at::Tensor &kv_norm, double kv_eps, const at::Tensor &wkv_b,
+                     const at::Tensor &wo, const at::Tensor &positions, const at::Tensor &inv_freq, at::Tensor cache,
+                     const at::Tensor &slots_in, const at::Tensor &rows_in, const at::Tensor &lengths, double scale,
+                     int64_t heads, int64_t nope, int64_t v_dim) {
+    int64_t batch = x.size(0), width = cache.size(3), rank = kv_norm.size(0), rope = width - rank;
+    TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == 1 && cache.dim() == 4 && cache.size(1) == 1 &&
+                      cache.stride(3) == 1 && rope > 0 && wq.size(0) == heads * (nope + rope) &&
+                      wkv_a.size(0) == width && wkv_b.size(0) == heads * (nope + v_dim) && wkv_b.size(1) == rank &&
+                      slots_in.numel() == batch && rows_in.numel() == batch && cache.scalar_type() == x.scalar_type(),
+                      "mla_block: x ", x.sizes(), " must be [B, 1, D] with a latent cache [slots, 1, rows, rank + rope] ",
+                      cache.sizes(), " in x's dtype, q rows ", wq.size(0), ", kv_a rows ", wkv_a.size(0), ", kv_b ",
+                      wkv_b.sizes(), " and B slots and rows");
+    at::Tensor slots = slots_in.to(at::kLong).contiguous(), rows = rows_in.to(at::kLong).contiguous();
+    at::Tensor h = rms_norm(x, norm, eps);
+    at::Tensor q = dense_gemv(h, wq, std::nullopt).view({batch, 1, heads, nope + rope}).transpose(1, 2);
+    at::Tensor kv_a = dense_gemv(h, wkv_a, std::nullopt);  // [B, 1, rank + rope]
+    at::Tensor latent = rms_norm(kv_a.narrow(-1, 0, rank), kv_norm, kv_eps).unsqueeze(1);  // [B, 1, 1, rank]
+    at::Tensor q_rope = rotary(q.narrow(-1, nope, rope), positions, inv_freq);
+    at::Tensor k_rope = rotary(kv_a.narrow(-1, rank, rope).unsqueeze(1), positions, inv_freq);
+    at::Tensor row = at::cat({latent, k_rope}, -1);
+    write_rows(cache, row.view({batch, 1, width}), slots.data_ptr<int64_t>(), rows.data_ptr<int64_t>());
+    at::Tensor w = wkv_b.view({heads, nope + v_dim, rank});
+    at::Tensor query = at::cat({at::einsum("bhtn,hnr->bhtr", {q.narrow(-1, 0, nope), w.narrow(1, 0, nope)}), q_rope},
+                               -1);
+    at::Tensor out = decode_attention(query.select(2, 0), cache, std::nullopt, slots.unsqueeze(1), lengths, "rows",
+                                      scale, rank, std::nullopt, 0, 0, 0, std::nullopt, std::nullopt, 1, 0);
+    at::Tensor values = at::einsum("bhtr,hvr->bhtv", {out.unsqueeze(2), w.narrow(1, nope, v_dim)});
+    return dense_gemv(values.transpose(1, 2).reshape({batch, 1, heads * v_dim}), wo, std::nullopt).add_(x);
+}
+
 // x [B, 1, D] + out_proj(Mamba-2's decode step) after RMSNorm (ssm/mamba2.py's Mamba2.step, op for op in torch's
 // own ops so its roundings are the module's): in_proj GEMV; the depthwise conv's window shifted in the conv state
 // cache rows of `slots` and summed; the selective state update (kernels/cpu/selective_state_update.c) on the SSM
@@ -490,4 +526,5 @@ TORCH_LIBRARY_IMPL(archzoo, CPU, m) {
     m.impl("linear_attention_block", &linear_attention_block);
     m.impl("mamba2_block", &mamba2_block);
     m.impl("mamba_block", &mamba_block);
+    m.impl("mla_block", &mla_block);
 }

@@ -7,6 +7,7 @@ import torch
 import zoo
 from attention.attention import Attention
 from attention.linear_attention import LinearAttention
+from attention.mla import MLAttention
 from harness.decode_probe import decode_probe
 from cache.layouts import ContiguousKV
 from kernels import cpu_blocks, cpu_decode, cpu_kernels_available
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the C kerne
                                                                      "said why)")
 
 
-MIXERS = (Attention, LinearAttention, Mamba2, Mamba)  # the mixers with a fused decode half
+MIXERS = (Attention, MLAttention, LinearAttention, Mamba2, Mamba)  # the mixers with a fused decode half
 
 
 def turn_off(monkeypatch):
@@ -40,11 +41,11 @@ def decode_steps(model, batch: int, context: int, steps: int = 3):
             seq.output_ids.append(int(row.argmax()))
     layers = probe.engine.pool.layers
     caches = [t.clone() for layer in layers for t in (layer.tensors.values() if hasattr(layer, "tensors")
-                                                      else [layer.k, layer.v])]
+                                                      else [layer.k, layer.v]) if t is not None]
     return torch.stack(logits), caches
 
 
-@pytest.mark.parametrize("arch", ["gqa", "mha", "cla", "swa", "linear", "mamba2", "mamba"])
+@pytest.mark.parametrize("arch", ["gqa", "mha", "cla", "swa", "mla", "linear", "mamba2", "mamba"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch, context", [(1, 12), (3, 40)])
 def test_decode_steps_match_the_modules_path(arch, dtype, batch, context, monkeypatch):
@@ -252,3 +253,29 @@ def test_mamba_half_cpp_and_python_agree(dtype):
     assert torch.equal(results["op"][2][1], ssm[1]) and not torch.equal(results["op"][2][2], ssm[2])
     with pytest.raises(IndexError, match="slot 3"):
         cpu_blocks.mamba_block_op(**{**inputs, "slots": torch.tensor([3, 0])})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_half_cpp_and_python_agree(dtype):
+    if not cpu_decode.glue_available():
+        pytest.skip("the C++ glue did not build here (a warning said why)")
+    torch.manual_seed(0)
+    mixer = zoo.build("mla", preset="tiny").to(dtype).blocks[0].mixer
+    g = torch.Generator().manual_seed(0)
+    d_model, width = mixer.q_proj.weight.shape[1], mixer.kv_lora_rank + mixer.rope_dim
+    cache = torch.randn(3, 1, 24, width, generator=g).to(dtype)
+    inputs = dict(x=torch.randn(2, 1, d_model, generator=g).to(dtype), norm=torch.randn(d_model, generator=g).to(dtype),
+                  eps=1e-5, wq=mixer.q_proj.weight, wkv_a=mixer.kv_a_proj_with_mqa.weight,
+                  kv_norm=mixer.kv_a_layernorm.weight, kv_eps=mixer.kv_a_layernorm.eps, wkv_b=mixer.kv_b_proj.weight,
+                  wo=mixer.o_proj.weight, positions=torch.tensor([[5], [17]]), inv_freq=mixer.rope.inv_freq,
+                  cache=cache, slots=torch.tensor([2, 0]), rows=torch.tensor([5, 17]), lengths=torch.tensor([6, 18]),
+                  scale=mixer.scale, heads=mixer.n_heads, nope=mixer.nope_dim, v_dim=mixer.v_head_dim)
+    results = {}
+    with torch.no_grad():
+        for name, fn in (("op", cpu_blocks.mla_block_op), ("python", cpu_blocks.mla_block_eager)):
+            args = {**inputs, "cache": inputs["cache"].clone()}
+            results[name] = fn(**args), args["cache"]
+    assert all(torch.equal(op, python) for op, python in zip(results["op"], results["python"]))
+    assert not torch.equal(results["op"][1][2, 0, 5], cache[2, 0, 5])
+    with pytest.raises(IndexError, match="slot 3"):
+        cpu_blocks.mla_block_op(**{**inputs, "slots": torch.tensor([3, 0])})
