@@ -1,13 +1,13 @@
 """Whole halves of a decoder block as one call each in an eager CPU decode step: the feed-forward half
 (x + SwiGLU(RMSNorm(x))), an attention or MLA layer's half (x + o(attention) after RMSNorm, its keys and values or
-latent row written into a contiguous cache on the way), and a linear attention, Mamba-2 or Mamba layer's (its recurrent states updated
-in place in the engine's state slots).
+latent row written into a contiguous cache on the way), and a linear attention, Mamba-2 or Mamba layer's (its
+recurrent states updated in place in the engine's state slots).
 
 Each op here is C++ (kernels/cpu/ops.cpp) over the C kernels. The attention, MLA, feed-forward, Mamba-2 and Mamba
-halves call the kernels and torch ops the modules' path calls, in the same order with the same roundings, so their results
-are bit-identical to that path; the recurrent halves update their states in the slots' rows rather than in copies
-written back. The linear attention half's state step is one pass in C (kernels/cpu/linear_attention_step.c), where
-the module's path copied the state five times, and sums in another order. The Python functions below compose the
+halves call the kernels and torch ops the modules' path calls, in the same order with the same roundings, so their
+results are bit-identical to that path; the recurrent halves update their states in the slots' rows rather than in
+copies written back. The linear attention half's state step is one pass in C (kernels/cpu/linear_attention_step.c),
+where the module's path copied the state five times, and sums in another order. The Python functions below compose the
 same steps, serving where the C++ glue does not build.
 
 What the module path cost, `small` (8 layers, d_model 512) on a 2-core EPYC, fp32, batch 1: per layer ~20 module
@@ -46,6 +46,28 @@ def _(x, norm, eps, gate, up, down):
     return torch.empty_like(x)
 
 
+# The halves that write a cache are ops of their own schema, not torch.library.custom_op: a custom op that mutates an
+# input runs a Python ADInplaceOrView kernel on every call (its fill_defaults alone ~60 µs over 15 arguments; the
+# attention half cost 2.1x its C++ kernel's time that way, hot, one `small` layer).
+_LIBRARY = torch.library.Library("archzoo", "FRAGMENT")
+
+
+def cache_writing_op(name: str, arguments: str, eager):
+    """archzoo::name(arguments) -> Tensor, whose kernel is the Python function `eager` until the C++ glue registers
+    its CPU one; a graph being traced sees a tensor like the first argument, x."""
+    _LIBRARY.define(f"{name}({arguments}) -> Tensor")
+    _LIBRARY.impl(name, eager, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"archzoo::{name}", lambda x, *args: torch.empty_like(x))
+    return getattr(torch.ops.archzoo, name).default
+
+
+def served(op, eager):
+    """A call of `op` where the C++ glue serves it, else of its Python function (kernels/cpu_decode.py)."""
+    def call(*args):
+        return cpu_decode.op_or_function(op, eager)(*args)
+    return call
+
+
 def attention_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: torch.Tensor, wk: torch.Tensor | None,
                           wv: torch.Tensor | None, wo: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
@@ -70,20 +92,10 @@ def attention_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: t
     return x + cpu_decode.dense_gemv_eager(out.reshape(b, 1, heads * head_dim), wo, None)
 
 
-# A schema of its own, not torch.library.custom_op: a custom op that mutates an input runs a Python ADInplaceOrView
-# kernel on every call (its fill_defaults alone ~60 µs over these 15 arguments; the call cost 2.1x the C++ kernel's
-# time, hot, one `small` layer). The Python function is its kernel until the C++ glue registers its CPU one.
-_LIBRARY = torch.library.Library("archzoo", "FRAGMENT")
-_LIBRARY.define("attention_block(Tensor x, Tensor norm, float eps, Tensor wq, Tensor? wk, Tensor? wv, Tensor wo, "
-                "Tensor positions, Tensor inv_freq, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
-                "Tensor rows, Tensor lengths, float scale) -> Tensor")
-_LIBRARY.impl("attention_block", attention_block_eager, "CompositeExplicitAutograd")
-attention_block_op = torch.ops.archzoo.attention_block.default
-
-
-@torch.library.register_fake("archzoo::attention_block")
-def _(x, norm, eps, wq, wk, wv, wo, positions, inv_freq, k_cache, v_cache, slots, rows, lengths, scale):
-    return torch.empty_like(x)
+attention_block_op = cache_writing_op(
+    "attention_block", "Tensor x, Tensor norm, float eps, Tensor wq, Tensor? wk, Tensor? wv, Tensor wo, "
+    "Tensor positions, Tensor inv_freq, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor rows, "
+    "Tensor lengths, float scale", attention_block_eager)
 
 
 def linear_attention_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: torch.Tensor, wk: torch.Tensor,
@@ -103,24 +115,20 @@ def linear_attention_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float
     return x + cpu_decode.dense_gemv_eager(out.reshape(b, 1, heads * dv), wo, None)
 
 
-_LIBRARY.define("linear_attention_block(Tensor x, Tensor norm, float eps, Tensor wq, Tensor wk, Tensor wv, Tensor wo, "
-                "Tensor(a!) kv, Tensor(b!) normalizer, Tensor slots, float attention_eps) -> Tensor")
-_LIBRARY.impl("linear_attention_block", linear_attention_block_eager, "CompositeExplicitAutograd")
-linear_attention_block_op = torch.ops.archzoo.linear_attention_block.default
-
-
-@torch.library.register_fake("archzoo::linear_attention_block")
-def _(x, norm, eps, wq, wk, wv, wo, kv, normalizer, slots, attention_eps):
-    return torch.empty_like(x)
+linear_attention_block_op = cache_writing_op(
+    "linear_attention_block", "Tensor x, Tensor norm, float eps, Tensor wq, Tensor wk, Tensor wv, Tensor wo, "
+    "Tensor(a!) kv, Tensor(b!) normalizer, Tensor slots, float attention_eps", linear_attention_block_eager)
 
 
 def mla_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: torch.Tensor, wkv_a: torch.Tensor,
-                    kv_norm: torch.Tensor, kv_eps: float, wkv_b: torch.Tensor, wo: torch.Tensor, positions: torch.Tensor,
-                    inv_freq: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
-                    lengths: torch.Tensor, scale: float, heads: int, nope: int, v_dim: int) -> torch.Tensor:
+                    kv_norm: torch.Tensor, kv_eps: float, wkv_b: torch.Tensor, wo: torch.Tensor,
+                    positions: torch.Tensor, inv_freq: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+                    rows: torch.Tensor, lengths: torch.Tensor, scale: float, heads: int, nope: int,
+                    v_dim: int) -> torch.Tensor:
     """x [B, 1, D] + o(MLA's absorbed decode attention) after RMSNorm, this step's latent row written at
     cache[slots[i], 0, rows[i]] of a contiguous latent cache [slots, 1, rows, rank + rope] first; each sequence's
-    query sees the cache's first lengths[i] rows (attention/mla.py's decode step over cache/layouts.py's ContiguousKV)."""
+    query sees the cache's first lengths[i] rows (attention/mla.py's decode step over cache/layouts.py's
+    ContiguousKV)."""
     b, width, rank = x.shape[0], cache.shape[3], kv_norm.shape[0]
     rope = width - rank
     h = rms_norm_eager(x, norm, eps)
@@ -138,17 +146,10 @@ def mla_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: torch.T
     return x + cpu_decode.dense_gemv_eager(values.transpose(1, 2).reshape(b, 1, heads * v_dim), wo, None)
 
 
-_LIBRARY.define("mla_block(Tensor x, Tensor norm, float eps, Tensor wq, Tensor wkv_a, Tensor kv_norm, float kv_eps, "
-                "Tensor wkv_b, Tensor wo, Tensor positions, Tensor inv_freq, Tensor(a!) cache, Tensor slots, "
-                "Tensor rows, Tensor lengths, float scale, int heads, int nope, int v_dim) -> Tensor")
-_LIBRARY.impl("mla_block", mla_block_eager, "CompositeExplicitAutograd")
-mla_block_op = torch.ops.archzoo.mla_block.default
-
-
-@torch.library.register_fake("archzoo::mla_block")
-def _(x, norm, eps, wq, wkv_a, kv_norm, kv_eps, wkv_b, wo, positions, inv_freq, cache, slots, rows, lengths, scale,
-      heads, nope, v_dim):
-    return torch.empty_like(x)
+mla_block_op = cache_writing_op(
+    "mla_block", "Tensor x, Tensor norm, float eps, Tensor wq, Tensor wkv_a, Tensor kv_norm, float kv_eps, "
+    "Tensor wkv_b, Tensor wo, Tensor positions, Tensor inv_freq, Tensor(a!) cache, Tensor slots, Tensor rows, "
+    "Tensor lengths, float scale, int heads, int nope, int v_dim", mla_block_eager)
 
 
 def mamba2_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, in_w: torch.Tensor, conv_w: torch.Tensor,
@@ -184,16 +185,10 @@ def mamba2_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, in_w: to
     return x + cpu_decode.dense_gemv_eager(normed[:, None], out_w, None)
 
 
-_LIBRARY.define("mamba2_block(Tensor x, Tensor norm, float eps, Tensor in_w, Tensor conv_w, Tensor? conv_b, "
-                "Tensor dt_bias, Tensor A_log, Tensor D, Tensor gate_norm, float gate_eps, Tensor out_w, "
-                "Tensor(a!) conv, Tensor(b!) ssm, Tensor slots, int groups) -> Tensor")
-_LIBRARY.impl("mamba2_block", mamba2_block_eager, "CompositeExplicitAutograd")
-mamba2_block_op = torch.ops.archzoo.mamba2_block.default
-
-
-@torch.library.register_fake("archzoo::mamba2_block")
-def _(x, norm, eps, in_w, conv_w, conv_b, dt_bias, A_log, D, gate_norm, gate_eps, out_w, conv, ssm, slots, groups):
-    return torch.empty_like(x)
+mamba2_block_op = cache_writing_op(
+    "mamba2_block", "Tensor x, Tensor norm, float eps, Tensor in_w, Tensor conv_w, Tensor? conv_b, Tensor dt_bias, "
+    "Tensor A_log, Tensor D, Tensor gate_norm, float gate_eps, Tensor out_w, Tensor(a!) conv, Tensor(b!) ssm, "
+    "Tensor slots, int groups", mamba2_block_eager)
 
 
 def mamba_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, in_w: torch.Tensor, conv_w: torch.Tensor,
@@ -221,46 +216,15 @@ def mamba_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, in_w: tor
     return x + cpu_decode.dense_gemv_eager(y[:, 0].to(x.dtype)[:, None], out_w, None)
 
 
-_LIBRARY.define("mamba_block(Tensor x, Tensor norm, float eps, Tensor in_w, Tensor conv_w, Tensor? conv_b, "
-                "Tensor x_w, Tensor dt_w, Tensor dt_b, Tensor A_log, Tensor D, Tensor out_w, Tensor(a!) conv, "
-                "Tensor(b!) ssm, Tensor slots) -> Tensor")
-_LIBRARY.impl("mamba_block", mamba_block_eager, "CompositeExplicitAutograd")
-mamba_block_op = torch.ops.archzoo.mamba_block.default
+mamba_block_op = cache_writing_op(
+    "mamba_block", "Tensor x, Tensor norm, float eps, Tensor in_w, Tensor conv_w, Tensor? conv_b, Tensor x_w, "
+    "Tensor dt_w, Tensor dt_b, Tensor A_log, Tensor D, Tensor out_w, Tensor(a!) conv, Tensor(b!) ssm, Tensor slots",
+    mamba_block_eager)
 
 
-@torch.library.register_fake("archzoo::mamba_block")
-def _(x, norm, eps, in_w, conv_w, conv_b, x_w, dt_w, dt_b, A_log, D, out_w, conv, ssm, slots):
-    return torch.empty_like(x)
-
-
-def ffn_block(x, norm, eps, gate, up, down) -> torch.Tensor:
-    return cpu_decode.op_or_function(ffn_block_op, ffn_block_eager)(x, norm, eps, gate, up, down)
-
-
-def attention_block(x, norm, eps, wq, wk, wv, wo, positions, inv_freq, k_cache, v_cache, slots, rows, lengths,
-                    scale) -> torch.Tensor:
-    return cpu_decode.op_or_function(attention_block_op, attention_block_eager)(
-        x, norm, eps, wq, wk, wv, wo, positions, inv_freq, k_cache, v_cache, slots, rows, lengths, scale)
-
-
-def linear_attention_block(x, norm, eps, wq, wk, wv, wo, kv, normalizer, slots, attention_eps) -> torch.Tensor:
-    return cpu_decode.op_or_function(linear_attention_block_op, linear_attention_block_eager)(
-        x, norm, eps, wq, wk, wv, wo, kv, normalizer, slots, attention_eps)
-
-
-def mamba2_block(x, norm, eps, in_w, conv_w, conv_b, dt_bias, A_log, D, gate_norm, gate_eps, out_w, conv, ssm, slots,
-                 groups) -> torch.Tensor:
-    return cpu_decode.op_or_function(mamba2_block_op, mamba2_block_eager)(
-        x, norm, eps, in_w, conv_w, conv_b, dt_bias, A_log, D, gate_norm, gate_eps, out_w, conv, ssm, slots, groups)
-
-
-def mamba_block(x, norm, eps, in_w, conv_w, conv_b, x_w, dt_w, dt_b, A_log, D, out_w, conv, ssm, slots) -> torch.Tensor:
-    return cpu_decode.op_or_function(mamba_block_op, mamba_block_eager)(
-        x, norm, eps, in_w, conv_w, conv_b, x_w, dt_w, dt_b, A_log, D, out_w, conv, ssm, slots)
-
-
-def mla_block(x, norm, eps, wq, wkv_a, kv_norm, kv_eps, wkv_b, wo, positions, inv_freq, cache, slots, rows, lengths,
-              scale, heads, nope, v_dim) -> torch.Tensor:
-    return cpu_decode.op_or_function(mla_block_op, mla_block_eager)(
-        x, norm, eps, wq, wkv_a, kv_norm, kv_eps, wkv_b, wo, positions, inv_freq, cache, slots, rows, lengths, scale,
-        heads, nope, v_dim)
+ffn_block = served(ffn_block_op, ffn_block_eager)
+attention_block = served(attention_block_op, attention_block_eager)
+mla_block = served(mla_block_op, mla_block_eager)
+linear_attention_block = served(linear_attention_block_op, linear_attention_block_eager)
+mamba2_block = served(mamba2_block_op, mamba2_block_eager)
+mamba_block = served(mamba_block_op, mamba_block_eager)
