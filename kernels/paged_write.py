@@ -114,7 +114,5 @@ def _write_paged_kv_op(k: torch.Tensor, v: torch.Tensor | None, k_pool: torch.Te
 def write_paged_kv(k, v, k_pool, v_pool, slot_mapping) -> None:
     if use_triton(k, v, k_pool, v_pool, slot_mapping):
         write_paged_kv_triton(k, v, k_pool, v_pool, slot_mapping)
-    elif torch.compiler.is_compiling():
+    else:
         _write_paged_kv_op(k, v, k_pool, v_pool, slot_mapping)
-    else:  # eager, the reference itself: the mutating op's Python ADInplaceOrView kernel doubled a call (58 vs 31 µs)
-        write_paged_kv_ref(k, v, k_pool, v_pool, slot_mapping)
