@@ -178,7 +178,8 @@ class Attention(nn.Module):
         scoring, dilation or bidirectional attention; None elsewhere, where the block runs the two modules."""
         if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded or batch.tree is not None
                 or type(cache) is not ContiguousKV or cache.quantized or type(norm) is not RMSNorm
-                or self.qk_norm is not None or self.retention.scored or self.dilation > 1 or not self.causal):
+                or self.qk_norm is not None or self.retention.scored or self.dilation > 1 or not self.causal
+                or type(self) is not Attention or "forward" in vars(self)):  # the fused half is this class's forward
             return None
         shares = self.kv_source is not None
         projections = (self.q_proj, self.o_proj) if shares else (self.q_proj, self.o_proj, self.k_proj, self.v_proj)

@@ -157,7 +157,7 @@ class LinearAttention(nn.Module):
         engine's state slots, after an RMSNorm, with the elu + 1 feature map and plain projections on the C GEMV;
         None elsewhere, where the block runs the two modules."""
         if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded
-                or type(cache) is not StateSlots or type(norm) is not RMSNorm or self.feature_map != "elu"):
+                or type(cache) is not StateSlots or type(norm) is not RMSNorm or not self.plain()):
             return None
         projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         if any(type(p) is not Linear or p.bias is not None for p in projections):
@@ -172,6 +172,11 @@ class LinearAttention(nn.Module):
             return None
         return cpu_blocks.linear_attention_block(x, norm.weight, norm.eps, *weights, kv, normalizer, batch.slots,
                                                  self.eps)
+
+    def plain(self) -> bool:
+        """This class's own decode step with the elu + 1 feature map, which the fused half computes itself: not a
+        subclass's, nor one whose phi or step was replaced on the instance."""
+        return type(self) is LinearAttention and self.phi is elu_feature_map and "forward" not in vars(self)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The float64 oracle: the recurrence, one token at a time (attention/reference.py)."""

@@ -107,7 +107,8 @@ class MLAttention(nn.Module):
         elsewhere, where the block runs the two modules."""
         if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded or batch.tree is not None
                 or type(cache) is not ContiguousKV or cache.quantized or type(norm) is not RMSNorm or not self.causal
-                or not hasattr(self, "q_proj")):
+                or not hasattr(self, "q_proj") or type(self) is not MLAttention
+                or {"forward", "absorbed"} & vars(self).keys()):  # the fused half computes these itself
             return None
         projections = (self.q_proj, self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj)
         if any(type(p) is not Linear or p.bias is not None for p in projections):

@@ -172,7 +172,8 @@ class Mamba(nn.Module):
         engine's state slots in x's dtype, after an RMSNorm, with plain projections on the C GEMV (in_proj and
         out_proj bias-free); None elsewhere, where the block runs the two modules."""
         if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded
-                or type(cache) is not StateSlots or type(norm) is not RMSNorm):
+                or type(cache) is not StateSlots or type(norm) is not RMSNorm or type(self) is not Mamba
+                or {"forward", "step", "time_step"} & vars(self).keys()):  # the fused half computes these itself
             return None
         projections = (self.in_proj, self.x_proj, self.out_proj, self.dt_proj)
         if any(type(p) is not Linear for p in projections) or self.in_proj.bias is not None \

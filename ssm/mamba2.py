@@ -191,7 +191,9 @@ class Mamba2(nn.Module):
         engine's state slots in x's dtype, after an RMSNorm, with plain bias-free projections on the C GEMV; None
         elsewhere, where the block runs the two modules."""
         if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded
-                or type(cache) is not StateSlots or type(norm) is not RMSNorm):
+                or type(cache) is not StateSlots or type(norm) is not RMSNorm or type(self) is not Mamba2
+                or type(self.norm) is not GatedRMSNorm
+                or {"forward", "step", "split_xbc"} & vars(self).keys()):  # the fused half computes these itself
             return None
         projections = (self.in_proj, self.out_proj)
         if any(type(p) is not Linear or p.bias is not None for p in projections):

@@ -201,6 +201,19 @@ def test_where_the_linear_attention_half_serves():
     assert served(halves(model, grad=True)) == (False, False)
     taylor = zoo.build("linear", preset="tiny", feature_map="taylor").eval()
     assert served(halves(taylor)) == (False, True)
+    model.blocks[0].mixer.phi = lambda x: torch.relu(x) + 1  # a feature map of the user's: the module runs it
+    assert served(halves(model)) == (False, True)
+
+
+def test_a_replaced_step_is_the_modules_to_run():
+    """A fused half computes its module's decode step itself; a method replaced on the instance (or a subclass)
+    must be run, not silently skipped."""
+    for arch, method in (("mamba", "time_step"), ("mamba2", "split_xbc"), ("gqa", "forward"), ("mla", "absorbed")):
+        model = zoo.build(arch, preset="tiny").eval()
+        assert served(halves(model))[0]
+        mixer = model.blocks[0].mixer
+        setattr(mixer, method, getattr(mixer, method))
+        assert not served(halves(model))[0], arch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -33,8 +33,8 @@ class SwiGLU(nn.Module):
         """x + self(norm(x)) in one call (kernels/cpu_blocks.py) where norm is an RMSNorm and this call would take the
         fused SwiGLU (an eager CPU decode step); None elsewhere, where the block runs the two modules."""
         weights = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
-        if type(norm) is not RMSNorm or norm.weight.dtype != x.dtype or not self.dense \
-                or not cpu_fused.swiglu_fits(x, *weights):
+        if type(norm) is not RMSNorm or norm.weight.dtype != x.dtype or not self.dense or type(self) is not SwiGLU \
+                or "forward" in vars(self) or not cpu_fused.swiglu_fits(x, *weights):
             return None
         return cpu_blocks.ffn_block(x, norm.weight, norm.eps, *weights)
 
