@@ -398,8 +398,8 @@ at::Tensor mla_block(const at::Tensor &x, const at::Tensor &norm, double eps, co
                       cache.stride(3) == 1 && rope > 0 && wq.size(0) == heads * (nope + rope) &&
                       wkv_a.size(0) == width && wkv_b.size(0) == heads * (nope + v_dim) && wkv_b.size(1) == rank &&
                       slots_in.numel() == batch && rows_in.numel() == batch && cache.scalar_type() == x.scalar_type(),
-                      "mla_block: x ", x.sizes(), " must be [B, 1, D] with a latent cache [slots, 1, rows, rank + rope] ",
-                      cache.sizes(), " in x's dtype, q rows ", wq.size(0), ", kv_a rows ", wkv_a.size(0), ", kv_b ",
+                      "mla_block: x ", x.sizes(), " must be [B, 1, D] with a latent cache ",
+                      "[slots, 1, rows, rank + rope] ", cache.sizes(), " in x's dtype, q rows ", wq.size(0), ", kv_a rows ", wkv_a.size(0), ", kv_b ",
                       wkv_b.sizes(), " and B slots and rows");
     at::Tensor slots = slots_in.to(at::kLong).contiguous(), rows = rows_in.to(at::kLong).contiguous();
     at::Tensor h = rms_norm(x, norm, eps);
