@@ -23,13 +23,15 @@ class Block(nn.Module):
 
     def forward(self, x, positions=None, cache=None, batch=None):
         # a mixer or feed-forward may offer its whole half of the block (norm, itself, residual) as one call on an
-        # eager CPU decode step (kernels/cpu_blocks.py); None where it cannot
-        fused = getattr(self.mixer, "decode_residual", None)
-        y = fused(self.mixer_norm, x, positions, cache, batch) if fused else None
+        # eager CPU decode step (kernels/cpu_blocks.py); None where it cannot. A graph being compiled never asks (the
+        # answer is None there, and tracing the checks would only add guards to every step)
+        eager = not torch.compiler.is_compiling()
+        mixer_half = getattr(self.mixer, "decode_residual", None) if eager else None
+        y = mixer_half(self.mixer_norm, x, positions, cache, batch) if mixer_half else None
         x = x + self.mixer(self.mixer_norm(x), positions, cache, batch) if y is None else y
         if self.mlp is not None:
-            fused = getattr(self.mlp, "decode_residual", None)
-            y = fused(self.mlp_norm, x) if fused else None
+            ffn_half = getattr(self.mlp, "decode_residual", None) if eager else None
+            y = ffn_half(self.mlp_norm, x) if ffn_half else None
             x = x + self.mlp(self.mlp_norm(x), batch) if y is None else y
         return x
 
