@@ -24,17 +24,20 @@ class SwiGLU(nn.Module):
         return 3 * d_model * hidden * dtype.itemsize
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
-        weights = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
-        if self.dense and cpu_fused.swiglu_fits(x, *weights):  # an eager CPU decode step: one call, not five
-            return cpu_fused.swiglu_gemv(x, *weights)
+        if self.dense:  # (a quantized layer's `weight` dequantizes it: asked only of plain ones)
+            weights = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+            if cpu_fused.swiglu_fits(x, *weights):  # an eager CPU decode step: one call, not five
+                return cpu_fused.swiglu_gemv(x, *weights)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def decode_residual(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """x + self(norm(x)) in one call (kernels/cpu_blocks.py) where norm is an RMSNorm and this call would take the
         fused SwiGLU (an eager CPU decode step); None elsewhere, where the block runs the two modules."""
-        weights = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
         if type(norm) is not RMSNorm or norm.weight.dtype != x.dtype or not self.dense or type(self) is not SwiGLU \
-                or "forward" in vars(self) or not cpu_fused.swiglu_fits(x, *weights):
+                or "forward" in vars(self):
+            return None
+        weights = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+        if not cpu_fused.swiglu_fits(x, *weights):
             return None
         return cpu_blocks.ffn_block(x, norm.weight, norm.eps, *weights)
 
