@@ -3,7 +3,7 @@ the PyTorch reference it must equal."""
 
 from .contiguous_attention import contiguous_decode_attention, contiguous_decode_attention_ref
 from . import cpu_blocks, cpu_fused  # their ops' schemas, before kernels/cpu/ops.cpp registers their CPU kernels
-from .cpu_decode import cpu_kernels_available
+from .cpu_decode import cpu_kernels_available, greedy_rows
 from .linear import Linear
 from .dispatch import FORCE_TRITON_ENV, triton_available, use_cpu_kernel, use_triton
 from .linear_attention import (
@@ -30,6 +30,7 @@ __all__ = [
     "contiguous_decode_attention",
     "contiguous_decode_attention_ref",
     "cpu_kernels_available",
+    "greedy_rows",
     "linear_attention_chunked",
     "linear_attention_chunked_ref",
     "linear_attention_chunked_triton",

@@ -10,7 +10,8 @@ the CPU it runs on) and registered as torch custom ops, so `torch.compile` calls
 - the C++ glue of decode attention, the GEMVs and kernels/cpu_fused.py's ops (kernels/cpu/ops.cpp, built by torch's
   extension loader): the dispatcher calls the kernels above without entering Python; their Python glue serves where
   it does not build;
-- the streaming read that measures the machine's memory read rate (kernels/cpu/read_bandwidth.c; a plain call).
+- the streaming read that measures the machine's memory read rate (kernels/cpu/read_bandwidth.c; a plain call);
+- greedy tokens and the non-finite check of a step's logits in one read (kernels/cpu/greedy_rows.c; a plain call).
 
 Layouts (k and v 4-D, last dim contiguous):
   "blocks": [num_blocks, block_size, kv_heads, dim], any strides (the engine's pools are head-major views), a
@@ -110,6 +111,8 @@ def _library() -> ctypes.CDLL | None:
     lib.selective_scan_backward.argtypes = [ptr] * 14 + [i32] * 5
     lib.read_bandwidth.restype = ctypes.c_uint64
     lib.read_bandwidth.argtypes = [ptr, i64, i32]
+    lib.greedy_rows.restype = ctypes.c_int
+    lib.greedy_rows.argtypes = [ptr, i64, i64, i64, i32, ptr, ptr]
     lib.dense_gemv.restype = ctypes.c_int
     lib.dense_gemv.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, ptr, ptr, i64, i32]
     lib.int8_gemv.restype = ctypes.c_int
@@ -394,6 +397,21 @@ def read_bandwidth(buffer: torch.Tensor, threads: int) -> int:
         raise RuntimeError("read_bandwidth needs the compiled CPU kernels and a contiguous CPU buffer")
     usable = buffer.nbytes // (64 * threads) * (64 * threads)
     return lib.read_bandwidth(ctypes.c_void_p(buffer.data_ptr()), usable, threads)
+
+
+def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Each row of logits [B, vocab]: its first largest value's index (torch.argmax's) and whether it is all finite
+    (a non-finite row's index means nothing); in one read where the C kernels serve (a CPU fp32 / bf16 / fp16 row
+    with unit stride), else torch's argmax and isfinite."""
+    lib = _library()
+    if (lib is None or logits.device.type != "cpu" or logits.dim() != 2 or logits.dtype not in DTYPE_CODES
+            or logits.stride(-1) != 1 or logits.shape[1] == 0):
+        return logits.argmax(dim=-1).tolist(), torch.isfinite(logits).all(dim=-1).tolist()
+    rows = logits.shape[0]
+    tokens, finite = (ctypes.c_int64 * rows)(), (ctypes.c_uint8 * rows)()
+    lib.greedy_rows(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), DTYPE_CODES[logits.dtype], tokens,
+                    finite)
+    return list(tokens), [bool(f) for f in finite]
 
 
 DENSE_DTYPES = (torch.float32, torch.bfloat16)

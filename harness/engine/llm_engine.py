@@ -18,6 +18,7 @@ from harness.engine.sampling import SamplingParams, sample_token
 from harness.engine.scheduler import Scheduler
 from harness.engine.sequence import RequestOutput, Sequence, Status, TokenEvent
 from harness.engine.speculative import SpeculativeConfig, SpeculativeDecoder
+from kernels import greedy_rows
 from zoo import checks
 from zoo.tokenizer import ByteTokenizer
 
@@ -369,8 +370,7 @@ class Engine:
 
     def emit(self, seqs: list[Sequence], logits: torch.Tensor, events: list[TokenEvent]) -> None:
         """Sample one token per sequence from logits [B, vocab]; finish the sequences that are done."""
-        tokens = logits.argmax(dim=-1).tolist()  # every greedy row without a penalty, in one call
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        tokens, finite = greedy_rows(logits)  # every greedy row's token without a penalty, in one call
         now = time.perf_counter()
         for seq, row, token, ok in zip(seqs, logits, tokens, finite):
             try:
