@@ -11,8 +11,7 @@ from cache.retention import Retention
 from cache.spec import CacheBatch, CacheSpec
 from attention.reference import attention_reference
 from attention.rope import RotaryEmbedding
-from kernels import Linear, cpu_blocks, cpu_decode, cpu_fused
-from kernels.linear import GEMV_ROWS
+from kernels import Linear, cpu_blocks, cpu_decode
 
 
 def check_heads(n_heads: int, n_kv_heads: int) -> None:
@@ -52,6 +51,9 @@ def qk_norm_widths(qk_norm: str | None, n_heads: int, n_kv_heads: int, head_dim:
     if qk_norm == "head":
         return head_dim, head_dim
     return n_heads * head_dim, n_kv_heads * head_dim
+
+
+PROJECTIONS = ("q_proj", "o_proj", "k_proj", "v_proj")  # the order the fused half takes them
 
 
 class Attention(nn.Module):
@@ -182,21 +184,16 @@ class Attention(nn.Module):
                 or type(self) is not Attention or "forward" in vars(self)):  # the fused half is this class's forward
             return None
         shares = self.kv_source is not None
-        projections = (self.q_proj, self.o_proj) if shares else (self.q_proj, self.o_proj, self.k_proj, self.v_proj)
-        if any(type(p) is not Linear or p.bias is not None for p in projections):
-            return None
-        weights = [p.weight for p in projections]
-        rows = x.shape[0] * x.shape[1]
-        if (x.shape[1] != 1 or rows not in GEMV_ROWS.get(x.dtype, ())
-                or not cpu_fused.fused_path(x, rows, norm.weight, *weights, cache.k, cache.v)
-                or not all(cpu_decode.dense_gemv_fits(x, w, None) for w in weights)
-                or not cpu_decode.attention_fits(self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim, cache.k)
-                or cache.v.stride(-1) != 1):
+        weights = cpu_blocks.half_weights(self, norm, ("q_proj", "o_proj") if shares else PROJECTIONS)
+        norm_weight, k, v = norm._parameters["weight"], cache.k, cache.v
+        if (weights is None or not cpu_blocks.gemv_half_fits(x, weights, norm_weight, k, v)
+                or not cpu_decode.attention_fits(self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim, k)
+                or v.stride(-1) != 1):
             return None
         new_rows, lengths = cache.decode_rows(batch)
-        wk, wv = (None, None) if shares else (self.k_proj.weight, self.v_proj.weight)
-        return cpu_blocks.attention_block(x, norm.weight, norm.eps, self.q_proj.weight, wk, wv, self.o_proj.weight,
-                                          positions, self.rope.inv_freq, cache.k, cache.v, batch.slots, new_rows,
+        wq, wo, wk, wv = weights if not shares else (*weights, None, None)
+        return cpu_blocks.attention_block(x, norm_weight, norm.eps, wq, wk, wv, wo, positions,
+                                          self._modules["rope"]._buffers["inv_freq"], k, v, batch.slots, new_rows,
                                           lengths, self.scale)
 
     def normed_heads(self, y: torch.Tensor, norm: str, n: int) -> torch.Tensor:

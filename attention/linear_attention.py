@@ -23,9 +23,8 @@ from attention.norm import RMSNorm
 from attention.reference import linear_attention_reference
 from cache.spec import CacheBatch, CacheSpec
 from cache.state_slots import StateSlots
-from kernels import Linear, cpu_blocks, cpu_decode, cpu_fused, linear_attention_chunked, linear_attention_parallel_ref
+from kernels import Linear, cpu_blocks, linear_attention_chunked, linear_attention_parallel_ref
 from kernels import linear_attention_step
-from kernels.linear import GEMV_ROWS
 
 FEATURE_MAPS = ("elu", "taylor")
 
@@ -159,15 +158,9 @@ class LinearAttention(nn.Module):
         if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded
                 or type(cache) is not StateSlots or type(norm) is not RMSNorm or not self.plain()):
             return None
-        projections = (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
-        if any(type(p) is not Linear or p.bias is not None for p in projections):
-            return None
-        weights = [p.weight for p in projections]
-        rows = x.shape[0] * x.shape[1]
+        weights = cpu_blocks.half_weights(self, norm, ("q_proj", "k_proj", "v_proj", "o_proj"))
         kv, normalizer = cache.tensors["kv"], cache.tensors["normalizer"]
-        if (x.shape[1] != 1 or rows not in GEMV_ROWS.get(x.dtype, ())
-                or not cpu_fused.fused_path(x, rows, norm.weight, *weights)
-                or not all(cpu_decode.dense_gemv_fits(x, w, None) for w in weights)
+        if (weights is None or not cpu_blocks.gemv_half_fits(x, weights, norm.weight)
                 or kv.dtype != torch.float32 or normalizer.dtype != torch.float32 or kv.device != x.device):
             return None
         return cpu_blocks.linear_attention_block(x, norm.weight, norm.eps, *weights, kv, normalizer, batch.slots,

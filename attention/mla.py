@@ -9,8 +9,7 @@ from cache.retention import FULL
 from attention.reference import mla_reference
 from attention.rope import RotaryEmbedding
 from attention.norm import RMSNorm
-from kernels import Linear, cpu_blocks, cpu_decode, cpu_fused
-from kernels.linear import GEMV_ROWS
+from kernels import Linear, cpu_blocks, cpu_decode
 
 
 def check_sizes(n_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
@@ -107,17 +106,12 @@ class MLAttention(nn.Module):
         elsewhere, where the block runs the two modules."""
         if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded or batch.tree is not None
                 or type(cache) is not ContiguousKV or cache.quantized or type(norm) is not RMSNorm or not self.causal
-                or not hasattr(self, "q_proj") or type(self) is not MLAttention
+                or type(self) is not MLAttention
                 or {"forward", "absorbed"} & vars(self).keys()):  # the fused half computes these itself
             return None
-        projections = (self.q_proj, self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj)
-        if any(type(p) is not Linear or p.bias is not None for p in projections):
-            return None
-        weights = [p.weight for p in projections]
-        rows = x.shape[0] * x.shape[1]
-        if (x.shape[1] != 1 or rows not in GEMV_ROWS.get(x.dtype, ())
-                or not cpu_fused.fused_path(x, rows, norm.weight, self.kv_a_layernorm.weight, *weights, cache.k)
-                or not all(cpu_decode.dense_gemv_fits(x, w, None) for w in weights)
+        weights = cpu_blocks.half_weights(self, norm, ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))
+        if (weights is None
+                or not cpu_blocks.gemv_half_fits(x, weights, norm.weight, self.kv_a_layernorm.weight, cache.k)
                 or not cpu_decode.attention_fits(self.n_heads, 1, cache.k.shape[-1], self.kv_lora_rank, cache.k)):
             return None
         new_rows, lengths = cache.decode_rows(batch)

@@ -26,10 +26,54 @@ state slots.
 """
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as module_hooks
 
 from . import cpu_decode
-from .linear_attention import linear_attention_step_ref
 from .cpu_fused import rms_norm_eager, rotary_eager, swiglu_gemv_eager
+from .dispatch import triton_forced
+from .linear import GEMV_ROWS, Linear
+from .linear_attention import linear_attention_step_ref
+
+
+def half_weights(owner: nn.Module, norm: nn.Module | None, names: tuple[str, ...], biased: tuple[str, ...] = ()
+                 ) -> list[torch.Tensor] | None:
+    """The weights of owner's projections `names`, where each is exactly a kernels.Linear, bias-free unless named in
+    biased, and no forward hook is set on owner, norm (if any), a projection or every module (a fused call runs none
+    of their forwards); None otherwise. Read from the modules' own dicts, as nn.Module.__getattr__ would find them:
+    that costs ~1 µs an attribute, which was most of the ~47 µs a block took to decide on its two halves."""
+    if (module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks or owner._forward_hooks
+            or owner._forward_pre_hooks or norm is not None and (norm._forward_hooks or norm._forward_pre_hooks)):
+        return None
+    children, weights = owner._modules, []
+    for name in names:
+        layer = children.get(name)
+        if type(layer) is not Linear or layer._forward_hooks or layer._forward_pre_hooks:
+            return None
+        params = layer._parameters
+        weight = params.get("weight")
+        if weight is None or (name not in biased and params.get("bias") is not None):
+            return None
+        weights.append(weight)
+    return weights
+
+
+def gemv_half_fits(x: torch.Tensor, weights: list[torch.Tensor], *others: torch.Tensor) -> bool:
+    """A one-token step x [B, 1, D] whose B rows the C GEMV serves in x's dtype, on the fused path (as cpu_fused's
+    fused_path decides it) with the weights and the others, every weight contiguous [N, K] in x's dtype (as
+    dense_gemv_fits). One loop over the tensors: the generic checks cost ~10 µs a half."""
+    rows, dtype = x.shape[0], x.dtype
+    if x.shape[1] != 1 or rows not in GEMV_ROWS.get(dtype, ()) or not x.is_cpu or torch.compiler.is_compiling():
+        return False
+    for w in weights:
+        if w.dtype != dtype or not w.is_cpu or w.stride() != (w.shape[1], 1):
+            return False
+    for t in others:
+        if t.dtype != dtype or not t.is_cpu:
+            return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in (*weights, *others))):
+        return False
+    return cpu_decode.cpu_kernels_available() and not triton_forced()
 
 
 def ffn_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, gate: torch.Tensor, up: torch.Tensor,

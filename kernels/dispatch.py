@@ -25,7 +25,7 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
 
     The env var exists so tests can run the Triton path on CPU under TRITON_INTERPRET=1.
     """
-    forced = os.environ.get(FORCE_TRITON_ENV) == "1"
+    forced = triton_forced()
     tensors = [t for t in tensors if t is not None]
     on_cuda = bool(tensors) and all(t.is_cuda for t in tensors)
     # triton is checked last so CPU-only calls never import it
@@ -42,7 +42,11 @@ def use_cpu_kernel(*tensors: torch.Tensor | None) -> bool:
             if not t.is_cpu:
                 return False
             on_cpu = True
-    return on_cpu and os.environ.get(FORCE_TRITON_ENV) != "1" and cpu_decode.cpu_kernels_available()
+    return on_cpu and not triton_forced() and cpu_decode.cpu_kernels_available()
+
+
+def triton_forced() -> bool:
+    return os.environ.get(FORCE_TRITON_ENV) == "1"
 
 
 def jit_kernels(namespace: dict, *kernels) -> tuple:

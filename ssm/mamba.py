@@ -20,8 +20,7 @@ from attention.norm import RMSNorm
 from cache.spec import CacheBatch, CacheSpec
 from cache.state_slots import StateSlots
 from ssm.reference import mamba_reference
-from kernels import Linear, cpu_blocks, cpu_decode, cpu_fused, selective_state_update
-from kernels.linear import GEMV_ROWS
+from kernels import Linear, cpu_blocks, cpu_decode, selective_state_update
 from ssm.scan import SelectiveScan, compiled_kernel_fits, scan_forward
 
 def selective_scan(x, dt, A, B, C, D, z, state, last=None, every_state: bool = False):
@@ -175,16 +174,11 @@ class Mamba(nn.Module):
                 or type(cache) is not StateSlots or type(norm) is not RMSNorm or type(self) is not Mamba
                 or {"forward", "step", "time_step"} & vars(self).keys()):  # the fused half computes these itself
             return None
-        projections = (self.in_proj, self.x_proj, self.out_proj, self.dt_proj)
-        if any(type(p) is not Linear for p in projections) or self.in_proj.bias is not None \
-                or self.out_proj.bias is not None:
-            return None
-        weights = [p.weight for p in projections]
-        rows = x.shape[0] * x.shape[1]
+        # dt_proj's weight is read whole ([d_inner, dt_rank]: its rows are not the C GEMV's to stream)
+        weights = cpu_blocks.half_weights(self, norm, ("in_proj", "x_proj", "out_proj", "dt_proj"), biased=("dt_proj",))
         conv, ssm = cache.tensors["conv"], cache.tensors["ssm"]
-        if (x.shape[1] != 1 or rows not in GEMV_ROWS.get(x.dtype, ())
-                or not cpu_fused.fused_path(x, rows, norm.weight, *weights, self.conv1d.weight, self.D)
-                or not all(cpu_decode.dense_gemv_fits(x, w, None) for w in weights[:3])
+        if (weights is None or not cpu_blocks.gemv_half_fits(x, weights[:3], norm.weight, weights[3],
+                                                             self.conv1d.weight, self.D)
                 or conv.dtype != x.dtype or ssm.dtype != x.dtype or not cpu_decode.state_update_fits(ssm)):
             return None
         return cpu_blocks.mamba_block(x, norm.weight, norm.eps, weights[0], self.conv1d.weight[:, 0],

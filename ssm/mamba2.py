@@ -21,8 +21,7 @@ from attention.norm import RMSNorm
 from cache.spec import CacheBatch, CacheSpec
 from cache.state_slots import StateSlots
 from ssm.reference import mamba2_reference
-from kernels import Linear, cpu_blocks, cpu_decode, cpu_fused, selective_state_update
-from kernels.linear import GEMV_ROWS
+from kernels import Linear, cpu_blocks, cpu_decode, selective_state_update
 
 
 class GatedRMSNorm(nn.Module):
@@ -195,15 +194,10 @@ class Mamba2(nn.Module):
                 or type(self.norm) is not GatedRMSNorm
                 or {"forward", "step", "split_xbc"} & vars(self).keys()):  # the fused half computes these itself
             return None
-        projections = (self.in_proj, self.out_proj)
-        if any(type(p) is not Linear or p.bias is not None for p in projections):
-            return None
-        weights = [p.weight for p in projections]
-        rows = x.shape[0] * x.shape[1]
+        weights = cpu_blocks.half_weights(self, norm, ("in_proj", "out_proj"))
         conv, ssm = cache.tensors["conv"], cache.tensors["ssm"]
-        params = (norm.weight, *weights, self.conv1d.weight, self.dt_bias, self.A_log, self.D, self.norm.weight)
-        if (x.shape[1] != 1 or rows not in GEMV_ROWS.get(x.dtype, ()) or not cpu_fused.fused_path(x, rows, *params)
-                or not all(cpu_decode.dense_gemv_fits(x, w, None) for w in weights)
+        if (weights is None or not cpu_blocks.gemv_half_fits(x, weights, norm.weight, self.conv1d.weight, self.dt_bias,
+                                                             self.A_log, self.D, self.norm.weight)
                 or conv.dtype != x.dtype or ssm.dtype != x.dtype or not cpu_decode.state_update_fits(ssm)):
             return None
         return cpu_blocks.mamba2_block(x, norm.weight, norm.eps, weights[0], self.conv1d.weight[:, 0],

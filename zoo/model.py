@@ -26,13 +26,16 @@ class Block(nn.Module):
         # eager CPU decode step (kernels/cpu_blocks.py); None where it cannot. A graph being compiled never asks (the
         # answer is None there, and tracing the checks would only add guards to every step)
         eager = not torch.compiler.is_compiling()
-        mixer_half = getattr(self.mixer, "decode_residual", None) if eager else None
-        y = mixer_half(self.mixer_norm, x, positions, cache, batch) if mixer_half else None
-        x = x + self.mixer(self.mixer_norm(x), positions, cache, batch) if y is None else y
-        if self.mlp is not None:
-            ffn_half = getattr(self.mlp, "decode_residual", None) if eager else None
-            y = ffn_half(self.mlp_norm, x) if ffn_half else None
-            x = x + self.mlp(self.mlp_norm(x), batch) if y is None else y
+        children = self._modules  # as nn.Module.__getattr__ finds them, without its ~1 µs an attribute
+        mixer, mixer_norm = children["mixer"], children["mixer_norm"]
+        mlp, mlp_norm = children.get("mlp"), children.get("mlp_norm")  # none kept there: a block without a feed-forward
+        mixer_half = getattr(mixer, "decode_residual", None) if eager else None
+        y = mixer_half(mixer_norm, x, positions, cache, batch) if mixer_half else None
+        x = x + mixer(mixer_norm(x), positions, cache, batch) if y is None else y
+        if mlp is not None:
+            ffn_half = getattr(mlp, "decode_residual", None) if eager else None
+            y = ffn_half(mlp_norm, x) if ffn_half else None
+            x = x + mlp(mlp_norm(x), batch) if y is None else y
         return x
 
 

@@ -310,3 +310,36 @@ def test_a_quantized_decode_step_dequantizes_only_what_it_must(arch, weights, mo
     decode_steps(model, batch=2, context=12)
     names = {id(module): name.rsplit(".", 1)[-1] for name, module in model.named_modules()}
     assert {names[id(layer)] for layer in asked} <= {"kv_b_proj", "dt_proj"}
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "linear", "mamba2", "mamba"])
+def test_a_forward_hook_is_run_not_skipped(arch):
+    """A fused half runs none of its modules' forwards: a hook on the mixer, its norm, a projection (a pruning mask, an
+    activation probe) or on every module makes the block run the modules, and the hook sees the step."""
+    torch.manual_seed(0)
+    model = zoo.build(arch, preset="tiny").eval()
+    block = model.blocks[0]
+    projection = next(m for name, m in block.mixer.named_children() if name.endswith("proj"))
+    for hooked in (block.mixer, block.mixer_norm, projection):
+        handle = hooked.register_forward_hook(lambda *args: None)
+        assert not served(halves(model))[0], hooked
+        handle.remove()
+    assert served(halves(model))[0]
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
+    try:
+        assert served(halves(model)) == (False, False)
+    finally:
+        handle.remove()
+    calls = []
+    handle = block.mlp.down_proj.register_forward_hook(lambda *args: calls.append(1))
+    decode_steps(model, batch=1, context=8, steps=2)
+    handle.remove()
+    assert len(calls) == 2  # both decode steps (the probe fills its cache without a forward)
+
+
+def test_a_bias_the_fused_half_would_drop_keeps_the_modules():
+    torch.manual_seed(0)
+    model = zoo.build("mamba", preset="tiny").eval()
+    x_proj = model.blocks[0].mixer.x_proj
+    x_proj.bias = torch.nn.Parameter(torch.zeros(x_proj.out_features))
+    assert not served(halves(model))[0]

@@ -9,8 +9,8 @@ import zoo
 from attention.norm import RMSNorm
 from attention.rope import RotaryEmbedding, apply_rope
 from harness.decode_probe import decode_probe
-from kernels import cpu_decode, cpu_fused, cpu_kernels_available
-from zoo.ffn.swiglu import SwiGLU
+from kernels import cpu_blocks, cpu_decode, cpu_fused, cpu_kernels_available
+from zoo.ffn.swiglu import PROJECTIONS, SwiGLU
 from zoo.quantize import QuantizeConfig, quantize
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the C kernels did not build here (a warning "
@@ -129,8 +129,9 @@ def test_where_the_fused_ops_serve():
 def test_a_quantized_swiglu_keeps_its_own_layers():
     torch.manual_seed(0)
     model = zoo.build("gqa", preset="tiny").eval()
-    assert model.blocks[0].mlp.dense
-    assert not quantize(model, QuantizeConfig(weights="int8")).blocks[0].mlp.dense
+    assert cpu_blocks.half_weights(model.blocks[0].mlp, None, PROJECTIONS) is not None
+    assert cpu_blocks.half_weights(quantize(model, QuantizeConfig(weights="int8")).blocks[0].mlp, None,
+                                   PROJECTIONS) is None
 
 
 @pytest.mark.parametrize("arch", ["gqa", "mla", "cla", "swa"])

@@ -7,6 +7,9 @@ from attention.norm import RMSNorm
 from kernels import Linear, cpu_blocks, cpu_fused
 
 
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # the order the fused half takes them
+
+
 class SwiGLU(nn.Module):
     def __init__(self, d_model: int, hidden: int):
         super().__init__()
@@ -14,32 +17,27 @@ class SwiGLU(nn.Module):
         self.up_proj = Linear(d_model, hidden, bias=False)
         self.down_proj = Linear(hidden, d_model, bias=False)
 
-    @property
-    def dense(self) -> bool:
-        """All three projections plain Linear layers (not quantized ones)."""
-        return all(type(p) is Linear for p in (self.gate_proj, self.up_proj, self.down_proj))
-
     @staticmethod
     def module_bytes(dtype: torch.dtype, d_model: int, hidden: int) -> int:
         return 3 * d_model * hidden * dtype.itemsize
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
-        if self.dense:  # (a quantized layer's `weight` dequantizes it: asked only of plain ones)
-            weights = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
-            if cpu_fused.swiglu_fits(x, *weights):  # an eager CPU decode step: one call, not five
-                return cpu_fused.swiglu_gemv(x, *weights)
+        weights = cpu_blocks.half_weights(self, None, PROJECTIONS)  # plain layers only (not quantized, not hooked)
+        if weights is not None and cpu_fused.swiglu_fits(x, *weights):  # an eager CPU decode step: one call, not five
+            return cpu_fused.swiglu_gemv(x, *weights)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def decode_residual(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """x + self(norm(x)) in one call (kernels/cpu_blocks.py) where norm is an RMSNorm and this call would take the
         fused SwiGLU (an eager CPU decode step); None elsewhere, where the block runs the two modules."""
-        if type(norm) is not RMSNorm or norm.weight.dtype != x.dtype or not self.dense or type(self) is not SwiGLU \
-                or "forward" in vars(self):
+        if type(norm) is not RMSNorm or type(self) is not SwiGLU or "forward" in vars(self):
             return None
-        weights = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
-        if not cpu_fused.swiglu_fits(x, *weights):
+        weights = cpu_blocks.half_weights(self, norm, PROJECTIONS)
+        norm_weight = norm._parameters["weight"]
+        if weights is None or not cpu_blocks.gemv_half_fits(x, weights, norm_weight) \
+                or weights[0].shape != weights[1].shape or weights[2].shape[1] != weights[0].shape[0]:
             return None
-        return cpu_blocks.ffn_block(x, norm.weight, norm.eps, *weights)
+        return cpu_blocks.ffn_block(x, norm_weight, norm.eps, *weights)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """float64: down(g / (1 + e^-g) * u) with g = x W_gate^T, u = x W_up^T."""
