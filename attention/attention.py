@@ -184,17 +184,20 @@ class Attention(nn.Module):
                 or type(self) is not Attention or "forward" in vars(self)):  # the fused half is this class's forward
             return None
         shares = self.kv_source is not None
-        weights = cpu_blocks.half_weights(self, norm, ("q_proj", "o_proj") if shares else PROJECTIONS)
-        norm_weight, k, v = norm._parameters["weight"], cache.k, cache.v
-        if (weights is None or not cpu_blocks.gemv_half_fits(x, weights, norm_weight, k, v)
+        operands = cpu_blocks.half_operands(self, norm, ("q_proj", "o_proj") if shares else PROJECTIONS, int8=True)
+        if operands is None:
+            return None
+        (weights, scales), norm_weight, k, v = operands, norm._parameters["weight"], cache.k, cache.v
+        if (not cpu_blocks.gemv_half_fits(x, weights, norm_weight, k, v, scales=scales)
                 or not cpu_decode.attention_fits(self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim, k)
                 or v.stride(-1) != 1):
             return None
         new_rows, lengths = cache.decode_rows(batch)
-        wq, wo, wk, wv = weights if not shares else (*weights, None, None)
+        (wq, wo, wk, wv), (sq, so, sk, sv) = (weights, scales) if not shares else ((*weights, None, None),
+                                                                                   (*scales, None, None))
         return cpu_blocks.attention_block(x, norm_weight, norm.eps, wq, wk, wv, wo, positions,
                                           self._modules["rope"]._buffers["inv_freq"], k, v, batch.slots, new_rows,
-                                          lengths, self.scale)
+                                          lengths, self.scale, sq, sk, sv, so)
 
     def normed_heads(self, y: torch.Tensor, norm: str, n: int) -> torch.Tensor:
         """A projection [B, T, n * head_dim] -> [B, n, T, head_dim], through the q/k norm `norm` when there is one."""

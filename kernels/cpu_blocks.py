@@ -42,31 +42,52 @@ def half_weights(owner: nn.Module, norm: nn.Module | None, names: tuple[str, ...
     biased, and no forward hook is set on owner, norm (if any), a projection or every module (a fused call runs none
     of their forwards); None otherwise. Read from the modules' own dicts, as nn.Module.__getattr__ would find them:
     that costs ~1 µs an attribute, which was most of the ~47 µs a block took to decide on its two halves."""
+    operands = half_operands(owner, norm, names, biased)
+    return None if operands is None else operands[0]
+
+
+def half_operands(owner: nn.Module, norm: nn.Module | None, names: tuple[str, ...], biased: tuple[str, ...] = (),
+                  int8: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor | None]] | None:
+    """half_weights' rule, and with int8 a projection may also be an int8 layer that offers its payload and
+    per-channel scales (zoo/quantize.py's QuantizedLinear.int8_operands): (weights, scales), scales[i] None for a
+    float layer."""
     if (module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks or owner._forward_hooks
             or owner._forward_pre_hooks or norm is not None and (norm._forward_hooks or norm._forward_pre_hooks)):
         return None
-    children, weights = owner._modules, []
+    children, weights, scales = owner._modules, [], []
     for name in names:
         layer = children.get(name)
-        if type(layer) is not Linear or layer._forward_hooks or layer._forward_pre_hooks:
+        if type(layer) is not Linear:
+            operands = layer.int8_operands() if int8 and hasattr(type(layer), "int8_operands") else None
+            if operands is None:
+                return None
+            weights.append(operands[0])
+            scales.append(operands[1])
+            continue
+        if layer._forward_hooks or layer._forward_pre_hooks:
             return None
         params = layer._parameters
         weight = params.get("weight")
         if weight is None or (name not in biased and params.get("bias") is not None):
             return None
         weights.append(weight)
-    return weights
+        scales.append(None)
+    return weights, scales
 
 
-def gemv_half_fits(x: torch.Tensor, weights: list[torch.Tensor], *others: torch.Tensor) -> bool:
+def gemv_half_fits(x: torch.Tensor, weights: list[torch.Tensor], *others: torch.Tensor,
+                   scales: list[torch.Tensor | None] | None = None) -> bool:
     """A one-token step x [B, 1, D] whose B rows the C GEMV serves in x's dtype, on the fused path (as cpu_fused's
     fused_path decides it) with the weights and the others, every weight contiguous [N, K] in x's dtype (as
-    dense_gemv_fits). One loop over the tensors: the generic checks cost ~10 µs a half."""
+    dense_gemv_fits), or int8 where its scales (from half_operands) are given, in x's dtype. One loop over the
+    tensors: the generic checks cost ~10 µs a half."""
     rows, dtype = x.shape[0], x.dtype
     if x.shape[1] != 1 or rows not in GEMV_ROWS.get(dtype, ()) or not x.is_cpu or torch.compiler.is_compiling():
         return False
-    for w in weights:
-        if w.dtype != dtype or not w.is_cpu or w.stride() != (w.shape[1], 1):
+    for i, w in enumerate(weights):
+        scale = None if scales is None else scales[i]
+        if (w.dtype != (dtype if scale is None else torch.int8) or not w.is_cpu or w.stride() != (w.shape[1], 1)
+                or scale is not None and (scale.dtype != dtype or not scale.is_cpu or scale.shape != (w.shape[0],))):
             return False
     for t in others:
         if t.dtype != dtype or not t.is_cpu:
@@ -76,17 +97,30 @@ def gemv_half_fits(x: torch.Tensor, weights: list[torch.Tensor], *others: torch.
     return cpu_decode.cpu_kernels_available() and not triton_forced()
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """x times a float weight on the dense GEMV, or an int8 one with per-channel scales on the int8 GEMV."""
+    if scales is None:
+        return cpu_decode.dense_gemv_eager(x, weight, None)
+    return cpu_decode.quantized_gemv_eager(x, weight, scales, None, 0)
+
+
 def ffn_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, gate: torch.Tensor, up: torch.Tensor,
-                    down: torch.Tensor) -> torch.Tensor:
-    """x + SwiGLU(RMSNorm(x)) on the C kernels (zoo/model.py's Block with an RMSNorm and a bias-free SwiGLU)."""
-    return x + swiglu_gemv_eager(rms_norm_eager(x, norm, eps), gate, up, down)
+                    down: torch.Tensor, gate_scales: torch.Tensor | None = None, up_scales: torch.Tensor | None = None,
+                    down_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """x + SwiGLU(RMSNorm(x)) on the C kernels (zoo/model.py's Block with an RMSNorm and a bias-free SwiGLU); a
+    projection with scales is int8 (zoo/quantize.py's), read by the int8 GEMV as its own forward reads it."""
+    h = rms_norm_eager(x, norm, eps)
+    if gate_scales is None and up_scales is None and down_scales is None:
+        return x + swiglu_gemv_eager(h, gate, up, down)
+    hidden = F.silu(project(h, gate, gate_scales)) * project(h, up, up_scales)
+    return x + project(hidden, down, down_scales)
 
 
 ffn_block_op = torch.library.custom_op("archzoo::ffn_block", mutates_args=())(ffn_block_eager)
 
 
 @ffn_block_op.register_fake
-def _(x, norm, eps, gate, up, down):
+def _(x, norm, eps, gate, up, down, gate_scales=None, up_scales=None, down_scales=None):
     return torch.empty_like(x)
 
 
@@ -115,31 +149,34 @@ def served(op, eager):
 def attention_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: torch.Tensor, wk: torch.Tensor | None,
                           wv: torch.Tensor | None, wo: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
-                          lengths: torch.Tensor, scale: float) -> torch.Tensor:
+                          lengths: torch.Tensor, scale: float, wq_scales: torch.Tensor | None = None,
+                          wk_scales: torch.Tensor | None = None, wv_scales: torch.Tensor | None = None,
+                          wo_scales: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, 1, D] + o(attention(q)) after RMSNorm, with q, k rotated at positions [B, 1] and this step's keys and
     values written at cache[slots[i], :, rows[i]] first (k_cache, v_cache [slots, kv_heads, rows, head_dim]; wk and
     wv None: a layer that reads another layer's cache writes nothing); each sequence's query sees its cache's first
-    lengths[i] rows (attention/attention.py's decode step over cache/layouts.py's ContiguousKV)."""
+    lengths[i] rows (attention/attention.py's decode step over cache/layouts.py's ContiguousKV). A projection with
+    scales is int8 (zoo/quantize.py's), read by the int8 GEMV as its own forward reads it."""
     b = x.shape[0]
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     heads = wq.shape[0] // head_dim
     h = rms_norm_eager(x, norm, eps)
-    q = rotary_eager(cpu_decode.dense_gemv_eager(h, wq, None).view(b, 1, heads, head_dim).transpose(1, 2),
-                     positions, inv_freq)
+    q = rotary_eager(project(h, wq, wq_scales).view(b, 1, heads, head_dim).transpose(1, 2), positions, inv_freq)
     if wk is not None:
-        k = rotary_eager(cpu_decode.dense_gemv_eager(h, wk, None).view(b, 1, kv_heads, head_dim).transpose(1, 2),
-                         positions, inv_freq)
+        k = rotary_eager(project(h, wk, wk_scales).view(b, 1, kv_heads, head_dim).transpose(1, 2), positions,
+                         inv_freq)
         k_cache[slots, :, rows] = k[:, :, 0]
-        v_cache[slots, :, rows] = cpu_decode.dense_gemv_eager(h, wv, None).view(b, kv_heads, head_dim)
+        v_cache[slots, :, rows] = project(h, wv, wv_scales).view(b, kv_heads, head_dim)
     out = cpu_decode.decode_attention_eager(q[:, :, 0], k_cache, v_cache, slots.to(torch.int32)[:, None], lengths,
                                             "rows", scale, head_dim)
-    return x + cpu_decode.dense_gemv_eager(out.reshape(b, 1, heads * head_dim), wo, None)
+    return x + project(out.reshape(b, 1, heads * head_dim), wo, wo_scales)
 
 
 attention_block_op = cache_writing_op(
     "attention_block", "Tensor x, Tensor norm, float eps, Tensor wq, Tensor? wk, Tensor? wv, Tensor wo, "
     "Tensor positions, Tensor inv_freq, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor rows, "
-    "Tensor lengths, float scale", attention_block_eager)
+    "Tensor lengths, float scale, Tensor? wq_scales=None, Tensor? wk_scales=None, Tensor? wv_scales=None, "
+    "Tensor? wo_scales=None", attention_block_eager)
 
 
 def linear_attention_block_eager(x: torch.Tensor, norm: torch.Tensor, eps: float, wq: torch.Tensor, wk: torch.Tensor,

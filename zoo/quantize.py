@@ -165,6 +165,16 @@ class QuantizedLinear(nn.Module):
             y = int4_matmul(x, self.q, self.scales, self.zeros, self.group_size, layout)
         return y if self.bias is None else y + self.bias
 
+    def int8_operands(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(payload, per-channel scales) where a fused CPU decode half (kernels/cpu_blocks.py) may read this layer
+        as its forward would, on the int8 GEMV: int8, no AWQ input scale, no bias, no forward hook; else None. Read
+        from the buffers' dict (nn.Module.__getattr__ costs ~1 µs an attribute)."""
+        buffers = self._buffers
+        if (self.scheme != "int8" or buffers["input_scale"] is not None or buffers["bias"] is not None
+                or self._forward_hooks or self._forward_pre_hooks):
+            return None
+        return buffers["q"], buffers["scales"]
+
     @property
     def stored_bytes(self) -> int:
         """The weight as stored: payload, scales, zeros, input scale, bias (not a layout a kernel derives from them)."""

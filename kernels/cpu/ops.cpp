@@ -238,9 +238,24 @@ at::Tensor decode_attention(const at::Tensor &q_in, const at::Tensor &k, const s
 }
 
 // x + SwiGLU(RMSNorm(x)): a block's feed-forward half of a decode step in one call (kernels/cpu_blocks.py)
+// x times a float weight on the dense GEMV, or an int8 one with per-channel scales on the int8 GEMV
+at::Tensor project(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &scales) {
+    TORCH_CHECK_VALUE(weight.scalar_type() == (scales ? at::kChar : x.scalar_type()), "a block's projection: a weight "
+                      "in x's dtype ", dtype_name(x.scalar_type()), " or int8 with scales, got ",
+                      dtype_name(weight.scalar_type()), scales ? " with scales" : " without scales");
+    return scales ? quantized_gemv(x, weight, *scales, std::nullopt, 0) : dense_gemv(x, weight, std::nullopt);
+}
+
+// a projection with scales is int8 (zoo/quantize.py's), read by the int8 GEMV as its own forward reads it
 at::Tensor ffn_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &gate,
-                     const at::Tensor &up, const at::Tensor &down) {
-    return swiglu_gemv(rms_norm(x, norm, eps), gate, up, down).add_(x);
+                     const at::Tensor &up, const at::Tensor &down, const std::optional<at::Tensor> &gate_scales,
+                     const std::optional<at::Tensor> &up_scales, const std::optional<at::Tensor> &down_scales) {
+    at::Tensor h = rms_norm(x, norm, eps);
+    if (!gate_scales && !up_scales && !down_scales) return swiglu_gemv(h, gate, up, down).add_(x);
+    at::Tensor hidden = project(h, gate, gate_scales);
+    at::silu_(hidden);
+    hidden.mul_(project(h, up, up_scales));
+    return project(hidden, down, down_scales).add_(x);
 }
 
 // cache[slots[i], :, rows[i], :] = values[i] for values [B, heads, dim] contiguous, as the index_put it replaces
@@ -267,7 +282,9 @@ at::Tensor attention_block(const at::Tensor &x, const at::Tensor &norm, double e
                            const std::optional<at::Tensor> &wk, const std::optional<at::Tensor> &wv,
                            const at::Tensor &wo, const at::Tensor &positions, const at::Tensor &inv_freq,
                            at::Tensor k_cache, at::Tensor v_cache, const at::Tensor &slots_in,
-                           const at::Tensor &rows_in, const at::Tensor &lengths, double scale) {
+                           const at::Tensor &rows_in, const at::Tensor &lengths, double scale,
+                           const std::optional<at::Tensor> &wq_scales, const std::optional<at::Tensor> &wk_scales,
+                           const std::optional<at::Tensor> &wv_scales, const std::optional<at::Tensor> &wo_scales) {
     int64_t batch = x.size(0), kv_heads = k_cache.size(1), head_dim = k_cache.size(3);
     int64_t heads = wq.size(0) / head_dim;
     TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == 1 && wq.size(0) == heads * head_dim &&
@@ -277,25 +294,30 @@ at::Tensor attention_block(const at::Tensor &x, const at::Tensor &norm, double e
                       "attention_block: x ", x.sizes(), " must be [B, 1, D] with caches [slots, kv_heads, rows, dim] ",
                       k_cache.sizes(), ", ", v_cache.sizes(), " (last dim contiguous), q rows ", wq.size(0),
                       " a multiple of the head dim, and B slots and rows");
-    for (const at::Tensor *t : std::initializer_list<const at::Tensor *>{&wq, &wo, &k_cache, &v_cache,
-                                                                         wk ? &*wk : &wq, wv ? &*wv : &wq})
-        TORCH_CHECK_VALUE(t->scalar_type() == x.scalar_type(), "attention_block: weights and caches in x's dtype ",
+    for (const at::Tensor *t : std::initializer_list<const at::Tensor *>{&k_cache, &v_cache})
+        TORCH_CHECK_VALUE(t->scalar_type() == x.scalar_type(), "attention_block: caches in x's dtype ",
                           dtype_name(x.scalar_type()), ", got ", dtype_name(t->scalar_type()));
+    const std::optional<at::Tensor> *scales[] = {&wq_scales, &wk_scales, &wv_scales, &wo_scales};
+    const at::Tensor *weights[] = {&wq, wk ? &*wk : nullptr, wv ? &*wv : nullptr, &wo};
+    for (int i = 0; i < 4; i++)  // an int8 weight comes with its scales; a float one is in x's dtype
+        TORCH_CHECK_VALUE(!weights[i] || weights[i]->scalar_type() == (*scales[i] ? at::kChar : x.scalar_type()),
+                          "attention_block: weights in x's dtype ", dtype_name(x.scalar_type()),
+                          " or int8 with scales, got ", dtype_name(weights[i]->scalar_type()));
     at::Tensor h = rms_norm(x, norm, eps);
-    at::Tensor q = rotary(dense_gemv(h, wq, std::nullopt).view({batch, 1, heads, head_dim}).transpose(1, 2),
-                          positions, inv_freq);
+    at::Tensor q = rotary(project(h, wq, wq_scales).view({batch, 1, heads, head_dim}).transpose(1, 2), positions,
+                          inv_freq);
     at::Tensor slots = slots_in.to(at::kLong).contiguous();
     if (wk) {
-        at::Tensor k = rotary(dense_gemv(h, *wk, std::nullopt).view({batch, 1, kv_heads, head_dim}).transpose(1, 2),
+        at::Tensor k = rotary(project(h, *wk, wk_scales).view({batch, 1, kv_heads, head_dim}).transpose(1, 2),
                               positions, inv_freq).view({batch, kv_heads, head_dim});
-        at::Tensor v = dense_gemv(h, *wv, std::nullopt).view({batch, kv_heads, head_dim});
+        at::Tensor v = project(h, *wv, wv_scales).view({batch, kv_heads, head_dim});
         at::Tensor rows = rows_in.to(at::kLong).contiguous();
         write_rows(k_cache, k, slots.data_ptr<int64_t>(), rows.data_ptr<int64_t>());
         write_rows(v_cache, v, slots.data_ptr<int64_t>(), rows.data_ptr<int64_t>());
     }
     at::Tensor out = decode_attention(q.view({batch, heads, head_dim}), k_cache, v_cache, slots.unsqueeze(1), lengths,
                                       "rows", scale, head_dim, std::nullopt, 0, 0, 0, std::nullopt, std::nullopt, 1, 0);
-    return dense_gemv(out.view({batch, 1, heads * head_dim}), wo, std::nullopt).add_(x);
+    return project(out.view({batch, 1, heads * head_dim}), wo, wo_scales).add_(x);
 }
 
 // x [B, 1, D] + o(linear attention) after RMSNorm: q, k, v GEMVs, the elu + 1 feature map on q and k (torch's own

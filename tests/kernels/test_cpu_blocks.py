@@ -14,7 +14,7 @@ from kernels import cpu_blocks, cpu_decode, cpu_kernels_available
 from ssm.mamba import Mamba
 from ssm.mamba2 import Mamba2
 from zoo.ffn.swiglu import SwiGLU
-from zoo.quantize import QuantizeConfig, quantize
+from zoo.quantize import QuantizeConfig, quantize, quantize_int8
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the C kernels did not build here (a warning "
                                                                      "said why)")
@@ -79,6 +79,27 @@ def test_decode_steps_match_the_modules_path(arch, dtype, batch, context, monkey
         assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches))
 
 
+@pytest.mark.parametrize("arch", ["gqa", "cla", "swa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_int8_halves_match_the_modules_path(arch, dtype, batch, monkeypatch):
+    """int8 weights (zoo.quantize's per-channel scales) through the fused attention and feed-forward halves: the
+    same int8 GEMV each QuantizedLinear's forward calls, so bit for bit."""
+    torch.manual_seed(0)
+    model = quantize(zoo.build(arch, preset="tiny").to(dtype).eval(), QuantizeConfig(weights="int8"))
+    served_halves = []
+    for cls in (Attention, SwiGLU):
+        method = cls.decode_residual
+        monkeypatch.setattr(cls, "decode_residual",
+                            lambda *args, method=method: served_halves.append(method(*args)) or served_halves[-1])
+    fused_logits, fused_caches = decode_steps(model, batch, 40)
+    assert len(served_halves) == 2 * 3 * len(model.blocks) and all(h is not None for h in served_halves)
+    turn_off(monkeypatch)
+    logits, caches = decode_steps(model, batch, 40)
+    assert torch.equal(fused_logits, logits)
+    assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches))
+
+
 def block_inputs(dtype, batch=2, kv_heads=2, heads=4, head_dim=16, d_model=32, slots=3, rows=24):
     g = torch.Generator().manual_seed(0)
 
@@ -92,6 +113,33 @@ def block_inputs(dtype, batch=2, kv_heads=2, heads=4, head_dim=16, d_model=32, s
                 k_cache=randn(slots, kv_heads, rows, head_dim), v_cache=randn(slots, kv_heads, rows, head_dim),
                 slots=torch.tensor([2, 0]), rows=torch.tensor([5, 17]), lengths=torch.tensor([6, 18]),
                 scale=head_dim**-0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_halves_cpp_and_python_glue_agree(dtype):
+    """The halves with int8 projections (payload and per-channel scales), their C++ kernels against their Python
+    glue; a float weight where the scales say int8 is refused."""
+    if not cpu_decode.glue_available():
+        pytest.skip("the C++ glue did not build here (a warning said why)")
+    inputs = block_inputs(dtype)
+    for name in ("wq", "wk", "wv", "wo"):
+        q, scales = quantize_int8(inputs[name].float())
+        inputs[name], inputs[f"{name}_scales"] = q, scales.to(dtype)
+    results = {}
+    for name, fn in (("op", cpu_blocks.attention_block_op), ("python", cpu_blocks.attention_block_eager)):
+        args = {**inputs, "k_cache": inputs["k_cache"].clone(), "v_cache": inputs["v_cache"].clone()}
+        results[name] = fn(**args), args["k_cache"], args["v_cache"]
+    for op, python in zip(results["op"], results["python"]):
+        assert torch.equal(op, python)
+    g = torch.Generator().manual_seed(1)
+    d, hidden = inputs["x"].shape[-1], 48
+    ffn = [torch.randn(shape, generator=g) for shape in ((hidden, d), (hidden, d), (d, hidden))]
+    operands = [quantize_int8(w) for w in ffn]
+    args = (inputs["x"], inputs["norm"], 1e-5, *[q for q, _ in operands], *[s.to(dtype) for _, s in operands])
+    assert torch.equal(cpu_blocks.ffn_block_op(*args), cpu_blocks.ffn_block_eager(*args))
+    with pytest.raises(ValueError, match="int8 with scales"):
+        cpu_blocks.ffn_block_op(inputs["x"], inputs["norm"], 1e-5, *[w.to(dtype) for w in ffn],
+                                *[s.to(dtype) for _, s in operands])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -164,7 +212,12 @@ def test_where_the_fused_halves_serve():
     bf16 = zoo.build("gqa", preset="tiny").bfloat16().eval()
     assert served(halves(bf16, batch=8)) == (True, True)
     assert served(halves(bf16, batch=9)) == (False, False)  # F.linear's rows, past the C GEMV's
-    assert served(halves(quantize(model, QuantizeConfig(weights="int8")))) == (False, False)
+    assert served(halves(quantize(model, QuantizeConfig(weights="int8")))) == (True, True)  # the int8 GEMV's
+    assert served(halves(quantize(model, QuantizeConfig(weights="int4", group_size=32)))) == (False, False)
+    awq_like = quantize(model, QuantizeConfig(weights="int8"))
+    for layer in (awq_like.blocks[0].mixer.q_proj, awq_like.blocks[0].mlp.up_proj):
+        layer.input_scale = torch.ones(layer.in_features)  # AWQ's: the layer divides its input first
+    assert served(halves(awq_like)) == (False, False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -32,12 +32,14 @@ class SwiGLU(nn.Module):
         fused SwiGLU (an eager CPU decode step); None elsewhere, where the block runs the two modules."""
         if type(norm) is not RMSNorm or type(self) is not SwiGLU or "forward" in vars(self):
             return None
-        weights = cpu_blocks.half_weights(self, norm, PROJECTIONS)
-        norm_weight = norm._parameters["weight"]
-        if weights is None or not cpu_blocks.gemv_half_fits(x, weights, norm_weight) \
+        operands = cpu_blocks.half_operands(self, norm, PROJECTIONS, int8=True)  # float or int8 projections
+        if operands is None:
+            return None
+        (weights, scales), norm_weight = operands, norm._parameters["weight"]
+        if not cpu_blocks.gemv_half_fits(x, weights, norm_weight, scales=scales) \
                 or weights[0].shape != weights[1].shape or weights[2].shape[1] != weights[0].shape[0]:
             return None
-        return cpu_blocks.ffn_block(x, norm_weight, norm.eps, *weights)
+        return cpu_blocks.ffn_block(x, norm_weight, norm.eps, *weights, *scales)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """float64: down(g / (1 + e^-g) * u) with g = x W_gate^T, u = x W_up^T."""
