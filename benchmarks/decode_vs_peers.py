@@ -4,8 +4,9 @@ llama.cpp in the same dtype, MBU, and a greedy-token check.
 
 The `base` GQA model (12 layers, d_model 768, 12 query / 4 KV heads, vocab 32000), batch 1, greedy, one random
 prompt of token ids for every side. Weights are spread (tests/helpers.py) so greedy continuations change every step
-and the token check means something; speed does not depend on their values. Sides: archzoo's engine (compiled decode
-step, as benchmarks/decode_vs_hf.py measures it) and transformers in fp32 and bf16; llama.cpp on the f32, bf16 and
+and the token check means something; speed does not depend on their values. Sides: archzoo's engine (its default
+eager decode step, which runs each block's halves as one call each on the CPU; --compile: the torch.compile'd step,
+as benchmarks/decode_vs_hf.py measures it) and transformers in fp32 and bf16; llama.cpp on the f32, bf16 and
 Q8_0 exports, its KV cache in f32, bf16 and f16 (its default) respectively, n_threads = torch's thread count; beside
 Q8_0, archzoo with int8 weights (per-channel scales, the head too) and bf16 activations and KV.
 Decode rate for every side = batch * (N - 1) / (time(N new tokens) - time(1 new token)), wall clock around the same
@@ -19,7 +20,8 @@ in the same dtype (Q8_0 and archzoo int8 against archzoo fp32): the number of le
     pip install -e ".[peers]"                                   # llama-cpp-python (builds llama.cpp) and gguf
     python benchmarks/decode_vs_peers.py                         # base; f32, bf16, q8_0; prompt 256, 64 new tokens
     python benchmarks/decode_vs_peers.py --dtypes f32 --prompt-len 512 --new-tokens 128 --repeats 5
-    python benchmarks/decode_vs_peers.py --preset tiny --repeats 1 --no-compile   # a smoke run
+    python benchmarks/decode_vs_peers.py --preset tiny --repeats 1               # a smoke run
+    python benchmarks/decode_vs_peers.py --compile                                # archzoo's compiled step
 
 Without llama-cpp-python (or gguf) the llama.cpp rows are skipped with the reason; the others are still measured.
 """
@@ -60,7 +62,7 @@ class PeerRun:
     prompt_len: int = 256
     new_tokens: int = 64
     repeats: int = 3
-    compile: bool = True
+    compile: bool = False  # the engine's default: eager, the fused block halves on the CPU
     # llama.cpp's extra CPU weight buffers (AMX, repacked quants): off, since on an AMX Xeon ggml's AMX Q8_0 matmul
     # crashed (segfault in ggml_backend_amx_mul_mat, llama-cpp-python 0.3.36); f32 and bf16 do not use them
     llama_extra_buffers: bool = False
@@ -287,7 +289,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=at_least(1), default=d.prompt_len, help=f"default: {d.prompt_len}")
     p.add_argument("--new-tokens", type=at_least(2), default=d.new_tokens, help=f"default: {d.new_tokens}")
     p.add_argument("--repeats", type=at_least(1), default=d.repeats, help=f"default: {d.repeats}")
-    p.add_argument("--no-compile", action="store_true", help="run archzoo's decode step eagerly")
+    p.add_argument("--compile", action="store_true", help="torch.compile archzoo's decode step (default: eager, the "
+                   "engine's default)")
     p.add_argument("--llama-extra-buffers", action="store_true", help="let llama.cpp use its extra CPU weight buffers "
                    "(AMX, repacked Q8_0); off by default: its AMX Q8_0 matmul crashed on an AMX Xeon")
     args = p.parse_args(argv)
@@ -296,7 +299,7 @@ def main(argv=None) -> int:
         p.error(f"--prompt-len + --new-tokens = {args.prompt_len + args.new_tokens} exceeds the {args.preset} "
                 f"preset's max_seq_len {limit}")
     run_peers(PeerRun(preset=args.preset, dtypes=args.dtypes, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                      repeats=args.repeats, compile=not args.no_compile,
+                      repeats=args.repeats, compile=args.compile,
                       llama_extra_buffers=args.llama_extra_buffers))
     return 0
 

@@ -20,7 +20,7 @@ spec = importlib.util.spec_from_file_location("decode_vs_peers", REPO_ROOT / "be
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 
-SMOKE = ["--preset", "tiny", "--prompt-len", "16", "--new-tokens", "4", "--repeats", "1", "--no-compile"]
+SMOKE = ["--preset", "tiny", "--prompt-len", "16", "--new-tokens", "4", "--repeats", "1"]
 
 
 def rows(out: str) -> dict[tuple[str, str], list[str]]:
