@@ -189,7 +189,7 @@ Strides strides_of(const at::Tensor &x, bool blocks) {
     return blocks ? Strides{x.stride(0), x.stride(1), x.stride(2)} : Strides{x.stride(0), x.stride(2), x.stride(1)};
 }
 
-constexpr int64_t MIN_KEYS_PER_SPLIT = 256;  // kernels/cpu_decode.py's _MIN_KEYS_PER_SPLIT
+constexpr int64_t MIN_KEYS_PER_SPLIT = 128;  // kernels/cpu_decode.py's _MIN_KEYS_PER_SPLIT
 
 at::Tensor int32_rows(const at::Tensor &t) { return t.to(at::kInt).contiguous(); }
 
