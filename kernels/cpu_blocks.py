@@ -21,7 +21,9 @@ The modules decide when a half runs here (zoo/ffn/swiglu.py's SwiGLU.decode_resi
 Attention.decode_residual, and the same in attention/mla.py, attention/linear_attention.py, ssm/mamba2.py and
 ssm/mamba.py):
 decode-sized rows in fp32 or bf16, parameters in that dtype, no gradient recorded and no graph being compiled
-(kernels/cpu_fused.py's fused_path), plain weights, and a one-token step over the engine's contiguous cache or
+(kernels/cpu_fused.py's fused_path), plain weights (the attention and feed-forward halves also int8 ones: an int8
+projection comes with its per-channel scales, and the int8 GEMV reads it as its own forward does), no forward hook
+on the modules a half stands in for (half_weights), and a one-token step over the engine's contiguous cache or
 state slots.
 """
 import torch
