@@ -32,8 +32,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from . import cpu_decode
-from .cpu_fused import rms_norm_eager, rotary_eager, swiglu_gemv_eager
-from .dispatch import triton_forced
+from .cpu_fused import fused_path, rms_norm_eager, rotary_eager, swiglu_gemv_eager
 from .linear import GEMV_ROWS, Linear
 from .linear_attention import linear_attention_step_ref
 
@@ -79,24 +78,19 @@ def half_operands(owner: nn.Module, norm: nn.Module | None, names: tuple[str, ..
 
 def gemv_half_fits(x: torch.Tensor, weights: list[torch.Tensor], *others: torch.Tensor,
                    scales: list[torch.Tensor | None] | None = None) -> bool:
-    """A one-token step x [B, 1, D] whose B rows the C GEMV serves in x's dtype, on the fused path (as cpu_fused's
-    fused_path decides it) with the weights and the others, every weight contiguous [N, K] in x's dtype (as
-    dense_gemv_fits), or int8 where its scales (from half_operands) are given, in x's dtype. One loop over the
-    tensors: the generic checks cost ~10 µs a half."""
+    """A one-token step x [B, 1, D] whose B rows the C GEMV serves in x's dtype, every weight contiguous [N, K] in
+    x's dtype (as dense_gemv_fits) or int8 where its scales (from half_operands) are given, on the fused path
+    (cpu_fused's fused_path) with the float weights, the scales and the others."""
     rows, dtype = x.shape[0], x.dtype
-    if x.shape[1] != 1 or rows not in GEMV_ROWS.get(dtype, ()) or not x.is_cpu or torch.compiler.is_compiling():
+    if x.shape[1] != 1 or rows not in GEMV_ROWS.get(dtype, ()):
         return False
-    for i, w in enumerate(weights):
-        scale = None if scales is None else scales[i]
+    scales = scales or [None] * len(weights)
+    for w, scale in zip(weights, scales):
         if (w.dtype != (dtype if scale is None else torch.int8) or not w.is_cpu or w.stride() != (w.shape[1], 1)
-                or scale is not None and (scale.dtype != dtype or not scale.is_cpu or scale.shape != (w.shape[0],))):
+                or scale is not None and scale.shape != (w.shape[0],)):
             return False
-    for t in others:
-        if t.dtype != dtype or not t.is_cpu:
-            return False
-    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in (*weights, *others))):
-        return False
-    return cpu_decode.cpu_kernels_available() and not triton_forced()
+    floats = [w if scale is None else scale for w, scale in zip(weights, scales)]  # an int8 weight's scales
+    return fused_path(x, rows, *floats, *others)
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:

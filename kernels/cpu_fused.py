@@ -16,21 +16,25 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_decode
-from .dispatch import use_cpu_kernel
+from .dispatch import triton_forced
 from .linear import GEMV_ROWS, rows_of
 
 MAX_ROWS = 16  # a decode step's token rows (kernels/linear.py's C GEMV range)
 
 
 def fused_path(x: torch.Tensor, rows: int, *params: torch.Tensor) -> bool:
-    """Whether the fused ops serve x (with `rows` token rows) and params: see the module doc."""
-    if torch.compiler.is_compiling() or not 1 <= rows <= MAX_ROWS or x.dtype not in cpu_decode.DENSE_DTYPES:
+    """Whether the fused ops serve x (with `rows` token rows) and params: see the module doc. One loop over the
+    tensors, as it runs for every half of every layer of an eager step (the generic checks cost ~5 µs a call)."""
+    dtype = x.dtype
+    if torch.compiler.is_compiling() or not 1 <= rows <= MAX_ROWS or dtype not in cpu_decode.DENSE_DTYPES \
+            or not x.is_cpu:
         return False
-    if any(p.dtype != x.dtype for p in params):
-        return False
+    for p in params:
+        if p.dtype != dtype or not p.is_cpu:
+            return False
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
         return False
-    return use_cpu_kernel(x, *params)
+    return cpu_decode.cpu_kernels_available() and not triton_forced()
 
 
 def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
