@@ -28,12 +28,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode_attention.h"
 #include "floats.h"
 #include "vector_exp.h"
 
-#define TILE 32        /* keys per step: their scores, softmax and values for every head of a group */
-#define MAX_HEADS 128  /* query heads per KV head (MLA: all heads share one latent) */
-#define MAX_DIM 1024
 
 /* a row of n elements as fp32; an fp32 row is used in place, a 16-bit one is converted into buf
  * (bf16 is the top half of an fp32: a shift, vectorised; built with -fno-strict-aliasing for the cast) */
@@ -52,18 +50,6 @@ static inline const float *row_f32(const void *p, int64_t offset, int n, int dty
 
 /* v8: 8 fp32 lanes at any 4-byte alignment, from vector_exp.h */
 
-typedef struct {
-    const void *k, *v;
-    int64_t k_block, k_pos, k_head, v_block, v_pos, v_head;
-    const void *ks, *vs; /* one-byte rows' scales (NULL: float rows in dtype) */
-    int64_t ks_block, ks_pos, ks_head, vs_block, vs_pos, vs_head;
-    int64_t ks_part; /* a key row's second scale, this far from its first (used past column k_split) */
-    int k_split;     /* key columns under a row's first scale: dk, or the latent's width */
-    int64_t block_size;
-    int64_t stride, ring; /* keys walked every stride-th position; a ring's rows (0: none) */
-    int heads, kv_heads, kv_per_task, dk, dv, dtype;
-    int fp8; /* rows are float8 e4m3 (1) or int8 (0) */
-} Cache;
 
 /* A float8 e4m3 value (torch.float8_e4m3fn: exponent bias 7, no infinities) as fp32, by moving its bits: a normal
  * number's exponent is rebiased to 127 and its 3 mantissa bits go to the top of fp32's 23; a subnormal is m * 2^-9.
@@ -260,6 +246,83 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int6
     }
 }
 
+/* The tasks of one call over c: (sequence, chunk of kv_per_task KV heads, split of the keys); their partials
+ * [task][task_heads] and the scaled queries [batch][heads][dk] in `floats` (attention_floats of them). Returns -1
+ * for sizes beyond the kernel. */
+int attention_plan(Plan *p, const Cache *c, const int32_t *table, int64_t table_stride, const int32_t *seq_lens,
+                   const int32_t *starts, int64_t sinks, int batch, int splits, float *floats) {
+    if (c->kv_heads < 1 || c->heads % c->kv_heads || c->heads / c->kv_heads > MAX_HEADS || c->dk > MAX_DIM ||
+        c->dv > MAX_DIM || splits < 1 || c->kv_per_task < 1 || c->kv_heads % c->kv_per_task || c->k_split < 1 ||
+        c->k_split > c->dk || c->stride < 1 || c->ring < 0 || (c->stride > 1 && sinks))
+        return -1;
+    int chunks = c->kv_heads / c->kv_per_task, task_heads = c->heads / c->kv_heads * c->kv_per_task;
+    int64_t tasks = (int64_t)batch * chunks * splits;
+    *p = (Plan){*c, table, seq_lens, starts, table_stride, sinks, batch, splits, chunks, task_heads, tasks, floats,
+                NULL, NULL, NULL};
+    p->partial_max = floats + tasks * task_heads * c->dv;
+    p->partial_sum = p->partial_max + tasks * task_heads;
+    p->queries = p->partial_sum + tasks * task_heads;
+    return 0;
+}
+
+int64_t attention_floats(const Cache *c, int batch, int splits) {
+    int64_t task_heads = c->heads / c->kv_heads * c->kv_per_task;
+    int64_t tasks = (int64_t)batch * (c->kv_heads / c->kv_per_task) * splits;
+    return tasks * task_heads * (c->dv + 2) + (int64_t)batch * c->heads * c->dk;
+}
+
+/* query head h of sequence b, dk elements of q_row in the cache's dtype, times scale into the plan as fp32 */
+void attention_query(const Plan *p, int b, int h, const void *q_row, float scale) {
+    float *query = p->queries + ((int64_t)b * p->c.heads + h) * p->c.dk;
+    for (int d = 0; d < p->c.dk; d++) query[d] = scale * load1(q_row, d, p->c.dtype);
+}
+
+/* one task's partial; work: TILE * (dk + dv) floats of the calling thread's */
+void attention_task(const Plan *p, int64_t task, float *work) {
+    const Cache *c = &p->c;
+    int split = (int)(task % p->splits), chunk = (int)(task / p->splits % p->chunks);
+    int b = (int)(task / p->splits / p->chunks), task_heads = p->task_heads;
+    /* the visible keys, numbered 0..count-1: the sinks [0, sink_count), then the span's positions span,
+     * span + stride, ... before len */
+    int64_t len = p->seq_lens[b], span = p->starts ? p->starts[b] : 0, sink_count = p->sinks < span ? p->sinks : span;
+    int64_t count = sink_count + (len > span ? (len - 1 - span) / c->stride + 1 : 0);
+    int64_t per_split = (count + p->splits - 1) / p->splits;
+    int64_t first = split * per_split, last = first + per_split < count ? first + per_split : count;
+    float *m = p->partial_max + task * task_heads, *l = p->partial_sum + task * task_heads;
+    float *o = p->partial + task * task_heads * c->dv;
+    const float *q_task = p->queries + ((int64_t)b * c->heads + chunk * task_heads) * c->dk;
+    const int32_t *table_row = p->table + b * p->table_stride;
+    reset_partial(task_heads, c->dv, o, m, l); /* an empty split (a short sequence) keeps weight 0 */
+    if (first < sink_count) /* the part of this split among the sinks */
+        attend_split(c, table_row, chunk * c->kv_per_task, first, last < sink_count ? last : sink_count, q_task, o, m,
+                     l, work);
+    if (last > sink_count) /* the part in the span */
+        attend_split(c, table_row, chunk * c->kv_per_task,
+                     span + ((first > sink_count ? first : sink_count) - sink_count) * c->stride,
+                     span + (last - sink_count - 1) * c->stride + 1, q_task, o, m, l, work);
+}
+
+/* head h of sequence b: its splits merged by their log-sum-exp into out[b * out_b + h * out_h ...] (the cache's
+ * dtype); split 0 always holds a key (seq_lens >= 1) */
+void attention_merge(const Plan *p, int b, int h, void *out, int64_t out_b, int64_t out_h) {
+    int dv = p->c.dv, task_heads = p->task_heads, splits = p->splits;
+    float top = -INFINITY, total = 0.0f, acc[MAX_DIM];
+    int64_t first_row = ((int64_t)b * p->chunks + h / task_heads) * splits * task_heads + h % task_heads;
+    for (int s = 0; s < splits; s++) {
+        float m = p->partial_max[first_row + (int64_t)s * task_heads];
+        top = m > top ? m : top;
+    }
+    memset(acc, 0, sizeof(float) * dv);
+    for (int s = 0; s < splits; s++) {
+        int64_t row = first_row + (int64_t)s * task_heads;
+        if (p->partial_sum[row] == 0.0f) continue;
+        float w = expf(p->partial_max[row] - top);
+        total += w * p->partial_sum[row];
+        for (int d = 0; d < dv; d++) acc[d] += w * p->partial[row * dv + d];
+    }
+    for (int d = 0; d < dv; d++) store1(out, b * out_b + h * out_h + d, acc[d] / total, p->c.dtype);
+}
+
 int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int64_t k_block, int64_t k_pos,
                      int64_t k_head, const void *v, int64_t v_block, int64_t v_pos, int64_t v_head,
                      const void *ks, int64_t ks_block, int64_t ks_pos, int64_t ks_head,
@@ -269,73 +332,29 @@ int decode_attention(const void *q, int64_t q_b, int64_t q_h, const void *k, int
                      int kv_heads, int kv_per_task, int dk, int dv,
                      float scale, int splits, void *out, int64_t out_b, int64_t out_h, int dtype, int threads,
                      int fp8_rows, int64_t ks_part, int k_split) {
-    if (kv_heads < 1 || heads % kv_heads || heads / kv_heads > MAX_HEADS || dk > MAX_DIM || dv > MAX_DIM ||
-        splits < 1 || kv_per_task < 1 || kv_heads % kv_per_task || k_split < 1 || k_split > dk || stride < 1 ||
-        ring < 0 || (stride > 1 && sinks))
-        return -1;
-    int group = heads / kv_heads, chunks = kv_heads / kv_per_task, task_heads = group * kv_per_task;
     Cache c = {k, v, k_block, k_pos, k_head, v_block, v_pos, v_head, ks, vs, ks_block, ks_pos, ks_head, vs_block,
                vs_pos, vs_head, ks_part, k_split, block_size, stride, ring, heads, kv_heads, kv_per_task, dk, dv,
                dtype, fp8_rows};
-    /* task = (sequence, chunk of kv_per_task KV heads, split of the keys); partials [task][task_heads] */
-    int64_t tasks = (int64_t)batch * chunks * splits, work_floats = (int64_t)TILE * (dk + dv);
-    float *partial = malloc(sizeof(float) * (tasks * task_heads * (dv + 2) + (int64_t)batch * heads * dk));
+    Plan p;
+    if (kv_heads < 1 || splits < 1 || kv_per_task < 1 || kv_heads % kv_per_task) return -1;
+    int64_t work_floats = (int64_t)TILE * (dk + dv);
+    float *floats = malloc(sizeof(float) * attention_floats(&c, batch, splits));
     float *workspace = malloc(sizeof(float) * threads * work_floats); /* one tile buffer per thread */
-    if (!partial || !workspace) {
-        free(partial);
+    if (!floats || !workspace || attention_plan(&p, &c, table, table_stride, seq_lens, starts, sinks, batch, splits,
+                                                floats)) {
+        free(floats);
         free(workspace);
         return -1;
     }
-    float *partial_max = partial + tasks * task_heads * dv, *partial_sum = partial_max + tasks * task_heads;
-    float *queries = partial_sum + tasks * task_heads; /* [batch][heads][dk], fp32, scaled */
     for (int b = 0; b < batch; b++)
-        for (int h = 0; h < heads; h++)
-            for (int d = 0; d < dk; d++)
-                queries[((int64_t)b * heads + h) * dk + d] = scale * load1(q, b * q_b + h * q_h + d, dtype);
-
+        for (int h = 0; h < heads; h++) attention_query(&p, b, h, (const char *)q + (b * q_b + h * q_h) *
+                                                        (dtype == F32 ? 4 : 2), scale);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t task = 0; task < tasks; task++) {
-        int split = (int)(task % splits), chunk = (int)(task / splits % chunks), b = (int)(task / splits / chunks);
-        /* the visible keys, numbered 0..count-1: the sinks [0, sink_count), then the span's positions span,
-         * span + stride, ... before len */
-        int64_t len = seq_lens[b], span = starts ? starts[b] : 0, sink_count = sinks < span ? sinks : span;
-        int64_t count = sink_count + (len > span ? (len - 1 - span) / stride + 1 : 0);
-        int64_t per_split = (count + splits - 1) / splits;
-        int64_t first = split * per_split, last = first + per_split < count ? first + per_split : count;
-        float *m = partial_max + task * task_heads, *l = partial_sum + task * task_heads;
-        float *o = partial + task * task_heads * dv, *work = workspace + omp_get_thread_num() * work_floats;
-        const float *q_task = queries + ((int64_t)b * heads + chunk * task_heads) * dk;
-        reset_partial(task_heads, dv, o, m, l); /* an empty split (a short sequence) keeps weight 0 */
-        if (first < sink_count) /* the part of this split among the sinks */
-            attend_split(&c, table + b * table_stride, chunk * kv_per_task, first, last < sink_count ? last : sink_count,
-                         q_task, o, m, l, work);
-        if (last > sink_count) /* the part in the span */
-            attend_split(&c, table + b * table_stride, chunk * kv_per_task,
-                         span + ((first > sink_count ? first : sink_count) - sink_count) * stride,
-                         span + (last - sink_count - 1) * stride + 1, q_task, o, m, l, work);
-    }
-
-    /* merge each head's splits by their log-sum-exp; split 0 always holds a key (seq_lens >= 1) */
-    for (int b = 0; b < batch; b++) {
-        for (int h = 0; h < heads; h++) {
-            float top = -INFINITY, total = 0.0f, acc[MAX_DIM];
-            int64_t first_row = ((int64_t)b * chunks + h / task_heads) * splits * task_heads + h % task_heads;
-            for (int s = 0; s < splits; s++) {
-                float m = partial_max[first_row + (int64_t)s * task_heads];
-                top = m > top ? m : top;
-            }
-            memset(acc, 0, sizeof(float) * dv);
-            for (int s = 0; s < splits; s++) {
-                int64_t row = first_row + (int64_t)s * task_heads;
-                if (partial_sum[row] == 0.0f) continue;
-                float w = expf(partial_max[row] - top);
-                total += w * partial_sum[row];
-                for (int d = 0; d < dv; d++) acc[d] += w * partial[row * dv + d];
-            }
-            for (int d = 0; d < dv; d++) store1(out, b * out_b + h * out_h + d, acc[d] / total, dtype);
-        }
-    }
-    free(partial);
+    for (int64_t task = 0; task < p.tasks; task++)
+        attention_task(&p, task, workspace + omp_get_thread_num() * work_floats);
+    for (int b = 0; b < batch; b++)
+        for (int h = 0; h < heads; h++) attention_merge(&p, b, h, out, out_b, out_h);
+    free(floats);
     free(workspace);
     return 0;
 }

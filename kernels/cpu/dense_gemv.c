@@ -39,6 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "floats.h"
+#include "gemv.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -236,6 +237,21 @@ static void run(const struct gemv *g, int64_t m, tile_fn tile_of, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t m0 = 0; m0 < m; m0 += MAX_M) tile_of(g, t * ROWS, m0, m - m0 < MAX_M ? (int)(m - m0) : MAX_M);
+}
+
+int gemv_widens(int dtype, int int8) { return int8 || (dtype == BF16 && BF16_FORMAT == WIDEN); }
+
+void gemv_part(const void *x, int64_t m, int64_t k, int64_t ldx, int dtype, const void *weight, const void *scales,
+               int s_dtype, int64_t n0, int64_t n1, void *out, int64_t ldo) {
+    int format = scales ? BYTES : dtype == F32 ? PLAIN : BF16_FORMAT;
+    int out_bytes = dtype == F32 ? 4 : 2, s_bytes = s_dtype == F32 ? 4 : 2;
+    /* rows [n0, n1) as a GEMV of their own: each output's sums run as they would in the whole one */
+    struct gemv g = {x, (const char *)weight + n0 * k * w_bytes(format), NULL,
+                     scales ? (const char *)scales + n0 * s_bytes : NULL, (char *)out + n0 * out_bytes, k, n1 - n0,
+                     ldx, ldo, format, dtype, s_dtype};
+    tile_fn tile_of = format == PLAIN ? tile_fp32 : format == BYTES ? tile_int8 : tile_bf16;
+    for (int64_t n = 0; n < g.n; n += ROWS)
+        for (int64_t m0 = 0; m0 < m; m0 += MAX_M) tile_of(&g, n, m0, m - m0 < MAX_M ? (int)(m - m0) : MAX_M);
 }
 
 /* x [m, k] (row stride ldx, x_dtype) as a contiguous fp32 copy; NULL out of memory */

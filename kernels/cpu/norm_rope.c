@@ -5,8 +5,7 @@
  * ISO C mode (-std=c11) keeps a * b + c as two roundings, as torch's separate mul and add are. */
 #include <math.h>
 #include "floats.h"
-
-#define MAX_HALF 512 /* rotary: head_dim <= 1024 */
+#include "norm_rope.h"
 
 /* as torch rounds a result to dtype between two ops */
 static inline float rounded(float x, int dtype) {
@@ -43,6 +42,23 @@ int rms_norm(const void *x, int64_t rows, int64_t dim, int64_t ldx, int dtype, c
  * strides (sb, sh, st; unit column stride), positions [B, T] int64 at strides (pb, pt), inv_freq [D / 2] fp32.
  * Angles are fp32 position x frequency products, and cos and sin are rounded to dtype before use, as torch's are.
  * out [B, H, T, D] contiguous. */
+void rotary_angles(float position, const float *inv_freq, int64_t half, int dtype, float *cosines, float *sines) {
+    for (int64_t i = 0; i < half; i++) {
+        float angle = position * inv_freq[i];
+        cosines[i] = rounded(cosf(angle), dtype);
+        sines[i] = rounded(sinf(angle), dtype);
+    }
+}
+
+void rotary_row(const void *in, void *out, const float *cosines, const float *sines, int64_t half, int dtype) {
+    for (int64_t i = 0; i < half; i++) {
+        float first = load1(in, i, dtype), second = load1(in, i + half, dtype);
+        float c = cosines[i], s = sines[i];
+        store1(out, i, rounded(first * c, dtype) + rounded(-second * s, dtype), dtype);
+        store1(out, i + half, rounded(second * c, dtype) + rounded(first * s, dtype), dtype);
+    }
+}
+
 int rotary(const void *x, int64_t batch, int64_t heads, int64_t seq, int64_t dim, int64_t sb, int64_t sh, int64_t st,
            const int64_t *positions, int64_t pb, int64_t pt, const float *inv_freq, int dtype, void *out) {
     if ((dtype != F32 && dtype != BF16) || dim % 2 || dim / 2 > MAX_HALF) return -1;
@@ -50,22 +66,10 @@ int rotary(const void *x, int64_t batch, int64_t heads, int64_t seq, int64_t dim
     float cosines[MAX_HALF], sines[MAX_HALF];
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t t = 0; t < seq; t++) {
-            float position = (float)positions[b * pb + t * pt];
-            for (int64_t i = 0; i < half; i++) {
-                float angle = position * inv_freq[i];
-                cosines[i] = rounded(cosf(angle), dtype);
-                sines[i] = rounded(sinf(angle), dtype);
-            }
-            for (int64_t h = 0; h < heads; h++) {
-                const char *in = (const char *)x + (b * sb + h * sh + t * st) * width;
-                char *o = (char *)out + (((b * heads + h) * seq + t) * dim) * width;
-                for (int64_t i = 0; i < half; i++) {
-                    float first = load1(in, i, dtype), second = load1(in, i + half, dtype);
-                    float c = cosines[i], s = sines[i];
-                    store1(o, i, rounded(first * c, dtype) + rounded(-second * s, dtype), dtype);
-                    store1(o, i + half, rounded(second * c, dtype) + rounded(first * s, dtype), dtype);
-                }
-            }
+            rotary_angles((float)positions[b * pb + t * pt], inv_freq, half, dtype, cosines, sines);
+            for (int64_t h = 0; h < heads; h++)
+                rotary_row((const char *)x + (b * sb + h * sh + t * st) * width,
+                           (char *)out + (((b * heads + h) * seq + t) * dim) * width, cosines, sines, half, dtype);
         }
     }
     return 0;

@@ -38,6 +38,11 @@ using RmsNormFn = int (*)(const void *, int64_t, int64_t, int64_t, int, const vo
 using RotaryFn = int (*)(const void *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t *,
                          int64_t, int64_t, const float *, int, void *);
 
+using AttentionHalfFn = int (*)(const void *, int64_t, int64_t, int, const void *, float, const void *const *,
+                                const void *const *, const int *, int64_t, int64_t, int64_t, const int64_t *,
+                                const float *, void *, void *, const int64_t *, int64_t, const int64_t *,
+                                const int64_t *, const int32_t *, float, int, void *, int);
+
 using LinearStepFn = int (*)(const float *, const float *, const float *, float *, int64_t, int64_t, float *, int64_t,
                              int64_t, const int64_t *, int, int, int, int, float, float *, int);
 
@@ -56,6 +61,7 @@ struct Kernels {
     RotaryFn rotary = nullptr;
     LinearStepFn linear_step = nullptr;
     StateUpdateFn state_update = nullptr;
+    AttentionHalfFn attention_half = nullptr;
 };
 
 Kernels &kernels() {  // set once by archzoo_point_kernels, before the first call
@@ -303,21 +309,54 @@ at::Tensor attention_block(const at::Tensor &x, const at::Tensor &norm, double e
         TORCH_CHECK_VALUE(!weights[i] || weights[i]->scalar_type() == (*scales[i] ? at::kChar : x.scalar_type()),
                           "attention_block: weights in x's dtype ", dtype_name(x.scalar_type()),
                           " or int8 with scales, got ", dtype_name(weights[i]->scalar_type()));
-    at::Tensor h = rms_norm(x, norm, eps);
-    at::Tensor q = rotary(project(h, wq, wq_scales).view({batch, 1, heads, head_dim}).transpose(1, 2), positions,
-                          inv_freq);
-    at::Tensor slots = slots_in.to(at::kLong).contiguous();
-    if (wk) {
-        at::Tensor k = rotary(project(h, *wk, wk_scales).view({batch, 1, kv_heads, head_dim}).transpose(1, 2),
-                              positions, inv_freq).view({batch, kv_heads, head_dim});
-        at::Tensor v = project(h, *wv, wv_scales).view({batch, kv_heads, head_dim});
-        at::Tensor rows = rows_in.to(at::kLong).contiguous();
-        write_rows(k_cache, k, slots.data_ptr<int64_t>(), rows.data_ptr<int64_t>());
-        write_rows(v_cache, v, slots.data_ptr<int64_t>(), rows.data_ptr<int64_t>());
+    TORCH_CHECK(kernels().attention_half, "attention_block: the C kernels are not pointed to");
+    at::Tensor slots = slots_in.to(at::kLong).contiguous(), rows = rows_in.to(at::kLong).contiguous();
+    const int64_t *slot = slots.data_ptr<int64_t>(), *row = rows.data_ptr<int64_t>();
+    at::Tensor xs = x.contiguous(), h_norm = norm.contiguous(), positions_rows = positions.to(at::kLong).contiguous();
+    at::Tensor freqs = inv_freq.to(at::kFloat).contiguous(), seq_lens = int32_rows(lengths);
+    int64_t width = x.size(2), q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+    TORCH_CHECK_VALUE(h_norm.scalar_type() == x.scalar_type() && h_norm.numel() == width && wq.size(1) == width &&
+                      (!wk || (wk->sizes() == wv->sizes() && wk->size(0) == kv_width && wk->size(1) == width)) &&
+                      wo.size(0) == width && wo.size(1) == q_width && positions_rows.numel() == batch &&
+                      freqs.numel() * 2 == head_dim && seq_lens.numel() == batch,
+                      "attention_block: norm ", h_norm.sizes(), " and projections q ", wq.sizes(), ", k ",
+                      wk ? wk->sizes() : at::IntArrayRef{}, ", v ", wv ? wv->sizes() : at::IntArrayRef{}, ", o ",
+                      wo.sizes(), " must match width ", width, ", ", heads, " and ", kv_heads, " heads of ", head_dim,
+                      ", with positions ", positions.sizes(), " and lengths ", lengths.sizes(), " one a sequence and ",
+                      freqs.numel(), " frequencies half the head dim");
+    const int32_t *length = seq_lens.data_ptr<int32_t>();
+    for (int64_t i = 0; i < batch; i++)  // the kernel reads slot[i]'s first length[i] rows and writes row[i] there
+        TORCH_CHECK_INDEX(slot[i] >= 0 && slot[i] < k_cache.size(0) && length[i] >= 1 &&
+                          length[i] <= k_cache.size(2) && (!wk || (row[i] >= 0 && row[i] < k_cache.size(2))),
+                          "attention_block: slot ", slot[i], ", row ", row[i], " and length ", length[i],
+                          " must lie in the cache's ", k_cache.size(0), " slots and ", k_cache.size(2), " rows");
+    at::Tensor ws[4], ss[4];
+    const void *weight_ptrs[4], *scale_ptrs[4];
+    int s_codes[4];
+    for (int i = 0; i < 4; i++) {
+        ws[i] = weights[i] ? weights[i]->contiguous() : at::Tensor();
+        ss[i] = *scales[i] ? (*scales[i])->contiguous() : at::Tensor();
+        weight_ptrs[i] = ws[i].defined() ? ws[i].data_ptr() : nullptr;
+        scale_ptrs[i] = ss[i].defined() ? ss[i].data_ptr() : nullptr;
+        s_codes[i] = ss[i].defined() ? dtype_code(ss[i], "scales") : 0;
     }
-    at::Tensor out = decode_attention(q.view({batch, heads, head_dim}), k_cache, v_cache, slots.unsqueeze(1), lengths,
-                                      "rows", scale, head_dim, std::nullopt, 0, 0, 0, std::nullopt, std::nullopt, 1, 0);
-    return project(out.view({batch, 1, heads * head_dim}), wo, wo_scales).add_(x);
+    int threads = at::get_num_threads();
+    // decode_attention's key splits for this cache: enough to keep every thread busy, none under MIN_KEYS_PER_SPLIT
+    int64_t rows_held = k_cache.size(2), wanted = (4 * threads + batch * kv_heads - 1) / (batch * kv_heads);
+    int64_t splits = std::max<int64_t>(1, std::min(wanted, (rows_held + MIN_KEYS_PER_SPLIT - 1) / MIN_KEYS_PER_SPLIT));
+    int64_t strides[6] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                          v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+    at::Tensor out = at::empty(xs.sizes(), xs.options());
+    int status = kernels().attention_half(
+        xs.data_ptr(), batch, width, dtype_code(x, "x"), h_norm.data_ptr(), static_cast<float>(eps),
+        weight_ptrs, scale_ptrs, s_codes, heads, kv_heads, head_dim, positions_rows.data_ptr<int64_t>(),
+        freqs.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), strides, rows_held, slot, row,
+        length, static_cast<float>(scale), static_cast<int>(splits), out.data_ptr(), threads);
+    TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "attention_block: out of memory for its workspace");
+    TORCH_CHECK_VALUE(status == 0, "attention_block: sizes beyond the CPU kernels (dtype ",
+                      dtype_name(x.scalar_type()), ": fp32 or bf16; head dim ", head_dim, " even and <= 1024; query "
+                      "heads per KV head ", heads / kv_heads, " <= 128)");
+    return out;
 }
 
 // x [B, 1, D] + o(linear attention) after RMSNorm: q, k, v GEMVs, the elu + 1 feature map on q and k (torch's own
@@ -529,11 +568,12 @@ at::Tensor mamba_block(const at::Tensor &x, const at::Tensor &norm, double eps, 
 }  // namespace
 
 extern "C" void archzoo_point_kernels(void *dense, void *int8, void *int4, void *attention, void *rms_norm,
-                                      void *rotary, void *linear_step, void *state_update) {
+                                      void *rotary, void *linear_step, void *state_update, void *attention_half) {
     kernels() = Kernels{reinterpret_cast<DenseFn>(dense), reinterpret_cast<Int8Fn>(int8),
                         reinterpret_cast<Int4Fn>(int4), reinterpret_cast<AttentionFn>(attention),
                         reinterpret_cast<RmsNormFn>(rms_norm), reinterpret_cast<RotaryFn>(rotary),
-                        reinterpret_cast<LinearStepFn>(linear_step), reinterpret_cast<StateUpdateFn>(state_update)};
+                        reinterpret_cast<LinearStepFn>(linear_step), reinterpret_cast<StateUpdateFn>(state_update),
+                        reinterpret_cast<AttentionHalfFn>(attention_half)};
 }
 
 TORCH_LIBRARY_IMPL(archzoo, CPU, m) {

@@ -45,7 +45,7 @@ def decode_steps(model, batch: int, context: int, steps: int = 3):
     return torch.stack(logits), caches
 
 
-@pytest.mark.parametrize("arch", ["gqa", "mha", "cla", "swa", "mla", "linear", "mamba2", "mamba"])
+@pytest.mark.parametrize("arch", ["gqa", "mha", "mqa", "cla", "swa", "mla", "linear", "mamba2", "mamba"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch, context", [(1, 12), (3, 40)])
 def test_decode_steps_match_the_modules_path(arch, dtype, batch, context, monkeypatch):
@@ -165,6 +165,26 @@ def test_the_cpp_and_python_glue_agree(dtype, shares):
     assert torch.equal(cpu_blocks.ffn_block_op(**ffn), cpu_blocks.ffn_block_eager(**ffn))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_attention_half_splits_heads_off_its_gemv_tiles(dtype):
+    """Heads whose rows are no whole number of the GEMV's 4-row tiles (head dim 6), one KV head and a width of 20:
+    each thread's share of q, k, v and o still equals the whole GEMVs' rows, int8 projections too."""
+    if not cpu_decode.glue_available():
+        pytest.skip("the C++ glue did not build here (a warning said why)")
+    inputs = block_inputs(dtype, batch=2, kv_heads=1, heads=3, head_dim=6, d_model=20, rows=30)
+    for int8 in (False, True):
+        if int8:
+            for name in ("wq", "wk", "wv", "wo"):
+                q, scales = quantize_int8(inputs[name].float())
+                inputs[name], inputs[f"{name}_scales"] = q, scales.to(dtype)
+        results = {}
+        for name, fn in (("op", cpu_blocks.attention_block_op), ("python", cpu_blocks.attention_block_eager)):
+            args = {**inputs, "k_cache": inputs["k_cache"].clone(), "v_cache": inputs["v_cache"].clone()}
+            results[name] = fn(**args), args["k_cache"], args["v_cache"]
+        for op, python in zip(results["op"], results["python"]):
+            assert torch.equal(op, python)
+
+
 def test_bad_input_is_refused_before_any_write():
     if not cpu_decode.glue_available():
         pytest.skip("the C++ glue did not build here (a warning said why)")
@@ -174,6 +194,10 @@ def test_bad_input_is_refused_before_any_write():
         cpu_blocks.attention_block_op(**{**inputs, "v_cache": inputs["v_cache"].bfloat16()})
     with pytest.raises(IndexError, match="slot 3"):
         cpu_blocks.attention_block_op(**{**inputs, "slots": torch.tensor([3, 0])})
+    with pytest.raises(IndexError, match="length 25"):  # more rows than the cache's 24 would be read
+        cpu_blocks.attention_block_op(**{**inputs, "lengths": torch.tensor([6, 25])})
+    with pytest.raises(ValueError, match="must match width"):
+        cpu_blocks.attention_block_op(**{**inputs, "wo": inputs["wo"][:, :-1]})
     assert torch.equal(inputs["k_cache"], before)
 
 

@@ -1,0 +1,15 @@
+/* A share of one GEMV (kernels/cpu/dense_gemv.c) for the kernels that split a GEMV's rows among the threads of a
+ * parallel region of their own (kernels/cpu/attention_half.c). */
+#ifndef ARCHZOO_GEMV_H
+#define ARCHZOO_GEMV_H
+#include <stdint.h>
+
+/* Whether gemv_part reads x as an fp32 copy (1: int8 weights, or bf16 ones without AVX512-BF16) or as it is (0). */
+int gemv_widens(int dtype, int int8);
+
+/* out[:, n0:n1) = x W[n0:n1)^T on the calling thread: x [m, k] rows ldx apart, in dtype (fp32 or bf16) or its fp32
+ * copy where gemv_widens says so; W [n, k] in dtype, or int8 times scales [n] (s_dtype) where scales is not NULL;
+ * out rows ldo apart in dtype. Each output equals dense_gemv's or int8_gemv's for the whole W, bit for bit. */
+void gemv_part(const void *x, int64_t m, int64_t k, int64_t ldx, int dtype, const void *weight, const void *scales,
+               int s_dtype, int64_t n0, int64_t n1, void *out, int64_t ldo);
+#endif
