@@ -110,11 +110,11 @@ int attention_half(const void *x, int64_t batch, int64_t width, int dtype, const
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < batch * heads; bh++)
             attention_merge(&plan, (int)(bh / heads), (int)(bh % heads), att, q_width, head_dim);
-        /* o: each thread its tiles' rows (4 a tile, as dense_gemv splits them), then the residual in dtype */
+        /* o: each thread its tiles' rows, then the residual in dtype */
         if (widen[WO])
             for (int64_t i = 0; i < batch * q_width; i++) att_wide[i] = load1(att, i, dtype);
-        int64_t tiles = (width + 3) / 4, n0 = 4 * (tiles * t / n), n1 = 4 * (tiles * (t + 1) / n);
-        n1 = n1 < width ? n1 : width;
+        int64_t n0, n1;
+        tile_share(width, t, n, &n0, &n1);
         if (n0 < n1) {
             gemv_part(widen[WO] ? (const void *)att_wide : att, batch, q_width, q_width, dtype, weights[WO],
                       scales[WO], s_dtypes[WO], n0, n1, out, width);

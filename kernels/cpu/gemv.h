@@ -12,4 +12,12 @@ int gemv_widens(int dtype, int int8);
  * out rows ldo apart in dtype. Each output equals dense_gemv's or int8_gemv's for the whole W, bit for bit. */
 void gemv_part(const void *x, int64_t m, int64_t k, int64_t ldx, int dtype, const void *weight, const void *scales,
                int s_dtype, int64_t n0, int64_t n1, void *out, int64_t ldo);
+
+/* a thread's share [n0, n1) of n output rows: whole 4-row tiles, as dense_gemv's static schedule splits them */
+static inline void tile_share(int64_t n, int t, int threads, int64_t *n0, int64_t *n1) {
+    int64_t tiles = (n + 3) / 4;
+    *n0 = 4 * (tiles * t / threads);
+    *n1 = 4 * (tiles * (t + 1) / threads);
+    *n1 = *n1 < n ? *n1 : n;
+}
 #endif

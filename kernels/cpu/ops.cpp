@@ -43,6 +43,11 @@ using AttentionHalfFn = int (*)(const void *, int64_t, int64_t, int, const void 
                                 const float *, void *, void *, const int64_t *, int64_t, const int64_t *,
                                 const int64_t *, const int32_t *, float, int, void *, int);
 
+using FfnGateUpFn = int (*)(const void *, int64_t, int64_t, int, const void *, float, const void *, const void *,
+                            const void *, const void *, const int *, int64_t, void *, void *, int);
+using GemvResidualFn = int (*)(const void *, int64_t, int64_t, int, const void *, const void *, int, int64_t,
+                               const void *, void *, int);
+
 using LinearStepFn = int (*)(const float *, const float *, const float *, float *, int64_t, int64_t, float *, int64_t,
                              int64_t, const int64_t *, int, int, int, int, float, float *, int);
 
@@ -62,6 +67,8 @@ struct Kernels {
     LinearStepFn linear_step = nullptr;
     StateUpdateFn state_update = nullptr;
     AttentionHalfFn attention_half = nullptr;
+    FfnGateUpFn ffn_gate_up = nullptr;
+    GemvResidualFn gemv_residual = nullptr;
 };
 
 Kernels &kernels() {  // set once by archzoo_point_kernels, before the first call
@@ -243,25 +250,48 @@ at::Tensor decode_attention(const at::Tensor &q_in, const at::Tensor &k, const s
     return out;
 }
 
-// x + SwiGLU(RMSNorm(x)): a block's feed-forward half of a decode step in one call (kernels/cpu_blocks.py)
-// x times a float weight on the dense GEMV, or an int8 one with per-channel scales on the int8 GEMV
-at::Tensor project(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &scales) {
-    TORCH_CHECK_VALUE(weight.scalar_type() == (scales ? at::kChar : x.scalar_type()), "a block's projection: a weight "
-                      "in x's dtype ", dtype_name(x.scalar_type()), " or int8 with scales, got ",
-                      dtype_name(weight.scalar_type()), scales ? " with scales" : " without scales");
-    return scales ? quantized_gemv(x, weight, *scales, std::nullopt, 0) : dense_gemv(x, weight, std::nullopt);
-}
-
-// a projection with scales is int8 (zoo/quantize.py's), read by the int8 GEMV as its own forward reads it
+// x + SwiGLU(RMSNorm(x)): a block's feed-forward half of a decode step in one call (kernels/cpu_blocks.py), on
+// kernels/cpu/ffn_half.c's two parallel regions around torch's silu and product. A projection with scales is int8
+// (zoo/quantize.py's), read as the int8 GEMV reads it in its own forward
 at::Tensor ffn_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &gate,
                      const at::Tensor &up, const at::Tensor &down, const std::optional<at::Tensor> &gate_scales,
                      const std::optional<at::Tensor> &up_scales, const std::optional<at::Tensor> &down_scales) {
-    at::Tensor h = rms_norm(x, norm, eps);
-    if (!gate_scales && !up_scales && !down_scales) return swiglu_gemv(h, gate, up, down).add_(x);
-    at::Tensor hidden = project(h, gate, gate_scales);
-    at::silu_(hidden);
-    hidden.mul_(project(h, up, up_scales));
-    return project(hidden, down, down_scales).add_(x);
+    TORCH_CHECK(kernels().ffn_gate_up && kernels().gemv_residual, "ffn_block: the C kernels are not pointed to");
+    int64_t width = x.size(-1), hidden = gate.size(0), rows = x.numel() / std::max<int64_t>(width, 1);
+    const std::optional<at::Tensor> *scales[] = {&gate_scales, &up_scales, &down_scales};
+    const at::Tensor *weights[] = {&gate, &up, &down};
+    for (int i = 0; i < 3; i++)  // an int8 weight comes with its scales; a float one is in x's dtype
+        TORCH_CHECK_VALUE(weights[i]->scalar_type() == (*scales[i] ? at::kChar : x.scalar_type()), "a block's "
+                          "projection: a weight in x's dtype ", dtype_name(x.scalar_type()), " or int8 with scales, "
+                          "got ", dtype_name(weights[i]->scalar_type()), *scales[i] ? " with scales" : " without scales");
+    TORCH_CHECK_VALUE(norm.scalar_type() == x.scalar_type() && norm.numel() == width && gate.dim() == 2 &&
+                      gate.size(1) == width && up.sizes() == gate.sizes() && down.dim() == 2 &&
+                      down.size(0) == width && down.size(1) == hidden,
+                      "ffn_block: norm ", norm.sizes(), " in x's dtype and gate ", gate.sizes(), ", up ", up.sizes(),
+                      ", down ", down.sizes(), " must match x's width ", width);
+    at::Tensor xs = x.contiguous(), h_norm = norm.contiguous(), ws[3], ss[3];
+    int s_codes[3];
+    for (int i = 0; i < 3; i++) {
+        ws[i] = weights[i]->contiguous();
+        ss[i] = *scales[i] ? (*scales[i])->contiguous() : at::Tensor();
+        s_codes[i] = ss[i].defined() ? dtype_code(ss[i], "scales") : 0;
+    }
+    auto scale_ptr = [&](int i) { return ss[i].defined() ? ss[i].data_ptr() : nullptr; };
+    int code = dtype_code(x, "x"), threads = at::get_num_threads();
+    at::Tensor gated = at::empty({rows, hidden}, x.options()), upped = at::empty({rows, hidden}, x.options());
+    int status = kernels().ffn_gate_up(xs.data_ptr(), rows, width, code, h_norm.data_ptr(), static_cast<float>(eps),
+                                       ws[0].data_ptr(), scale_ptr(0), ws[1].data_ptr(), scale_ptr(1), s_codes,
+                                       hidden, gated.data_ptr(), upped.data_ptr(), threads);
+    at::silu_(gated);  // torch's silu, so the rounding is the module's
+    gated.mul_(upped);
+    at::Tensor out = at::empty(xs.sizes(), xs.options());
+    if (status == 0)
+        status = kernels().gemv_residual(gated.data_ptr(), rows, hidden, code, ws[2].data_ptr(), scale_ptr(2),
+                                         s_codes[2], width, xs.data_ptr(), out.data_ptr(), threads);
+    TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "ffn_block: out of memory for its workspace");
+    TORCH_CHECK_VALUE(status == 0, "ffn_block: dtype ", dtype_name(x.scalar_type()), " is beyond the CPU kernels "
+                      "(fp32, bf16)");
+    return out;
 }
 
 // cache[slots[i], :, rows[i], :] = values[i] for values [B, heads, dim] contiguous, as the index_put it replaces
@@ -283,7 +313,7 @@ void write_rows(at::Tensor &cache, const at::Tensor &values, const int64_t *slot
 // x [B, 1, D] + o(attention) after RMSNorm: q, k, v GEMVs, rotary q and k, this step's keys and values written at
 // (slots, rows) of a contiguous cache [slots, kv_heads, rows, head_dim] (no wk, wv: a layer that reads another's
 // cache), and decode attention over each sequence's first `lengths` rows: an attention layer's half of a decode
-// block in one call (kernels/cpu_blocks.py)
+// block in one call (kernels/cpu_blocks.py), in one parallel region (kernels/cpu/attention_half.c)
 at::Tensor attention_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &wq,
                            const std::optional<at::Tensor> &wk, const std::optional<at::Tensor> &wv,
                            const at::Tensor &wo, const at::Tensor &positions, const at::Tensor &inv_freq,
@@ -568,12 +598,14 @@ at::Tensor mamba_block(const at::Tensor &x, const at::Tensor &norm, double eps, 
 }  // namespace
 
 extern "C" void archzoo_point_kernels(void *dense, void *int8, void *int4, void *attention, void *rms_norm,
-                                      void *rotary, void *linear_step, void *state_update, void *attention_half) {
+                                      void *rotary, void *linear_step, void *state_update, void *attention_half,
+                                      void *ffn_gate_up, void *gemv_residual) {
     kernels() = Kernels{reinterpret_cast<DenseFn>(dense), reinterpret_cast<Int8Fn>(int8),
                         reinterpret_cast<Int4Fn>(int4), reinterpret_cast<AttentionFn>(attention),
                         reinterpret_cast<RmsNormFn>(rms_norm), reinterpret_cast<RotaryFn>(rotary),
                         reinterpret_cast<LinearStepFn>(linear_step), reinterpret_cast<StateUpdateFn>(state_update),
-                        reinterpret_cast<AttentionHalfFn>(attention_half)};
+                        reinterpret_cast<AttentionHalfFn>(attention_half),
+                        reinterpret_cast<FfnGateUpFn>(ffn_gate_up), reinterpret_cast<GemvResidualFn>(gemv_residual)};
 }
 
 TORCH_LIBRARY_IMPL(archzoo, CPU, m) {

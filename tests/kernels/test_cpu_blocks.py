@@ -185,6 +185,24 @@ def test_the_attention_half_splits_heads_off_its_gemv_tiles(dtype):
             assert torch.equal(op, python)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_feed_forward_half_splits_rows_off_its_gemv_tiles(dtype):
+    """A width (20) and hidden size (30) that are no whole number of the GEMV's 4-row tiles, 3 rows: the threads'
+    shares of gate, up and down equal the whole GEMVs', int8 projections too; shapes that disagree are refused."""
+    if not cpu_decode.glue_available():
+        pytest.skip("the C++ glue did not build here (a warning said why)")
+    g = torch.Generator().manual_seed(2)
+    x, norm = torch.randn(3, 1, 20, generator=g).to(dtype), torch.randn(20, generator=g).to(dtype)
+    ffn = [torch.randn(shape, generator=g) for shape in ((30, 20), (30, 20), (20, 30))]
+    args = (x, norm, 1e-5, *[w.to(dtype) for w in ffn])
+    assert torch.equal(cpu_blocks.ffn_block_op(*args), cpu_blocks.ffn_block_eager(*args))
+    operands = [quantize_int8(w) for w in ffn]
+    args = (x, norm, 1e-5, *[q for q, _ in operands], *[s.to(dtype) for _, s in operands])
+    assert torch.equal(cpu_blocks.ffn_block_op(*args), cpu_blocks.ffn_block_eager(*args))
+    with pytest.raises(ValueError, match="must match x's width 20"):
+        cpu_blocks.ffn_block_op(x, norm, 1e-5, *[w.to(dtype) for w in ffn[:2]], ffn[2][:, :-1].to(dtype))
+
+
 def test_bad_input_is_refused_before_any_write():
     if not cpu_decode.glue_available():
         pytest.skip("the C++ glue did not build here (a warning said why)")
