@@ -136,9 +136,10 @@ def cache_writing_op(name: str, arguments: str, eager):
 
 
 def served(op, eager):
-    """A call of `op` where the C++ glue serves it, else of its Python function (kernels/cpu_decode.py)."""
+    """A call of `op` where the C++ glue serves it, else of its Python function (kernels/cpu_decode.py). Asked only
+    on an eager step (the blocks never ask for a half while a graph is compiled), so not op_or_function's check."""
     def call(*args):
-        return cpu_decode.op_or_function(op, eager)(*args)
+        return (op if cpu_decode.glue_available() else eager)(*args)
     return call
 
 

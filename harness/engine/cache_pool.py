@@ -66,6 +66,7 @@ class CachePool:
             elif not spec.owns_memory:
                 self.layers[i] = self.layers[spec.source]  # cross-layer sharing: the producer's cache object
         self.state_slot_bytes = sum(spec.state_bytes(dtype) for spec in specs)
+        self.read_bytes_by_tokens: dict[int, int] = {}  # read_bytes' answers: a sequence's length, at most max_seq_len
 
     @property
     def nbytes(self) -> int:
@@ -88,8 +89,13 @@ class CachePool:
 
     def read_bytes(self, tokens: int) -> int:
         """Analytic cache bytes a decode step reads for one sequence of `tokens` tokens; a shared cache is read by
-        every layer that shares it."""
-        return sum(spec.bytes(tokens, self.dtype, self.kv_format) for spec in specs_read(self.specs))
+        every layer that shares it. Asked for every sequence of every decode step, whose sequences are often of one
+        length: each length's answer is kept (a `small` model's layers take ~10 Python calls each, 80 a length)."""
+        read = self.read_bytes_by_tokens.get(tokens)
+        if read is None:
+            read = self.read_bytes_by_tokens[tokens] = sum(spec.bytes(tokens, self.dtype, self.kv_format)
+                                                           for spec in specs_read(self.specs))
+        return read
 
     def copy_blocks(self, group: int, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (source, destination) block's keys and values, in every layer of the group."""
