@@ -33,7 +33,8 @@ def describe_range(minimum=None, maximum=None, open_min: bool = False, open_max:
 
 
 def is_integer(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    # a plain int first: the ABC check runs Python frames, and the engine asks several times a decode step
+    return type(value) is int or isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def integer(name: str, value, minimum: int | None = None, maximum: int | None = None) -> int:

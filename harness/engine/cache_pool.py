@@ -66,7 +66,14 @@ class CachePool:
             elif not spec.owns_memory:
                 self.layers[i] = self.layers[spec.source]  # cross-layer sharing: the producer's cache object
         self.state_slot_bytes = sum(spec.state_bytes(dtype) for spec in specs)
-        self.read_bytes_by_tokens: dict[int, int] = {}  # read_bytes' answers: a sequence's length, at most max_seq_len
+        # read_bytes' terms: the token bytes of the caches read under each retention policy (most models have one or
+        # two), and the fixed states' bytes
+        read = specs_read(specs)
+        self.read_token_bytes: dict[Retention, int] = {}
+        for spec in read:
+            self.read_token_bytes[spec.retention] = (self.read_token_bytes.get(spec.retention, 0)
+                                                     + spec.token_bytes(dtype, kv_format))
+        self.read_state_bytes = sum(spec.state_bytes(dtype) for spec in read)
 
     @property
     def nbytes(self) -> int:
@@ -89,13 +96,11 @@ class CachePool:
 
     def read_bytes(self, tokens: int) -> int:
         """Analytic cache bytes a decode step reads for one sequence of `tokens` tokens; a shared cache is read by
-        every layer that shares it. Asked for every sequence of every decode step, whose sequences are often of one
-        length: each length's answer is kept (a `small` model's layers take ~10 Python calls each, 80 a length)."""
-        read = self.read_bytes_by_tokens.get(tokens)
-        if read is None:
-            read = self.read_bytes_by_tokens[tokens] = sum(spec.bytes(tokens, self.dtype, self.kv_format)
-                                                           for spec in specs_read(self.specs))
-        return read
+        every layer that shares it (each layer's CacheSpec.bytes, summed by retention policy: asked for every
+        sequence of every decode step, the layers' sum took ~10 Python calls a layer)."""
+        held = sum(token_bytes * retention.tokens_held(tokens)
+                   for retention, token_bytes in self.read_token_bytes.items())
+        return held + (self.read_state_bytes if tokens > 0 else 0)
 
     def copy_blocks(self, group: int, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (source, destination) block's keys and values, in every layer of the group."""
