@@ -8,6 +8,7 @@ import zoo
 from harness import cli, compare
 from harness.charts import budget_title, write_charts
 from harness.compare import CompareSettings, run_compare
+from harness.quant_calibration import Calibration
 from harness.train import TrainSettings, run_train, trained
 from test_train import TINY, copy_corpus  # tests/ is on sys.path under pytest
 from test_cli_checks import fail_if_called
@@ -26,6 +27,24 @@ def weights(tmp_path_factory):
                                  max_steps=6, eval_every=3, out=root / arch)
         finals[arch] = run_train(settings, show_progress=False)
     return root, finals
+
+
+@pytest.fixture(scope="module", autouse=True)
+def rates_measured_once():
+    """The machine's rates (~2.5 s a measurement: a read sweep to 1 GiB, a matmul, GEMVs) measured by the module's
+    first compare run and shared by the other four: these tests are about trained checkpoints, not the measurement
+    (tests/test_compare.py checks a run measures once and its rows carry it)."""
+    real, measured = compare.measure_rates, {}
+
+    def once(settings):
+        key = (settings.device, settings.dtype, settings.preset, settings.seed)  # what measure_rates builds from
+        if key not in measured:
+            measured[key] = real(settings)
+        return measured[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compare, "measure_rates", once)
+        yield
 
 
 def settings(tmp_path, root, **kw) -> CompareSettings:
@@ -95,10 +114,13 @@ def test_a_folder_named_for_another_architecture_is_refused(tmp_path, weights, n
         run_compare(settings(tmp_path / "out", tmp_path / "w", archs=["mqa"]), show_progress=False)
 
 
-def test_quantized_rows_and_the_memory_vs_quality_chart(tmp_path, weights):
+def test_quantized_rows_and_the_memory_vs_quality_chart(tmp_path, weights, monkeypatch):
     """--quant adds an axis: each architecture at none, int8 and int4 (RTN and AWQ calibrated on training windows),
     its weight bytes as stored, its own validation figure; memory_vs_quality.png puts them side by side."""
     root, _ = weights
+    # compare's AWQ path at test_quant_calibration's size: what calibration gives is that test's; here its wiring
+    monkeypatch.setattr(compare, "AWQ_CALIBRATION", Calibration(windows=4, context=64, prompts=4, prompt_len=8,
+                                                                new_tokens=8))
     rows = run_compare(settings(tmp_path, root, quant=["none", "int8", "int4"], quant_group=32, batches=[1]),
                        show_progress=False)
     by = {(r["arch"], r["quant"]): r for r in rows}
