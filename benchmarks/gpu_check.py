@@ -237,6 +237,8 @@ class Context:
     report: Report
     copy_gbs: float
     deadline: float = 0.0  # time.monotonic() after which the running section starts no new work
+    # the decode floor's rates by preset, measured on its first model: the smoke's two grids share the tiny preset's
+    rates: dict = field(default_factory=dict)
 
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
@@ -511,7 +513,7 @@ def built(ctx: Context, preset: str, arch: str, rates):
 
 def run_preset_cells(ctx: Context, preset: str, archs, batches, contexts) -> tuple[list[dict], str]:
     """Every arch's cells at `preset`, each row recorded as it is made; the rows, and the rates' account."""
-    rows, rates = [], None
+    rows, rates = [], ctx.rates.get(preset)
     for arch in archs:
         model, rates, failure = built(ctx, preset, arch, rates)
         for cell in grid_cells(preset, arch, batches, contexts):
@@ -519,6 +521,8 @@ def run_preset_cells(ctx: Context, preset: str, archs, batches, contexts) -> tup
             ctx.report.record("decode", rows[-1])
         model = None
         free_device_memory()
+    if rates:
+        ctx.rates[preset] = rates
     return rows, rates.how if rates else "not measured"
 
 
