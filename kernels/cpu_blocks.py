@@ -3,9 +3,12 @@
 latent row written into a contiguous cache on the way), and a linear attention, Mamba-2 or Mamba layer's (its
 recurrent states updated in place in the engine's state slots).
 
-Each op here is C++ (kernels/cpu/ops.cpp) over the C kernels. The attention, MLA, feed-forward, Mamba-2 and Mamba
-halves call the kernels and torch ops the modules' path calls, in the same order with the same roundings, so their
-results are bit-identical to that path; the recurrent halves update their states in the slots' rows rather than in
+Each op here is C++ (kernels/cpu/ops.cpp) over the C kernels. The attention, feed-forward, Mamba-2 and Mamba
+halves compute each output as the kernels and torch ops of the modules' path do, with the same roundings, so their
+results are bit-identical to that path (the attention and feed-forward halves keep their threads in one or two
+parallel regions: kernels/cpu/attention_half.c, kernels/cpu/ffn_half.c); MLA's half (kernels/cpu/mla_half.c, one
+region) folds its query through W_UK and its output through W_UV in C, summing in another order than the module's
+einsums; the recurrent halves update their states in the slots' rows rather than in
 copies written back. The linear attention half's state step is one pass in C (kernels/cpu/linear_attention_step.c),
 where the module's path copied the state five times, and sums in another order. The Python functions below compose the
 same steps, serving where the C++ glue does not build.

@@ -482,8 +482,8 @@ def _glue_registered() -> bool:
     glue.archzoo_point_kernels(*(ctypes.cast(kernel, ctypes.c_void_p) for kernel in
                                  (lib.dense_gemv, lib.int8_gemv, lib.quantized_gemv, lib.decode_attention,
                                   lib.rms_norm, lib.rotary, lib.linear_attention_step,
-                                  lib.selective_state_update, lib.attention_half, lib.ffn_gate_up,
-                                  lib.gemv_residual)))
+                                  lib.selective_state_update, lib.attention_half, lib.mla_half,
+                                  lib.ffn_gate_up, lib.gemv_residual)))
     return True
 
 

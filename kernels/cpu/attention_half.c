@@ -49,8 +49,10 @@ int attention_half(const void *x, int64_t batch, int64_t width, int dtype, const
     int64_t shared_bytes = 3 * q_bytes + 2 * kv_bytes + aligned(sizeof(int32_t) * batch) + plan_bytes;
     int64_t h_bytes = aligned(batch * width * elem), wide_bytes = aligned(sizeof(float) * batch * width);
     int64_t att_wide_bytes = aligned(sizeof(float) * batch * q_width);
-    int64_t work_bytes = aligned(sizeof(float) * TILE * 2 * head_dim), angle_bytes = aligned(sizeof(float) * batch * half);
-    int64_t thread_bytes = h_bytes + wide_bytes + att_wide_bytes + work_bytes + 2 * angle_bytes + aligned(head_dim * elem);
+    int64_t work_bytes = aligned(sizeof(float) * TILE * 2 * head_dim);
+    int64_t angle_bytes = aligned(sizeof(float) * batch * half);
+    int64_t thread_bytes = h_bytes + wide_bytes + att_wide_bytes + work_bytes + 2 * angle_bytes +
+                           aligned(head_dim * elem);
     char *memory = aligned_alloc(64, shared_bytes + threads * thread_bytes);
     if (!memory) return -2;
     char *q_raw = memory, *q_rot = q_raw + q_bytes, *att = q_rot + q_bytes, *k_raw = att + q_bytes;

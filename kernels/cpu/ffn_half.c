@@ -22,7 +22,8 @@ int ffn_gate_up(const void *x, int64_t batch, int64_t width, int dtype, const vo
                 int64_t hidden, void *gate_out, void *up_out, int threads) {
     if ((dtype != F32 && dtype != BF16) || batch < 1) return -1;
     int widen_gate = gemv_widens(dtype, gate_scales != NULL), widen_up = gemv_widens(dtype, up_scales != NULL);
-    int64_t h_bytes = aligned(batch * width * (dtype == F32 ? 4 : 2)), wide_bytes = aligned(sizeof(float) * batch * width);
+    int64_t h_bytes = aligned(batch * width * (dtype == F32 ? 4 : 2));
+    int64_t wide_bytes = aligned(sizeof(float) * batch * width);
     char *memory = aligned_alloc(64, threads * (h_bytes + wide_bytes));
     if (!memory) return -2;
 #pragma omp parallel num_threads(threads)

@@ -43,6 +43,10 @@ using AttentionHalfFn = int (*)(const void *, int64_t, int64_t, int, const void 
                                 const float *, void *, void *, const int64_t *, int64_t, const int64_t *,
                                 const int64_t *, const int32_t *, float, int, void *, int);
 
+using MlaHalfFn = int (*)(const void *, int64_t, int64_t, int, const void *, float, const void *, const void *,
+                          const void *, float, const void *, const void *, const int64_t *, const float *, void *,
+                          int64_t, int64_t, int64_t, const int64_t *, const int64_t *, const int32_t *, float, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, int, void *, int);
 using FfnGateUpFn = int (*)(const void *, int64_t, int64_t, int, const void *, float, const void *, const void *,
                             const void *, const void *, const int *, int64_t, void *, void *, int);
 using GemvResidualFn = int (*)(const void *, int64_t, int64_t, int, const void *, const void *, int, int64_t,
@@ -67,6 +71,7 @@ struct Kernels {
     LinearStepFn linear_step = nullptr;
     StateUpdateFn state_update = nullptr;
     AttentionHalfFn attention_half = nullptr;
+    MlaHalfFn mla_half = nullptr;
     FfnGateUpFn ffn_gate_up = nullptr;
     GemvResidualFn gemv_residual = nullptr;
 };
@@ -263,7 +268,8 @@ at::Tensor ffn_block(const at::Tensor &x, const at::Tensor &norm, double eps, co
     for (int i = 0; i < 3; i++)  // an int8 weight comes with its scales; a float one is in x's dtype
         TORCH_CHECK_VALUE(weights[i]->scalar_type() == (*scales[i] ? at::kChar : x.scalar_type()), "a block's "
                           "projection: a weight in x's dtype ", dtype_name(x.scalar_type()), " or int8 with scales, "
-                          "got ", dtype_name(weights[i]->scalar_type()), *scales[i] ? " with scales" : " without scales");
+                          "got ", dtype_name(weights[i]->scalar_type()),
+                          *scales[i] ? " with scales" : " without scales");
     TORCH_CHECK_VALUE(norm.scalar_type() == x.scalar_type() && norm.numel() == width && gate.dim() == 2 &&
                       gate.size(1) == width && up.sizes() == gate.sizes() && down.dim() == 2 &&
                       down.size(0) == width && down.size(1) == hidden,
@@ -474,11 +480,11 @@ const int64_t *checked_slots(const at::Tensor &slots, int64_t rows, const char *
     return slot;
 }
 
-// x [B, 1, D] + o(MLA's absorbed decode attention) after RMSNorm (attention/mla.py's decode step, op for op): q and
+// x [B, 1, D] + o(MLA's absorbed decode attention) after RMSNorm (attention/mla.py's decode step): q and
 // the latent's GEMVs, the latent's RMSNorm, rotary on the rotary parts, this step's latent row written at (slots,
 // rows) of a contiguous latent cache [slots, 1, rows, rank + rope], the query folded through W_UK, decode attention
 // over each sequence's first `lengths` rows with the latent as values, W_UV, o. An MLA layer's half of a decode
-// block in one call (kernels/cpu_blocks.py)
+// block in one call (kernels/cpu_blocks.py), in one parallel region (kernels/cpu/mla_half.c)
 at::Tensor mla_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &wq,
                      const at::Tensor &wkv_a, const at::Tensor &kv_norm, double kv_eps, const at::Tensor &wkv_b,
                      const at::Tensor &wo, const at::Tensor &positions, const at::Tensor &inv_freq, at::Tensor cache,
@@ -490,24 +496,49 @@ at::Tensor mla_block(const at::Tensor &x, const at::Tensor &norm, double eps, co
                       wkv_a.size(0) == width && wkv_b.size(0) == heads * (nope + v_dim) && wkv_b.size(1) == rank &&
                       slots_in.numel() == batch && rows_in.numel() == batch && cache.scalar_type() == x.scalar_type(),
                       "mla_block: x ", x.sizes(), " must be [B, 1, D] with a latent cache ",
-                      "[slots, 1, rows, rank + rope] ", cache.sizes(), " in x's dtype, q rows ", wq.size(0), ", kv_a rows ", wkv_a.size(0), ", kv_b ",
-                      wkv_b.sizes(), " and B slots and rows");
+                      "[slots, 1, rows, rank + rope] ", cache.sizes(), " in x's dtype, q rows ", wq.size(0),
+                      ", kv_a rows ", wkv_a.size(0), ", kv_b ", wkv_b.sizes(), " and B slots and rows");
+    TORCH_CHECK(kernels().mla_half, "mla_block: the C kernels are not pointed to");
+    int64_t d_model = x.size(2);
+    for (const at::Tensor *t : {&norm, &wq, &wkv_a, &kv_norm, &wkv_b, &wo})
+        TORCH_CHECK_VALUE(t->scalar_type() == x.scalar_type(), "mla_block: weights in x's dtype ",
+                          dtype_name(x.scalar_type()), ", got ", dtype_name(t->scalar_type()));
+    TORCH_CHECK_VALUE(norm.numel() == d_model && wq.size(1) == d_model && wkv_a.size(1) == d_model &&
+                      wo.size(0) == d_model && wo.size(1) == heads * v_dim && positions.numel() == batch &&
+                      inv_freq.numel() * 2 == rope && lengths.numel() == batch,
+                      "mla_block: norm ", norm.sizes(), ", q ", wq.sizes(), ", kv_a ", wkv_a.sizes(), " and o ",
+                      wo.sizes(), " must match width ", d_model, " and ", heads, " heads of ", v_dim,
+                      ", with positions ", positions.sizes(), " and lengths ", lengths.sizes(), " one a sequence and ", inv_freq.numel(),
+                      " frequencies half the rotary width ", rope);
     at::Tensor slots = slots_in.to(at::kLong).contiguous(), rows = rows_in.to(at::kLong).contiguous();
-    at::Tensor h = rms_norm(x, norm, eps);
-    at::Tensor q = dense_gemv(h, wq, std::nullopt).view({batch, 1, heads, nope + rope}).transpose(1, 2);
-    at::Tensor kv_a = dense_gemv(h, wkv_a, std::nullopt);  // [B, 1, rank + rope]
-    at::Tensor latent = rms_norm(kv_a.narrow(-1, 0, rank), kv_norm, kv_eps).unsqueeze(1);  // [B, 1, 1, rank]
-    at::Tensor q_rope = rotary(q.narrow(-1, nope, rope), positions, inv_freq);
-    at::Tensor k_rope = rotary(kv_a.narrow(-1, rank, rope).unsqueeze(1), positions, inv_freq);
-    at::Tensor row = at::cat({latent, k_rope}, -1);
-    write_rows(cache, row.view({batch, 1, width}), slots.data_ptr<int64_t>(), rows.data_ptr<int64_t>());
-    at::Tensor w = wkv_b.view({heads, nope + v_dim, rank});
-    at::Tensor query = at::cat({at::einsum("bhtn,hnr->bhtr", {q.narrow(-1, 0, nope), w.narrow(1, 0, nope)}), q_rope},
-                               -1);
-    at::Tensor out = decode_attention(query.select(2, 0), cache, std::nullopt, slots.unsqueeze(1), lengths, "rows",
-                                      scale, rank, std::nullopt, 0, 0, 0, std::nullopt, std::nullopt, 1, 0);
-    at::Tensor values = at::einsum("bhtr,hvr->bhtv", {out.unsqueeze(2), w.narrow(1, nope, v_dim)});
-    return dense_gemv(values.transpose(1, 2).reshape({batch, 1, heads * v_dim}), wo, std::nullopt).add_(x);
+    at::Tensor seq_lens = int32_rows(lengths);
+    const int64_t *slot = slots.data_ptr<int64_t>(), *row = rows.data_ptr<int64_t>();
+    const int32_t *length = seq_lens.data_ptr<int32_t>();
+    for (int64_t i = 0; i < batch; i++)  // the kernel reads slot[i]'s first length[i] rows and writes row[i] there
+        TORCH_CHECK_INDEX(slot[i] >= 0 && slot[i] < cache.size(0) && row[i] >= 0 && row[i] < cache.size(2) &&
+                          length[i] >= 1 && length[i] <= cache.size(2),
+                          "mla_block: slot ", slot[i], ", row ", row[i], " and length ", length[i],
+                          " must lie in the cache's ", cache.size(0), " slots and ", cache.size(2), " rows");
+    at::Tensor xs = x.contiguous(), positions_rows = positions.to(at::kLong).contiguous();
+    at::Tensor freqs = inv_freq.to(at::kFloat).contiguous();
+    at::Tensor ws[] = {norm.contiguous(), wq.contiguous(), wkv_a.contiguous(), kv_norm.contiguous(),
+                       wkv_b.contiguous(), wo.contiguous()};
+    int threads = at::get_num_threads();
+    // decode_attention's key splits for this cache (one KV head): enough to keep every thread busy
+    int64_t rows_held = cache.size(2), wanted = (4 * threads + batch - 1) / batch;
+    int64_t splits = std::max<int64_t>(1, std::min(wanted, (rows_held + MIN_KEYS_PER_SPLIT - 1) / MIN_KEYS_PER_SPLIT));
+    at::Tensor out = at::empty(xs.sizes(), xs.options());
+    int status = kernels().mla_half(
+        xs.data_ptr(), batch, d_model, dtype_code(x, "x"), ws[0].data_ptr(), static_cast<float>(eps), ws[1].data_ptr(),
+        ws[2].data_ptr(), ws[3].data_ptr(), static_cast<float>(kv_eps), ws[4].data_ptr(), ws[5].data_ptr(),
+        positions_rows.data_ptr<int64_t>(), freqs.data_ptr<float>(), cache.data_ptr(), cache.stride(0),
+        cache.stride(2), rows_held, slot, row, length, static_cast<float>(scale), heads, nope, rope, rank, v_dim,
+        static_cast<int>(splits), out.data_ptr(), threads);
+    TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "mla_block: out of memory for its workspace");
+    TORCH_CHECK_VALUE(status == 0, "mla_block: sizes beyond the CPU kernels (dtype ", dtype_name(x.scalar_type()),
+                      ": fp32 or bf16; rotary width ", rope, " even; rank + rotary ", width, " <= 1024; heads ", heads,
+                      " <= 128)");
+    return out;
 }
 
 // x [B, 1, D] + out_proj(Mamba-2's decode step) after RMSNorm (ssm/mamba2.py's Mamba2.step, op for op in torch's
@@ -599,13 +630,14 @@ at::Tensor mamba_block(const at::Tensor &x, const at::Tensor &norm, double eps, 
 
 extern "C" void archzoo_point_kernels(void *dense, void *int8, void *int4, void *attention, void *rms_norm,
                                       void *rotary, void *linear_step, void *state_update, void *attention_half,
-                                      void *ffn_gate_up, void *gemv_residual) {
+                                      void *mla_half, void *ffn_gate_up, void *gemv_residual) {
     kernels() = Kernels{reinterpret_cast<DenseFn>(dense), reinterpret_cast<Int8Fn>(int8),
                         reinterpret_cast<Int4Fn>(int4), reinterpret_cast<AttentionFn>(attention),
                         reinterpret_cast<RmsNormFn>(rms_norm), reinterpret_cast<RotaryFn>(rotary),
                         reinterpret_cast<LinearStepFn>(linear_step), reinterpret_cast<StateUpdateFn>(state_update),
                         reinterpret_cast<AttentionHalfFn>(attention_half),
-                        reinterpret_cast<FfnGateUpFn>(ffn_gate_up), reinterpret_cast<GemvResidualFn>(gemv_residual)};
+                        reinterpret_cast<MlaHalfFn>(mla_half), reinterpret_cast<FfnGateUpFn>(ffn_gate_up),
+                        reinterpret_cast<GemvResidualFn>(gemv_residual)};
 }
 
 TORCH_LIBRARY_IMPL(archzoo, CPU, m) {
