@@ -59,9 +59,8 @@ int attention_half(const void *x, int64_t batch, int64_t width, int dtype, const
     char *v_raw = k_raw + kv_bytes;
     int32_t *table = (int32_t *)(v_raw + kv_bytes);
     float *plan_floats = (float *)((char *)table + aligned(sizeof(int32_t) * batch));
-    for (int64_t b = 0; b < batch; b++) table[b] = (int32_t)slots[b];
     Plan plan;
-    if (attention_plan(&plan, &c, table, 1, lengths, NULL, 0, (int)batch, splits, plan_floats)) {
+    if (attention_plan_slots(&plan, &c, slots, table, lengths, (int)batch, splits, plan_floats)) {
         free(memory);
         return -1;
     }

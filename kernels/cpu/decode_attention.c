@@ -265,6 +265,12 @@ int attention_plan(Plan *p, const Cache *c, const int32_t *table, int64_t table_
     return 0;
 }
 
+int attention_plan_slots(Plan *p, const Cache *c, const int64_t *slots, int32_t *table, const int32_t *seq_lens,
+                         int batch, int splits, float *floats) {
+    for (int b = 0; b < batch; b++) table[b] = (int32_t)slots[b];
+    return attention_plan(p, c, table, 1, seq_lens, NULL, 0, batch, splits, floats);
+}
+
 int64_t attention_floats(const Cache *c, int batch, int splits) {
     int64_t task_heads = c->heads / c->kv_heads * c->kv_per_task;
     int64_t tasks = (int64_t)batch * (c->kv_heads / c->kv_per_task) * splits;

@@ -35,6 +35,10 @@ typedef struct {
 int64_t attention_floats(const Cache *c, int batch, int splits);
 int attention_plan(Plan *p, const Cache *c, const int32_t *table, int64_t table_stride, const int32_t *seq_lens,
                    const int32_t *starts, int64_t sinks, int batch, int splits, float *floats);
+/* a contiguous cache's plan: sequence b's keys in the slot slots[b] (written as the block table, `table`, one entry
+ * a sequence), the first seq_lens[b] of them */
+int attention_plan_slots(Plan *p, const Cache *c, const int64_t *slots, int32_t *table, const int32_t *seq_lens,
+                         int batch, int splits, float *floats);
 void attention_query(const Plan *p, int b, int h, const void *q_row, float scale);
 void attention_task(const Plan *p, int64_t task, float *work);
 void attention_merge(const Plan *p, int b, int h, void *out, int64_t out_b, int64_t out_h);

@@ -69,9 +69,8 @@ int mla_half(const void *x, int64_t batch, int64_t width, int dtype, const void 
     char *q_raw = memory, *kv_raw = q_raw + q_bytes, *att = kv_raw + kv_bytes, *values = att + att_bytes;
     int32_t *table = (int32_t *)(values + v_bytes);
     float *plan_floats = (float *)((char *)table + aligned(sizeof(int32_t) * batch));
-    for (int64_t b = 0; b < batch; b++) table[b] = (int32_t)slots[b];
     Plan plan;
-    if (attention_plan(&plan, &c, table, 1, lengths, NULL, 0, (int)batch, splits, plan_floats)) {
+    if (attention_plan_slots(&plan, &c, slots, table, lengths, (int)batch, splits, plan_floats)) {
         free(memory);
         return -1;
     }

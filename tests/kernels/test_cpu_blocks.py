@@ -117,6 +117,24 @@ def block_inputs(dtype, batch=2, kv_heads=2, heads=4, head_dim=16, d_model=32, s
                 scale=head_dim**-0.5)
 
 
+def as_int8(inputs: dict, dtype) -> None:
+    """The attention half's projections as zoo.quantize's int8 payloads and per-channel scales, in place."""
+    for name in ("wq", "wk", "wv", "wo"):
+        q, scales = quantize_int8(inputs[name].float())
+        inputs[name], inputs[f"{name}_scales"] = q, scales.to(dtype)
+
+
+def assert_attention_halves_agree(inputs: dict) -> None:
+    """The attention half's C++ op and its Python glue, each on its own copy of the caches: the same output and
+    caches, bit for bit."""
+    results = {}
+    for name, fn in (("op", cpu_blocks.attention_block_op), ("python", cpu_blocks.attention_block_eager)):
+        args = {**inputs, "k_cache": inputs["k_cache"].clone(), "v_cache": inputs["v_cache"].clone()}
+        results[name] = fn(**args), args["k_cache"], args["v_cache"]
+    for op, python in zip(results["op"], results["python"]):
+        assert torch.equal(op, python)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_halves_cpp_and_python_glue_agree(dtype):
     """The halves with int8 projections (payload and per-channel scales), their C++ kernels against their Python
@@ -124,15 +142,8 @@ def test_int8_halves_cpp_and_python_glue_agree(dtype):
     if not cpu_decode.glue_available():
         pytest.skip("the C++ glue did not build here (a warning said why)")
     inputs = block_inputs(dtype)
-    for name in ("wq", "wk", "wv", "wo"):
-        q, scales = quantize_int8(inputs[name].float())
-        inputs[name], inputs[f"{name}_scales"] = q, scales.to(dtype)
-    results = {}
-    for name, fn in (("op", cpu_blocks.attention_block_op), ("python", cpu_blocks.attention_block_eager)):
-        args = {**inputs, "k_cache": inputs["k_cache"].clone(), "v_cache": inputs["v_cache"].clone()}
-        results[name] = fn(**args), args["k_cache"], args["v_cache"]
-    for op, python in zip(results["op"], results["python"]):
-        assert torch.equal(op, python)
+    as_int8(inputs, dtype)
+    assert_attention_halves_agree(inputs)
     g = torch.Generator().manual_seed(1)
     d, hidden = inputs["x"].shape[-1], 48
     ffn = [torch.randn(shape, generator=g) for shape in ((hidden, d), (hidden, d), (d, hidden))]
@@ -174,17 +185,9 @@ def test_the_attention_half_splits_heads_off_its_gemv_tiles(dtype):
     if not cpu_decode.glue_available():
         pytest.skip("the C++ glue did not build here (a warning said why)")
     inputs = block_inputs(dtype, batch=2, kv_heads=1, heads=3, head_dim=6, d_model=20, rows=30)
-    for int8 in (False, True):
-        if int8:
-            for name in ("wq", "wk", "wv", "wo"):
-                q, scales = quantize_int8(inputs[name].float())
-                inputs[name], inputs[f"{name}_scales"] = q, scales.to(dtype)
-        results = {}
-        for name, fn in (("op", cpu_blocks.attention_block_op), ("python", cpu_blocks.attention_block_eager)):
-            args = {**inputs, "k_cache": inputs["k_cache"].clone(), "v_cache": inputs["v_cache"].clone()}
-            results[name] = fn(**args), args["k_cache"], args["v_cache"]
-        for op, python in zip(results["op"], results["python"]):
-            assert torch.equal(op, python)
+    assert_attention_halves_agree(inputs)
+    as_int8(inputs, dtype)
+    assert_attention_halves_agree(inputs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
