@@ -29,3 +29,23 @@ def local_ray():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+MACHINE_RATES: dict = {}  # compare.measure_rates' results this session, by what they were measured on
+
+
+@pytest.fixture
+def machine_rates_once(monkeypatch):
+    """compare.measure_rates (~2.5 s: a read sweep to 1 GiB, a matmul, GEMVs) measured for real once a session per
+    device, dtype, preset and seed, for tests whose rows must carry rates but that do not test the measurement.
+    tests/test_compare.py does not use it: it checks a run measures once, which a shared result would hide."""
+    from harness import compare
+    real = compare.measure_rates
+
+    def once(settings):
+        key = (settings.device, settings.dtype, settings.preset, settings.seed)  # what measure_rates builds from
+        if key not in MACHINE_RATES:
+            MACHINE_RATES[key] = real(settings)
+        return MACHINE_RATES[key]
+
+    monkeypatch.setattr(compare, "measure_rates", once)

@@ -23,6 +23,7 @@ def test_default_steps_follow_the_issue():
     assert default_steps(8, 4) == [8, 2]  # 8/16 is not whole; every count is a multiple of the 2 blocks
 
 
+@pytest.mark.usefixtures("machine_rates_once")
 def test_diffusion_rows(tmp_path):
     rows = run_compare(settings(tmp_path), show_progress=False)
     ar = [r for r in rows if r["arch"] == "gqa"]
@@ -46,6 +47,7 @@ def test_diffusion_rows(tmp_path):
     assert run_compare(settings(tmp_path), show_progress=False) == rows  # a re-run measures nothing new
 
 
+@pytest.mark.usefixtures("machine_rates_once")
 def test_cli_compare_writes_the_diffusion_table_and_chart(tmp_path, capsys):
     argv = ["compare", "--archs", "gqa,diffusion", "--preset", "tiny", "--contexts", "12,20", "--batches", "1",
             "--new-tokens", "8", "--block-length", "4", "--diffusion-steps", "8,2", "--diffusion-caches", "none,dual",

@@ -119,6 +119,7 @@ def tiny_probe_settings(tmp_path, **kw) -> CompareSettings:
                            new_tokens=3, kv_cache="paged", measure="decode-probe", out=tmp_path, **kw)
 
 
+@pytest.mark.usefixtures("machine_rates_once")
 def test_decode_probe_cells_time_the_step_at_the_context_without_a_prefill(tmp_path):
     rows = run_compare(tiny_probe_settings(tmp_path), show_progress=False)
     assert len(rows) == 12
@@ -131,6 +132,7 @@ def test_decode_probe_cells_time_the_step_at_the_context_without_a_prefill(tmp_p
         assert row["measured_cache_bytes"] >= row["analytic_cache_bytes"] > 0
 
 
+@pytest.mark.usefixtures("machine_rates_once")
 def test_cli_writes_table_and_charts_for_decode_probe_rows(tmp_path, capsys):
     argv = ["compare", "--archs", "gqa", "--preset", "tiny", "--contexts", "16,32", "--batches", "1,2",
             "--new-tokens", "3", "--measure", "decode-probe", "--out", str(tmp_path), "--quiet"]
@@ -142,6 +144,7 @@ def test_cli_writes_table_and_charts_for_decode_probe_rows(tmp_path, capsys):
         assert (tmp_path / name).stat().st_size > 0
 
 
+@pytest.mark.usefixtures("machine_rates_once")
 def test_cells_that_do_not_fit_are_skipped_with_the_reason_before_any_engine(tmp_path, monkeypatch, capsys):
     def no_engine(*args, **kwargs):
         raise AssertionError("an engine was built for a cell that does not fit")

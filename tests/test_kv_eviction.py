@@ -281,6 +281,7 @@ def test_a_scored_step_writes_only_blocks_its_sequence_holds_alone():
     assert manager.tables[0] == shared and all(manager.refs[block] == 1 for block in shared)
 
 
+@pytest.mark.usefixtures("machine_rates_once")
 def test_zoo_compare_runs_the_eviction_axis(tmp_path):
     from harness.compare import CompareSettings, run_compare
 

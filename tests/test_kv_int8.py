@@ -130,6 +130,7 @@ def test_fp8_on_a_gpu_without_e4m3_is_an_error(monkeypatch):
     assert not harness.engine.checks.fp8_kernels_missing(torch.device("cpu"))
 
 
+@pytest.mark.usefixtures("machine_rates_once")
 def test_compare_puts_int8_caches_beside_float_ones(tmp_path):
     from harness.compare import CompareSettings, run_compare
     settings = CompareSettings(archs=["gqa", "mla"], preset="tiny", contexts=[32], batches=[1], new_tokens=3,

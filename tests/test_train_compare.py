@@ -14,6 +14,8 @@ from test_train import TINY, copy_corpus  # tests/ is on sys.path under pytest
 from test_cli_checks import fail_if_called
 
 ARCHS = ("gqa", "mamba")
+# the module's compare runs share one measurement of the machine: these tests are about trained checkpoints
+pytestmark = pytest.mark.usefixtures("machine_rates_once")
 
 
 @pytest.fixture(scope="module")
@@ -27,24 +29,6 @@ def weights(tmp_path_factory):
                                  max_steps=6, eval_every=3, out=root / arch)
         finals[arch] = run_train(settings, show_progress=False)
     return root, finals
-
-
-@pytest.fixture(scope="module", autouse=True)
-def rates_measured_once():
-    """The machine's rates (~2.5 s a measurement: a read sweep to 1 GiB, a matmul, GEMVs) measured by the module's
-    first compare run and shared by the other four: these tests are about trained checkpoints, not the measurement
-    (tests/test_compare.py checks a run measures once and its rows carry it)."""
-    real, measured = compare.measure_rates, {}
-
-    def once(settings):
-        key = (settings.device, settings.dtype, settings.preset, settings.seed)  # what measure_rates builds from
-        if key not in measured:
-            measured[key] = real(settings)
-        return measured[key]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compare, "measure_rates", once)
-        yield
 
 
 def settings(tmp_path, root, **kw) -> CompareSettings:
