@@ -122,7 +122,7 @@ def test_a_run_stops_at_a_plateau_only_after_min_steps(small_data, monkeypatch):
     chance) neither, so the run is a plateau as soon as it has PLATEAU_PATIENCE + 1 evaluations; it stops there once
     min_steps are done, and without min_steps trains on to max_steps."""
     import harness.recall.train as train_module
-    train, test = small_data
+    train, test = tuple(part[:64] for part in small_data[0]), small_data[1]  # 64 examples: one cheap full batch
     monkeypatch.setattr(train_module, "evaluate", lambda *a: {"accuracy": 0.5, "token_accuracy": 0.5})
     # chance so small that the untrained loss (~ln 8192) is under a uniform guess's: the loss rules do not object
     monkeypatch.setattr(train_module, "label_chance", lambda labels: 1e-6)
@@ -135,7 +135,7 @@ def test_a_run_stops_at_a_plateau_only_after_min_steps(small_data, monkeypatch):
 
 def test_a_run_at_chance_never_stops_at_a_plateau(small_data):
     """lr ~ 0: the accuracy never leaves chance, which is the flat stretch before recall starts, not a plateau."""
-    train, test = small_data
+    train, test = tuple(part[:64] for part in small_data[0]), small_data[1]  # 64 examples: one cheap full batch
     common = dict(lr=1e-12, max_steps=12, eval_every=1, batch_size=len(train[0]), vocab_size=8192)
     result = train_recall(TrainConfig("gqa", min_steps=7, **common), train, [test])
     assert result["accuracy"] <= NEAR_CHANCE * result["chance"]
