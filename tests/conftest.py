@@ -31,21 +31,38 @@ def local_ray():
     ray.shutdown()
 
 
-MACHINE_RATES: dict = {}  # compare.measure_rates' results this session, by what they were measured on
+@pytest.fixture(scope="session")
+def share_machine_measurements():
+    """share(patch): compare's measurements of the machine (measure_rates, ~2.3 s a run on 2 cores: a read sweep to
+    1 GiB, a matmul, the GEMVs; and the read rate it takes again after the cells for its disturbance line, ~0.7 s)
+    made for real once a session (the rates per device, dtype, preset and seed) and handed to every later compare run
+    patched with `patch`."""
+    measured = {}
+
+    def share(patch: pytest.MonkeyPatch) -> None:
+        from harness import compare, roofline
+        real_rates, real_read_rate = compare.measure_rates, roofline.measure_read_rate
+
+        def measure_rates(settings):
+            key = (settings.device, settings.dtype, settings.preset, settings.seed)  # what measure_rates builds from
+            if key not in measured:
+                measured[key] = real_rates(settings)
+            return measured[key]
+
+        def measure_read_rate(*args, **kwargs):
+            if "read rate" not in measured:
+                measured["read rate"] = real_read_rate(*args, **kwargs)
+            return measured["read rate"]
+
+        patch.setattr(compare, "measure_rates", measure_rates)
+        patch.setattr(roofline, "measure_read_rate", measure_read_rate)
+
+    return share
 
 
 @pytest.fixture
-def machine_rates_once(monkeypatch):
-    """compare.measure_rates (~2.5 s: a read sweep to 1 GiB, a matmul, GEMVs) measured for real once a session per
-    device, dtype, preset and seed, for tests whose rows must carry rates but that do not test the measurement.
-    tests/test_compare.py does not use it: it checks a run measures once, which a shared result would hide."""
-    from harness import compare
-    real = compare.measure_rates
-
-    def once(settings):
-        key = (settings.device, settings.dtype, settings.preset, settings.seed)  # what measure_rates builds from
-        if key not in MACHINE_RATES:
-            MACHINE_RATES[key] = real(settings)
-        return MACHINE_RATES[key]
-
-    monkeypatch.setattr(compare, "measure_rates", once)
+def machine_rates_once(monkeypatch, share_machine_measurements):
+    """share_machine_measurements for a test whose compare rows must carry rates but that does not test the
+    measurement. test_compare.py's test_rows_have_measured_and_analytic_bytes does not use it: it checks that a run
+    measures once and every row carries that measurement, which a shared result would hide."""
+    share_machine_measurements(monkeypatch)

@@ -41,6 +41,7 @@ def test_rows_have_measured_and_analytic_bytes(tmp_path):
     assert mha["analytic_cache_bytes"] == 4 * mqa["analytic_cache_bytes"]  # tiny: 4 heads vs 1 KV head
 
 
+@pytest.mark.usefixtures("machine_rates_once")
 def test_interrupted_run_resumes_without_redoing_cells(tmp_path, monkeypatch):
     real = compare.measure_cell
     calls = []
@@ -67,6 +68,7 @@ def test_interrupted_run_resumes_without_redoing_cells(tmp_path, monkeypatch):
     assert redone == []
 
 
+@pytest.mark.usefixtures("machine_rates_once")
 def test_cli_compare_writes_table_and_charts(tmp_path, capsys):
     argv = ["compare", "--archs", "gqa", "--preset", "tiny", "--contexts", "16", "--batches", "1,2",
             "--new-tokens", "3", "--kv-cache", "paged", "--out", str(tmp_path), "--quiet"]
