@@ -94,9 +94,11 @@ def copy_batch(n: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def test_a_small_diffusion_lm_learns_to_copy():
-    """Tiny preset (d_model 64, 2 layers, GQA 4:2, SwiGLU), 300 AdamW steps of 64 examples with the answer as the
-    only maskable part (prompt never masked, as LLaDA's SFT): measured 1.000 token accuracy on 256 held-out
-    examples for seeds 0, 1, 2, one token per forward and four, ~15 s of training on one CPU thread."""
+    """Tiny preset (d_model 64, 2 layers, GQA 4:2, SwiGLU), 250 AdamW steps of 64 examples with the answer as the
+    only maskable part (prompt never masked, as LLaDA's SFT): measured 0.9998 and 1.000 token accuracy on 256
+    held-out examples, one token per forward and four, ~10 s of training on one CPU thread. Seed 0 (this test's) is
+    at 1.000 from step 200, seeds 1-4 and 6 from step 150; seed 5 stays at 0.90 through step 300 (the old length),
+    so 300 steps passed no seed that 250 fails."""
     torch.manual_seed(0)
     model = zoo.build("diffusion", preset="tiny", vocab_size=SYMBOLS + 1, max_seq_len=2 * N + 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
@@ -104,7 +106,7 @@ def test_a_small_diffusion_lm_learns_to_copy():
     answer = torch.zeros(2 * N + 1, dtype=torch.bool)
     answer[N + 1:] = True
     start = time.perf_counter()
-    for _ in range(300):
+    for _ in range(250):
         tokens = copy_batch(64, data)
         loss = masked_diffusion_loss(model, tokens, generator=data, loss_mask=answer.expand_as(tokens))
         optimizer.zero_grad()
