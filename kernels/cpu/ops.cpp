@@ -17,7 +17,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 #include <initializer_list>
 #include <string>
 
@@ -209,6 +208,24 @@ Strides strides_of(const at::Tensor &x, bool blocks) {
 
 constexpr int64_t MIN_KEYS_PER_SPLIT = 128;  // kernels/cpu_decode.py's _MIN_KEYS_PER_SPLIT
 
+// decode attention's key splits: enough to keep every thread busy over `tasks` (sequence, KV heads) tasks, none
+// shorter than MIN_KEYS_PER_SPLIT of max_keys
+int64_t key_splits(int64_t tasks, int64_t max_keys, int threads) {
+    int64_t wanted = (4 * threads + tasks - 1) / tasks;
+    return std::max<int64_t>(1, std::min(wanted, (max_keys + MIN_KEYS_PER_SPLIT - 1) / MIN_KEYS_PER_SPLIT));
+}
+
+// each sequence's slot, its new row (where the step writes one) and its length within a contiguous cache of
+// `slots` slots and `rows` rows, checked before anything is written or read
+void check_cache_rows(const char *what, const int64_t *slot, const int64_t *row, const int32_t *length, int64_t batch,
+                      int64_t slots, int64_t rows, bool writes) {
+    for (int64_t i = 0; i < batch; i++)
+        TORCH_CHECK_INDEX(slot[i] >= 0 && slot[i] < slots && length[i] >= 1 && length[i] <= rows &&
+                          (!writes || (row[i] >= 0 && row[i] < rows)),
+                          what, ": slot ", slot[i], ", row ", row[i], " and length ", length[i],
+                          " must lie in the cache's ", slots, " slots and ", rows, " rows");
+}
+
 at::Tensor int32_rows(const at::Tensor &t) { return t.to(at::kInt).contiguous(); }
 
 at::Tensor decode_attention(const at::Tensor &q_in, const at::Tensor &k, const std::optional<at::Tensor> &v,
@@ -236,10 +253,7 @@ at::Tensor decode_attention(const at::Tensor &q_in, const at::Tensor &k, const s
     // a paged task reads all KV heads of its blocks; a contiguous cache streams one KV head per task
     int64_t kv_per_task = blocks ? kv_heads : 1, span = table.size(1) * block_size;
     max_keys = max_keys <= 0 ? span : std::min(max_keys, span);
-    if (splits == 0) {  // enough key splits to keep every thread busy, none shorter than MIN_KEYS_PER_SPLIT
-        int64_t tasks = batch * kv_heads / kv_per_task, wanted = (4 * threads + tasks - 1) / tasks;
-        splits = std::max<int64_t>(1, std::min(wanted, (max_keys + MIN_KEYS_PER_SPLIT - 1) / MIN_KEYS_PER_SPLIT));
-    }
+    if (splits == 0) splits = key_splits(batch * kv_heads / kv_per_task, max_keys, threads);
     int status = kernels().attention(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), ks.block, ks.pos, ks.head, values.data_ptr(), vs.block,
         vs.pos, vs.head, k_scales ? k_scales->data_ptr() : nullptr, kss.block, kss.pos, kss.head,
@@ -300,22 +314,6 @@ at::Tensor ffn_block(const at::Tensor &x, const at::Tensor &norm, double eps, co
     return out;
 }
 
-// cache[slots[i], :, rows[i], :] = values[i] for values [B, heads, dim] contiguous, as the index_put it replaces
-void write_rows(at::Tensor &cache, const at::Tensor &values, const int64_t *slots, const int64_t *rows) {
-    int64_t batch = values.size(0), heads = values.size(1), element = values.element_size();
-    size_t row_bytes = static_cast<size_t>(values.size(2) * element);
-    char *base = static_cast<char *>(cache.data_ptr());
-    const char *source = static_cast<const char *>(values.data_ptr());
-    for (int64_t i = 0; i < batch; i++) {
-        TORCH_CHECK_INDEX(slots[i] >= 0 && slots[i] < cache.size(0) && rows[i] >= 0 && rows[i] < cache.size(2),
-                          "attention_block: slot ", slots[i], " and row ", rows[i], " must lie in the cache's ",
-                          cache.size(0), " slots and ", cache.size(2), " rows");
-        for (int64_t h = 0; h < heads; h++)
-            std::memcpy(base + (slots[i] * cache.stride(0) + h * cache.stride(1) + rows[i] * cache.stride(2)) * element,
-                        source + (i * heads + h) * static_cast<int64_t>(row_bytes), row_bytes);
-    }
-}
-
 // x [B, 1, D] + o(attention) after RMSNorm: q, k, v GEMVs, rotary q and k, this step's keys and values written at
 // (slots, rows) of a contiguous cache [slots, kv_heads, rows, head_dim] (no wk, wv: a layer that reads another's
 // cache), and decode attention over each sequence's first `lengths` rows: an attention layer's half of a decode
@@ -361,11 +359,7 @@ at::Tensor attention_block(const at::Tensor &x, const at::Tensor &norm, double e
                       ", with positions ", positions.sizes(), " and lengths ", lengths.sizes(), " one a sequence and ",
                       freqs.numel(), " frequencies half the head dim");
     const int32_t *length = seq_lens.data_ptr<int32_t>();
-    for (int64_t i = 0; i < batch; i++)  // the kernel reads slot[i]'s first length[i] rows and writes row[i] there
-        TORCH_CHECK_INDEX(slot[i] >= 0 && slot[i] < k_cache.size(0) && length[i] >= 1 &&
-                          length[i] <= k_cache.size(2) && (!wk || (row[i] >= 0 && row[i] < k_cache.size(2))),
-                          "attention_block: slot ", slot[i], ", row ", row[i], " and length ", length[i],
-                          " must lie in the cache's ", k_cache.size(0), " slots and ", k_cache.size(2), " rows");
+    check_cache_rows("attention_block", slot, row, length, batch, k_cache.size(0), k_cache.size(2), wk.has_value());
     at::Tensor ws[4], ss[4];
     const void *weight_ptrs[4], *scale_ptrs[4];
     int s_codes[4];
@@ -377,9 +371,7 @@ at::Tensor attention_block(const at::Tensor &x, const at::Tensor &norm, double e
         s_codes[i] = ss[i].defined() ? dtype_code(ss[i], "scales") : 0;
     }
     int threads = at::get_num_threads();
-    // decode_attention's key splits for this cache: enough to keep every thread busy, none under MIN_KEYS_PER_SPLIT
-    int64_t rows_held = k_cache.size(2), wanted = (4 * threads + batch * kv_heads - 1) / (batch * kv_heads);
-    int64_t splits = std::max<int64_t>(1, std::min(wanted, (rows_held + MIN_KEYS_PER_SPLIT - 1) / MIN_KEYS_PER_SPLIT));
+    int64_t rows_held = k_cache.size(2), splits = key_splits(batch * kv_heads, rows_held, threads);
     int64_t strides[6] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                           v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
     at::Tensor out = at::empty(xs.sizes(), xs.options());
@@ -508,25 +500,19 @@ at::Tensor mla_block(const at::Tensor &x, const at::Tensor &norm, double eps, co
                       inv_freq.numel() * 2 == rope && lengths.numel() == batch,
                       "mla_block: norm ", norm.sizes(), ", q ", wq.sizes(), ", kv_a ", wkv_a.sizes(), " and o ",
                       wo.sizes(), " must match width ", d_model, " and ", heads, " heads of ", v_dim,
-                      ", with positions ", positions.sizes(), " and lengths ", lengths.sizes(), " one a sequence and ", inv_freq.numel(),
-                      " frequencies half the rotary width ", rope);
+                      ", with positions ", positions.sizes(), " and lengths ", lengths.sizes(), " one a sequence and ",
+                      inv_freq.numel(), " frequencies half the rotary width ", rope);
     at::Tensor slots = slots_in.to(at::kLong).contiguous(), rows = rows_in.to(at::kLong).contiguous();
     at::Tensor seq_lens = int32_rows(lengths);
     const int64_t *slot = slots.data_ptr<int64_t>(), *row = rows.data_ptr<int64_t>();
     const int32_t *length = seq_lens.data_ptr<int32_t>();
-    for (int64_t i = 0; i < batch; i++)  // the kernel reads slot[i]'s first length[i] rows and writes row[i] there
-        TORCH_CHECK_INDEX(slot[i] >= 0 && slot[i] < cache.size(0) && row[i] >= 0 && row[i] < cache.size(2) &&
-                          length[i] >= 1 && length[i] <= cache.size(2),
-                          "mla_block: slot ", slot[i], ", row ", row[i], " and length ", length[i],
-                          " must lie in the cache's ", cache.size(0), " slots and ", cache.size(2), " rows");
+    check_cache_rows("mla_block", slot, row, length, batch, cache.size(0), cache.size(2), true);
     at::Tensor xs = x.contiguous(), positions_rows = positions.to(at::kLong).contiguous();
     at::Tensor freqs = inv_freq.to(at::kFloat).contiguous();
     at::Tensor ws[] = {norm.contiguous(), wq.contiguous(), wkv_a.contiguous(), kv_norm.contiguous(),
                        wkv_b.contiguous(), wo.contiguous()};
     int threads = at::get_num_threads();
-    // decode_attention's key splits for this cache (one KV head): enough to keep every thread busy
-    int64_t rows_held = cache.size(2), wanted = (4 * threads + batch - 1) / batch;
-    int64_t splits = std::max<int64_t>(1, std::min(wanted, (rows_held + MIN_KEYS_PER_SPLIT - 1) / MIN_KEYS_PER_SPLIT));
+    int64_t rows_held = cache.size(2), splits = key_splits(batch, rows_held, threads);  // one KV head
     at::Tensor out = at::empty(xs.sizes(), xs.options());
     int status = kernels().mla_half(
         xs.data_ptr(), batch, d_model, dtype_code(x, "x"), ws[0].data_ptr(), static_cast<float>(eps), ws[1].data_ptr(),
