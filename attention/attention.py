@@ -175,9 +175,15 @@ class Attention(nn.Module):
 
     def decode_residual(self, norm: nn.Module, x: torch.Tensor, positions: torch.Tensor, cache, batch: CacheBatch
                         ) -> torch.Tensor | None:
-        """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) on an eager CPU one-token decode step over a
-        float contiguous cache, after an RMSNorm, with plain bias-free projections on the C GEMV and no q/k norm,
-        scoring, dilation or bidirectional attention; None elsewhere, where the block runs the two modules."""
+        """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) where decode_half decides one; None elsewhere,
+        where the block runs the two modules."""
+        half = self.decode_half(norm, x, cache, batch)
+        return None if half is None else cpu_blocks.run_half(half, x, positions, batch)
+
+    def decode_half(self, norm: nn.Module, x: torch.Tensor, cache, batch: CacheBatch) -> "cpu_blocks.Half | None":
+        """This layer's half of an eager CPU one-token decode step over a float contiguous cache, after an RMSNorm,
+        with plain bias-free projections on the C GEMV (or int8 ones) and no q/k norm, scoring, dilation or
+        bidirectional attention; None elsewhere."""
         if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded or batch.tree is not None
                 or type(cache) is not ContiguousKV or cache.quantized or type(norm) is not RMSNorm
                 or self.qk_norm is not None or self.retention.scored or self.dilation > 1 or not self.causal
@@ -192,12 +198,10 @@ class Attention(nn.Module):
                 or not cpu_decode.attention_fits(self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim, k)
                 or v.stride(-1) != 1):
             return None
-        new_rows, lengths = cache.decode_rows(batch)
         (wq, wo, wk, wv), (sq, so, sk, sv) = (weights, scales) if not shares else ((*weights, None, None),
                                                                                    (*scales, None, None))
-        return cpu_blocks.attention_block(x, norm_weight, norm.eps, wq, wk, wv, wo, positions,
-                                          self._modules["rope"]._buffers["inv_freq"], k, v, batch.slots, new_rows,
-                                          lengths, self.scale, sq, sk, sv, so)
+        return cpu_blocks.Half("attention", (norm_weight, wq, wk, wv, wo, self._modules["rope"]._buffers["inv_freq"],
+                                             sq, sk, sv, so), (k, v), (norm.eps, self.scale), cache=cache)
 
     def normed_heads(self, y: torch.Tensor, norm: str, n: int) -> torch.Tensor:
         """A projection [B, T, n * head_dim] -> [B, n, T, head_dim], through the q/k norm `norm` when there is one."""

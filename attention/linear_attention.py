@@ -152,9 +152,15 @@ class LinearAttention(nn.Module):
 
     def decode_residual(self, norm: nn.Module, x: torch.Tensor, positions, cache, batch: CacheBatch | None
                         ) -> torch.Tensor | None:
-        """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) on an eager CPU one-token decode step over the
-        engine's state slots, after an RMSNorm, with the elu + 1 feature map and plain projections on the C GEMV;
-        None elsewhere, where the block runs the two modules."""
+        """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) where decode_half decides one; None elsewhere,
+        where the block runs the two modules."""
+        half = self.decode_half(norm, x, cache, batch)
+        return None if half is None else cpu_blocks.run_half(half, x, positions, batch)
+
+    def decode_half(self, norm: nn.Module, x: torch.Tensor, cache, batch: CacheBatch | None
+                    ) -> "cpu_blocks.Half | None":
+        """This layer's half of an eager CPU one-token decode step over the engine's state slots, after an RMSNorm,
+        with the elu + 1 feature map and plain projections on the C GEMV; None elsewhere."""
         if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded
                 or type(cache) is not StateSlots or type(norm) is not RMSNorm or not self.plain()):
             return None
@@ -163,8 +169,7 @@ class LinearAttention(nn.Module):
         if (weights is None or not cpu_blocks.gemv_half_fits(x, weights, norm.weight)
                 or kv.dtype != torch.float32 or normalizer.dtype != torch.float32 or kv.device != x.device):
             return None
-        return cpu_blocks.linear_attention_block(x, norm.weight, norm.eps, *weights, kv, normalizer, batch.slots,
-                                                 self.eps)
+        return cpu_blocks.Half("linear_attention", (norm.weight, *weights), (kv, normalizer), (norm.eps, self.eps))
 
     def plain(self) -> bool:
         """This class's own decode step with the elu + 1 feature map, which the fused half computes itself: not a

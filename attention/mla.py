@@ -99,11 +99,17 @@ class MLAttention(nn.Module):
             out = self.absorbed(q_nope, q_rope, cache, batch)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.v_head_dim))
 
-    def decode_residual(self, norm: nn.Module, x: torch.Tensor, positions: torch.Tensor, cache, batch: CacheBatch
+    def decode_residual(self, norm: nn.Module, x: torch.Tensor, positions, cache, batch: CacheBatch | None
                         ) -> torch.Tensor | None:
-        """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) on an eager CPU one-token causal decode step over
-        a float contiguous latent cache, after an RMSNorm, with plain projections on the C GEMV (no q LoRA); None
-        elsewhere, where the block runs the two modules."""
+        """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) where decode_half decides one; None elsewhere,
+        where the block runs the two modules."""
+        half = self.decode_half(norm, x, cache, batch)
+        return None if half is None else cpu_blocks.run_half(half, x, positions, batch)
+
+    def decode_half(self, norm: nn.Module, x: torch.Tensor, cache, batch: CacheBatch | None
+                    ) -> "cpu_blocks.Half | None":
+        """This layer's half of an eager CPU one-token causal decode step over a float contiguous latent cache, after
+        an RMSNorm, with plain projections on the C GEMV (no q LoRA); None elsewhere."""
         if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded or batch.tree is not None
                 or type(cache) is not ContiguousKV or cache.quantized or type(norm) is not RMSNorm or not self.causal
                 or type(self) is not MLAttention
@@ -114,11 +120,10 @@ class MLAttention(nn.Module):
                 or not cpu_blocks.gemv_half_fits(x, weights, norm.weight, self.kv_a_layernorm.weight, cache.k)
                 or not cpu_decode.attention_fits(self.n_heads, 1, cache.k.shape[-1], self.kv_lora_rank, cache.k)):
             return None
-        new_rows, lengths = cache.decode_rows(batch)
-        return cpu_blocks.mla_block(x, norm.weight, norm.eps, weights[0], weights[1], self.kv_a_layernorm.weight,
-                                    self.kv_a_layernorm.eps, weights[2], weights[3], positions, self.rope.inv_freq,
-                                    cache.k, batch.slots, new_rows, lengths, self.scale, self.n_heads, self.nope_dim,
-                                    self.v_head_dim)
+        return cpu_blocks.Half("mla", (norm.weight, weights[0], weights[1], self.kv_a_layernorm.weight, weights[2],
+                                       weights[3], self.rope.inv_freq), (cache.k,),
+                               (norm.eps, self.kv_a_layernorm.eps, self.scale),
+                               (self.n_heads, self.nope_dim, self.v_head_dim), cache=cache)
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, rank] and W_UV [H, v, rank], the per-head maps from the latent to keys and values."""

@@ -1,10 +1,11 @@
 """A block's halves as one call each (kernels/cpu_blocks.py) against the modules' own path, on an eager CPU decode
 step, as an interleaved A/B in one process.
 
-Each cell builds one model and one engine (harness.decode_probe); its steps alternate between the fused halves and
-the modules' path (each mixer's and feed-forward's `decode_residual` answering None, as where a half does not
-apply), so a neighbour's load on a shared machine falls on both alike. Rows go to OUT/results.jsonl as each cell
-finishes (a re-run skips finished cells) and a Markdown table is printed at the end.
+Each cell builds one model and one engine (harness.decode_probe); its steps alternate between the fused halves (the
+engine's plan of them, zoo/decode_plan.py) and the modules' path (each mixer's and feed-forward's `decode_half`
+answering None, as where a half does not apply), so a neighbour's load on a shared machine falls on both alike. Rows
+go to OUT/results.jsonl as each cell finishes (a re-run skips finished cells) and a Markdown table is printed at the
+end.
 
     python benchmarks/fused_halves.py        # the compare default's architectures x batch 1, 4 x context 256, fp32
     python benchmarks/fused_halves.py --archs mamba2,mla --batches 1 --contexts 2048 --dtypes bfloat16
@@ -41,20 +42,20 @@ def parser() -> argparse.ArgumentParser:
 
 def fused_classes(model) -> set[type]:
     """The classes of the model's mixers and feed-forwards that offer a fused half."""
-    return {type(m) for block in model.blocks for m in (block.mixer, block.mlp) if hasattr(m, "decode_residual")}
+    return {type(m) for block in model.blocks for m in (block.mixer, block.mlp) if hasattr(m, "decode_half")}
 
 
 @contextlib.contextmanager
 def module_path(classes: set[type]):
     """Every half of these classes answers None for the duration: the block runs its norm and module."""
-    saved = {cls: cls.__dict__["decode_residual"] for cls in classes}
+    saved = {cls: cls.__dict__["decode_half"] for cls in classes}
     try:
         for cls in classes:
-            cls.decode_residual = lambda *args: None
+            cls.decode_half = lambda *args: None
         yield
     finally:
         for cls, method in saved.items():
-            cls.decode_residual = method
+            cls.decode_half = method
 
 
 def measure(model, cell: dict, rounds: int, steps: int) -> dict:

@@ -177,6 +177,10 @@ class ContiguousKV(KVTensors):
         if self.v is not None:
             self.v[index] = v
 
+    def rows_rule(self) -> tuple:
+        """What decode_rows depends on besides the step: two caches with one rule find a step's rows alike."""
+        return self.retention, self.rolling
+
     def decode_rows(self, batch: CacheBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """A one-token step's rows, as store and attend find them: where each sequence's new key goes [B], and how
         many rows its query reads [B] (a ring's live rows, its first ones). Not for a dilated span."""

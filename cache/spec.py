@@ -177,6 +177,9 @@ class CacheBatch:
     captured: bool = False
     # a speculative tree verification: the new tokens are token trees (a "chunk" step of attention layers)
     tree: TreeBatch | None = None
+    # the engine's decode plans (zoo/decode_plan.py's DecodePlans), kept beside its caches: an eager CPU decode step
+    # may run all its blocks in one call through them; None: every block decides its own halves
+    decode_plans: object = None
 
     def __post_init__(self):
         if self.step not in STEP_KINDS:

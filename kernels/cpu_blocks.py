@@ -20,15 +20,18 @@ input runs a Python ADInplaceOrView kernel on every call (its fill_defaults alon
 cost more than the attention half's kernels. With that, a `small` gqa step measured 6.20 -> 5.11 ms (alternating,
 one process).
 
-The modules decide when a half runs here (zoo/ffn/swiglu.py's SwiGLU.decode_residual, attention/attention.py's
-Attention.decode_residual, and the same in attention/mla.py, attention/linear_attention.py, ssm/mamba2.py and
-ssm/mamba.py):
+The modules decide when a half runs here (zoo/ffn/swiglu.py's SwiGLU.decode_half, attention/attention.py's
+Attention.decode_half, and the same in attention/mla.py, attention/linear_attention.py, ssm/mamba2.py and
+ssm/mamba.py: a Half, run by the module's decode_residual, or with every other block's by decode_blocks, one op for
+a whole step, through an engine's decode plan, zoo/decode_plan.py):
 decode-sized rows in fp32 or bf16, parameters in that dtype, no gradient recorded and no graph being compiled
 (kernels/cpu_fused.py's fused_path), plain weights (the attention and feed-forward halves also int8 ones: an int8
 projection comes with its per-channel scales, and the int8 GEMV reads it as its own forward does), no forward hook
 on the modules a half stands in for (half_weights), and a one-token step over the engine's contiguous cache or
 state slots.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -309,3 +312,101 @@ mla_block = served(mla_block_op, mla_block_eager)
 linear_attention_block = served(linear_attention_block_op, linear_attention_block_eager)
 mamba2_block = served(mamba2_block_op, mamba2_block_eager)
 mamba_block = served(mamba_block_op, mamba_block_eager)
+
+
+# A half as the modules decide it (their decode_half) and as decode_blocks takes it: per kind, its read-only tensors,
+# the states it writes, its floats and its ints, counted here in the order of each op's arguments (ops.cpp keeps the
+# same table). A kind that attends over cached rows finds its step's rows and lengths through its cache.
+KINDS = ("ffn", "attention", "mla", "linear_attention", "mamba2", "mamba")  # decode_blocks' codes: the index
+SIZES = {"ffn": (7, 0, 1, 0), "attention": (10, 2, 2, 0), "mla": (7, 1, 3, 3), "linear_attention": (5, 2, 2, 0),
+         "mamba2": (9, 2, 2, 1), "mamba": (10, 2, 1, 0)}  # (weights, states, floats, ints)
+
+
+@dataclass(frozen=True, eq=False)
+class Half:
+    """One half of a decode block, decided: `kind` (KINDS), weights (None where an optional one is absent: an int8
+    projection's scales, a conv bias, a layer's own keys), states (its cache or state tensors, written in place),
+    floats and ints as SIZES counts them, and `cache`, whose decode_rows(batch) gives an attending kind its rows."""
+    kind: str
+    weights: tuple
+    states: tuple = ()
+    floats: tuple = ()
+    ints: tuple = ()
+    cache: object = None
+
+    def __post_init__(self):
+        counts = (len(self.weights), len(self.states), len(self.floats), len(self.ints))
+        if SIZES.get(self.kind) != counts:
+            raise ValueError(f"a {self.kind!r} half takes (weights, states, floats, ints) {SIZES.get(self.kind)}, "
+                             f"got {counts}; kinds: {', '.join(KINDS)}")
+
+
+def half_arguments(half: Half, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   rows: torch.Tensor | None, lengths: torch.Tensor | None) -> tuple:
+    """The arguments of half's op (its kind's *_block) for this step, in the op's order."""
+    w, s, f, i = half.weights, half.states, half.floats, half.ints
+    if half.kind == "ffn":
+        return (x, w[0], f[0], *w[1:4], *w[4:7])
+    if half.kind == "attention":
+        return (x, w[0], f[0], *w[1:5], positions, w[5], *s, slots, rows, lengths, f[1], *w[6:10])
+    if half.kind == "mla":
+        return (x, w[0], f[0], w[1], w[2], w[3], f[1], w[4], w[5], positions, w[6], s[0], slots, rows, lengths, f[2],
+                *i)
+    if half.kind == "linear_attention":
+        return (x, w[0], f[0], *w[1:5], *s, slots, f[1])
+    if half.kind == "mamba2":
+        return (x, w[0], f[0], *w[1:7], w[7], f[1], w[8], *s, slots, i[0])
+    return (x, w[0], f[0], *w[1:10], *s, slots)  # mamba
+
+
+EAGER = {"ffn": ffn_block_eager, "attention": attention_block_eager, "mla": mla_block_eager,
+         "linear_attention": linear_attention_block_eager, "mamba2": mamba2_block_eager, "mamba": mamba_block_eager}
+SERVED = {"ffn": ffn_block, "attention": attention_block, "mla": mla_block,
+          "linear_attention": linear_attention_block, "mamba2": mamba2_block, "mamba": mamba_block}
+
+
+def run_half(half: Half, x: torch.Tensor, positions: torch.Tensor | None, batch) -> torch.Tensor:
+    """x after one half: its op where the C++ glue serves it, else its Python function (batch None: a half that
+    reads no slots, the feed-forward's)."""
+    rows, lengths = half.cache.decode_rows(batch) if half.cache is not None else (None, None)
+    slots = None if batch is None else batch.slots
+    return SERVED[half.kind](*half_arguments(half, x, positions, slots, rows, lengths))
+
+
+def flatten_halves(halves: list[Half]) -> tuple[list, list, list[float], list[int], list]:
+    """decode_blocks' lists for `halves` in order: (weights, states, floats, ints, caches). ints holds each half's kind
+    code, its row group (an index into caches, whose decode_rows a step calls once; -1: none) and its own ints; caches
+    that find rows by one rule (cache/layouts.py's rows_rule) share a group."""
+    weights, states, floats, ints, caches, groups = [], [], [], [], [], {}
+    for half in halves:
+        group = -1
+        if half.cache is not None:
+            group = groups.setdefault(half.cache.rows_rule(), len(groups))
+            if group == len(caches):
+                caches.append(half.cache)
+        weights += half.weights
+        states += half.states
+        floats += half.floats
+        ints += [KINDS.index(half.kind), group, *half.ints]
+    return weights, states, floats, ints, caches
+
+
+def decode_blocks_eager(x: torch.Tensor, weights: list, states: list, floats: list[float], ints: list[int],
+                        positions: torch.Tensor, slots: torch.Tensor, rows: list[torch.Tensor],
+                        lengths: list[torch.Tensor]) -> torch.Tensor:
+    """x after every half flatten_halves laid out, in order, each by its Python function (the op's reference)."""
+    w = s = f = i = 0
+    while i < len(ints):
+        kind, group = KINDS[ints[i]], ints[i + 1]
+        nw, ns, nf, ni = SIZES[kind]
+        half = Half(kind, tuple(weights[w:w + nw]), tuple(states[s:s + ns]), tuple(floats[f:f + nf]),
+                    tuple(ints[i + 2:i + 2 + ni]))
+        found = (rows[group], lengths[group]) if group >= 0 else (None, None)
+        x = EAGER[kind](*half_arguments(half, x, positions, slots, *found))
+        w, s, f, i = w + nw, s + ns, f + nf, i + 2 + ni
+    return x
+
+
+decode_blocks_op = cache_writing_op(
+    "decode_blocks", "Tensor x, Tensor?[] weights, Tensor(a!)[] states, float[] floats, int[] ints, "
+    "Tensor positions, Tensor slots, Tensor[] rows, Tensor[] lengths", decode_blocks_eager)

@@ -167,9 +167,15 @@ class Mamba(nn.Module):
 
     def decode_residual(self, norm: nn.Module, x: torch.Tensor, positions, cache, batch: CacheBatch | None
                         ) -> torch.Tensor | None:
-        """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) on an eager CPU one-token decode step over the
-        engine's state slots in x's dtype, after an RMSNorm, with plain projections on the C GEMV (in_proj and
-        out_proj bias-free); None elsewhere, where the block runs the two modules."""
+        """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) where decode_half decides one; None elsewhere,
+        where the block runs the two modules."""
+        half = self.decode_half(norm, x, cache, batch)
+        return None if half is None else cpu_blocks.run_half(half, x, positions, batch)
+
+    def decode_half(self, norm: nn.Module, x: torch.Tensor, cache, batch: CacheBatch | None
+                    ) -> "cpu_blocks.Half | None":
+        """This layer's half of an eager CPU one-token decode step over the engine's state slots in x's dtype, after
+        an RMSNorm, with plain projections on the C GEMV (in_proj and out_proj bias-free); None elsewhere."""
         if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded
                 or type(cache) is not StateSlots or type(norm) is not RMSNorm or type(self) is not Mamba
                 or {"forward", "step", "time_step"} & vars(self).keys()):  # the fused half computes these itself
@@ -181,9 +187,9 @@ class Mamba(nn.Module):
                                                              self.conv1d.weight, self.D)
                 or conv.dtype != x.dtype or ssm.dtype != x.dtype or not cpu_decode.state_update_fits(ssm)):
             return None
-        return cpu_blocks.mamba_block(x, norm.weight, norm.eps, weights[0], self.conv1d.weight[:, 0],
-                                      self.conv1d.bias, weights[1], weights[3], self.dt_proj.bias, self.A_log, self.D,
-                                      weights[2], conv, ssm, batch.slots)
+        return cpu_blocks.Half("mamba", (norm.weight, weights[0], self.conv1d.weight[:, 0], self.conv1d.bias,
+                                         weights[1], weights[3], self.dt_proj.bias, self.A_log, self.D, weights[2]),
+                               (conv, ssm), (norm.eps,))
 
     def zero_states(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         b = x.shape[0]

@@ -186,9 +186,15 @@ class Mamba2(nn.Module):
 
     def decode_residual(self, norm: nn.Module, x: torch.Tensor, positions, cache, batch: CacheBatch | None
                         ) -> torch.Tensor | None:
-        """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) on an eager CPU one-token decode step over the
-        engine's state slots in x's dtype, after an RMSNorm, with plain bias-free projections on the C GEMV; None
-        elsewhere, where the block runs the two modules."""
+        """x + self(norm(x), ...) in one call (kernels/cpu_blocks.py) where decode_half decides one; None elsewhere,
+        where the block runs the two modules."""
+        half = self.decode_half(norm, x, cache, batch)
+        return None if half is None else cpu_blocks.run_half(half, x, positions, batch)
+
+    def decode_half(self, norm: nn.Module, x: torch.Tensor, cache, batch: CacheBatch | None
+                    ) -> "cpu_blocks.Half | None":
+        """This layer's half of an eager CPU one-token decode step over the engine's state slots in x's dtype, after
+        an RMSNorm, with plain bias-free projections on the C GEMV; None elsewhere."""
         if (batch is None or batch.step != "decode" or batch.checkpoints or batch.padded
                 or type(cache) is not StateSlots or type(norm) is not RMSNorm or type(self) is not Mamba2
                 or type(self.norm) is not GatedRMSNorm
@@ -200,9 +206,9 @@ class Mamba2(nn.Module):
                                                              self.A_log, self.D, self.norm.weight)
                 or conv.dtype != x.dtype or ssm.dtype != x.dtype or not cpu_decode.state_update_fits(ssm)):
             return None
-        return cpu_blocks.mamba2_block(x, norm.weight, norm.eps, weights[0], self.conv1d.weight[:, 0],
-                                       self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight,
-                                       self.norm.eps, weights[1], conv, ssm, batch.slots, self.n_groups)
+        return cpu_blocks.Half("mamba2", (norm.weight, weights[0], self.conv1d.weight[:, 0], self.conv1d.bias,
+                                          self.dt_bias, self.A_log, self.D, self.norm.weight, weights[1]),
+                               (conv, ssm), (norm.eps, self.norm.eps), (self.n_groups,))
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The float64 oracle: the recurrence, one token at a time (ssm/reference.py)."""

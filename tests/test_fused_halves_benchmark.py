@@ -24,9 +24,9 @@ def argv(tmp_path, *extra):
 
 
 def test_a_cell_row_and_resume(tmp_path, capsys):
-    methods = Attention.decode_residual, SwiGLU.decode_residual
+    methods = Attention.decode_half, SwiGLU.decode_half
     assert bench.main(argv(tmp_path)) == 0
-    assert (Attention.decode_residual, SwiGLU.decode_residual) == methods  # the fused halves are back
+    assert (Attention.decode_half, SwiGLU.decode_half) == methods  # the fused halves are back
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 1
     row = rows[0]

@@ -38,6 +38,18 @@ class Block(nn.Module):
             x = x + mlp(mlp_norm(x), batch) if y is None else y
         return x
 
+    def decode_halves(self, x: torch.Tensor, cache, batch) -> list | None:
+        """This block's halves of an eager CPU decode step, decided (its mixer's and feed-forward's decode_half:
+        kernels/cpu_blocks.py's Half), for a plan that runs them (zoo/decode_plan.py); None where either has none."""
+        children = self._modules
+        mixer, mlp = children["mixer"], children.get("mlp")
+        decide = getattr(mixer, "decode_half", None)
+        halves = [decide(children["mixer_norm"], x, cache, batch) if decide else None]
+        if mlp is not None:
+            decide = getattr(mlp, "decode_half", None)
+            halves.append(decide(children["mlp_norm"], x) if decide else None)
+        return None if None in halves else halves
+
 
 class DecoderLM(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -100,6 +112,11 @@ class DecoderLM(nn.Module):
             check_tokens(tokens, self.config)
             caches = self.handoff_caches()
         x = self.embed(tokens)
+        # an engine's eager CPU decode step may run every block in one call, decided once (zoo/decode_plan.py)
+        plans = None if batch is None or torch.compiler.is_compiling() else batch.decode_plans
+        plan = plans.plan(self, x, caches, batch) if plans is not None else None
+        if plan is not None:
+            return self.norm(plan.run(x, positions, batch))
         for i, block in enumerate(self.blocks):
             x = block(x, positions, caches[i], batch)
         return self.norm(x)

@@ -6,6 +6,7 @@ from harness.engine.block_manager import BlockManager
 from harness.engine.cache_pool import CachePool
 from harness.engine.decode_graphs import DecodeGraphs, StepRows
 from harness.engine.sequence import Sequence
+from zoo.decode_plan import DecodePlans
 
 
 class ModelRunner:
@@ -24,6 +25,7 @@ class ModelRunner:
         # No weight freezing: oneDNN's pre-packed linears measured no faster than the eager GEMMs on CPU (gqa base,
         # batch 1 and 16, fp32 and bf16), and a frozen step would keep the weights it was compiled with.
         self.decode_forward = torch.compile(model, dynamic=False) if compile_decode else model
+        self.decode_plans = DecodePlans()  # an eager CPU step's blocks in one call, decided once (zoo/decode_plan.py)
         self.graphs = None if graph_mode is None else DecodeGraphs(
             self.decode_forward, pool.layers, pool.max_batch, max_seq_len,
             [manager.blocks_for(max_seq_len) for manager in block_managers], pool.spare_slot, pool.spare_blocks,
@@ -62,6 +64,7 @@ class ModelRunner:
                                               tables, mappings))
         else:
             batch = self.cache_batch(seqs, positions, lengths, step="decode")
+            batch.decode_plans = None if self.fixed_shapes else self.decode_plans
             logits = self.decode_forward(torch.tensor([[t] for t in tokens], device=self.device), batch.positions,
                                          self.pool.layers, batch)[:, -1]
         for s in seqs:

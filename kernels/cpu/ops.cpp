@@ -612,6 +612,70 @@ at::Tensor mamba_block(const at::Tensor &x, const at::Tensor &norm, double eps, 
     return dense_gemv(y.select(1, 0).to(x.scalar_type()).unsqueeze(1), out_w, std::nullopt).add_(x);
 }
 
+// x after every half of a decode step's blocks, in order (kernels/cpu_blocks.py's decode_blocks: flatten_halves lays
+// the halves out, SIZES counts each kind's weights, states, floats and ints as the table below does), each by the
+// function its own op calls: one call from Python a step where a block's two ops were two, each with ~15 arguments
+// to parse and a module's decisions before it
+at::Tensor decode_blocks(const at::Tensor &x_in, const c10::List<std::optional<at::Tensor>> &weights,
+                         at::TensorList states, at::ArrayRef<double> floats, at::IntArrayRef ints,
+                         const at::Tensor &positions, const at::Tensor &slots, at::TensorList rows,
+                         at::TensorList lengths) {
+    static const int64_t sizes[6][4] = {{7, 0, 1, 0}, {10, 2, 2, 0}, {7, 1, 3, 3}, {5, 2, 2, 0}, {9, 2, 2, 1},
+                                        {10, 2, 1, 0}};  // ffn, attention, mla, linear_attention, mamba2, mamba
+    TORCH_CHECK_VALUE(rows.size() == lengths.size(), "decode_blocks: ", rows.size(), " row tensors but ",
+                      lengths.size(), " lengths");
+    at::Tensor x = x_in;
+    size_t w = 0, s = 0, f = 0, i = 0;
+    while (i < ints.size()) {
+        TORCH_CHECK_VALUE(i + 2 <= ints.size() && ints[i] >= 0 && ints[i] < 6, "decode_blocks: a half's kind code ",
+                          ints[i], " at ints[", i, "] is none of 0-5");
+        int64_t kind = ints[i], group = ints[i + 1];
+        const int64_t *n = sizes[kind];
+        TORCH_CHECK_VALUE(w + n[0] <= weights.size() && s + n[1] <= states.size() && f + n[2] <= floats.size() &&
+                          i + 2 + n[3] <= ints.size() && group < static_cast<int64_t>(rows.size()) &&
+                          (group >= 0 || kind == 0 || kind >= 3),
+                          "decode_blocks: the lists end inside half ", i, " (kind ", kind, ", row group ", group, ")");
+        auto opt = [&](size_t k) { return weights.get(w + k); };
+        auto need = [&](size_t k) {
+            std::optional<at::Tensor> t = weights.get(w + k);
+            TORCH_CHECK_VALUE(t.has_value(), "decode_blocks: weight ", w + k, " (kind ", kind, ") is None");
+            return *t;
+        };
+        const double *fl = floats.data() + f;
+        const int64_t *in = ints.data() + i + 2;
+        switch (kind) {
+        case 0:
+            x = ffn_block(x, need(0), fl[0], need(1), need(2), need(3), opt(4), opt(5), opt(6));
+            break;
+        case 1:
+            x = attention_block(x, need(0), fl[0], need(1), opt(2), opt(3), need(4), positions, need(5), states[s],
+                                states[s + 1], slots, rows[group], lengths[group], fl[1], opt(6), opt(7), opt(8),
+                                opt(9));
+            break;
+        case 2:
+            x = mla_block(x, need(0), fl[0], need(1), need(2), need(3), fl[1], need(4), need(5), positions, need(6),
+                          states[s], slots, rows[group], lengths[group], fl[2], in[0], in[1], in[2]);
+            break;
+        case 3:
+            x = linear_attention_block(x, need(0), fl[0], need(1), need(2), need(3), need(4), states[s],
+                                       states[s + 1], slots, fl[1]);
+            break;
+        case 4:
+            x = mamba2_block(x, need(0), fl[0], need(1), need(2), opt(3), need(4), need(5), need(6), need(7), fl[1],
+                             need(8), states[s], states[s + 1], slots, in[0]);
+            break;
+        default:
+            x = mamba_block(x, need(0), fl[0], need(1), need(2), opt(3), need(4), need(5), need(6), need(7),
+                            need(8), need(9), states[s], states[s + 1], slots);
+        }
+        w += n[0], s += n[1], f += n[2], i += 2 + n[3];
+    }
+    TORCH_CHECK_VALUE(w == weights.size() && s == states.size() && f == floats.size(), "decode_blocks: ",
+                      weights.size() - w, " weights, ", states.size() - s, " states and ", floats.size() - f,
+                      " floats left after the last half");
+    return x;
+}
+
 }  // namespace
 
 extern "C" void archzoo_point_kernels(void *dense, void *int8, void *int4, void *attention, void *rms_norm,
@@ -639,4 +703,5 @@ TORCH_LIBRARY_IMPL(archzoo, CPU, m) {
     m.impl("mamba2_block", &mamba2_block);
     m.impl("mamba_block", &mamba_block);
     m.impl("mla_block", &mla_block);
+    m.impl("decode_blocks", &decode_blocks);
 }

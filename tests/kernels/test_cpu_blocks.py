@@ -24,16 +24,19 @@ MIXERS = (Attention, MLAttention, LinearAttention, Mamba2, Mamba)  # the mixers 
 
 
 def turn_off(monkeypatch):
-    """The blocks run their two modules each, as where the fused halves do not serve."""
+    """The blocks run their two modules each, as where the fused halves do not serve (no half decided: no plan)."""
     for cls in (*MIXERS, SwiGLU):
-        monkeypatch.setattr(cls, "decode_residual", lambda *args: None)
+        monkeypatch.setattr(cls, "decode_half", lambda *args: None)
 
 
-def decode_steps(model, batch: int, context: int, steps: int = 3):
+def decode_steps(model, batch: int, context: int, steps: int = 3, plans: bool = True):
     """Logits of `steps` greedy decode steps from a random cache of `context` tokens, and every layer's cache
-    tensors after."""
+    tensors after; plans=False: the engine keeps no decode plans (zoo/decode_plan.py), so each block decides its own
+    halves every step."""
     torch.manual_seed(1)
     probe = decode_probe(model, batch, context, "contiguous", 16, compile=False, cuda_graphs=False)
+    if not plans:
+        probe.engine.runner.decode_plans = None
     logits = []
     for _ in range(steps):
         logits.append(probe.engine.runner.decode(probe.seqs))
@@ -45,13 +48,35 @@ def decode_steps(model, batch: int, context: int, steps: int = 3):
     return torch.stack(logits), caches
 
 
+def planned(model, batch: int) -> bool:
+    """Whether an engine's decode step over `model` at `batch` runs through a plan of every block's halves."""
+    probe = decode_probe(model, batch, 12, "contiguous", 16, compile=False, cuda_graphs=False)
+    probe.step()
+    plans = probe.engine.runner.decode_plans.plans
+    return len(plans) == 1 and next(iter(plans.values())).lists is not None
+
+
+def assert_steps_agree(fused, plain, close: bool, dtype) -> None:
+    """Bit for bit, or with close to fp32 rounding (bf16: its own)."""
+    (fused_logits, fused_caches), (logits, caches) = fused, plain
+    if close:
+        tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
+        torch.testing.assert_close(fused_logits, logits, **tolerance)
+        for a, b in zip(fused_caches, caches):
+            torch.testing.assert_close(a, b, **tolerance)
+    else:
+        assert torch.equal(fused_logits, logits)
+        assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches))
+
+
 @pytest.mark.parametrize("arch", ["gqa", "mha", "mqa", "cla", "swa", "mla", "linear", "mamba2", "mamba"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch, context", [(1, 12), (3, 40)])
 def test_decode_steps_match_the_modules_path(arch, dtype, batch, context, monkeypatch):
-    """Bit for bit, except linear attention's fp32 state step and MLA's folds through W_UK and W_UV, which sum in
-    another order than the modules' path (its einsums). tiny's window is 16: swa at 40 tokens writes a ring; cla's
-    second layer reads the first's cache."""
+    """The halves as each block decides them and as one plan runs them all (one C++ call a step), against the
+    modules' path: bit for bit, except linear attention's fp32 state step and MLA's folds through W_UK and W_UV,
+    which sum in another order than the modules' path (its einsums); the plan bit for bit with the blocks' halves.
+    tiny's window is 16: swa at 40 tokens writes a ring; cla's second layer reads the first's cache."""
     torch.manual_seed(0)
     model = zoo.build(arch, preset="tiny").to(dtype).eval()
     served = {"mixer": 0, "ffn": 0}
@@ -63,43 +88,31 @@ def test_decode_steps_match_the_modules_path(arch, dtype, batch, context, monkey
             return out
         return call
 
+    assert planned(model, batch)
+    plan = decode_steps(model, batch, context)
     for cls in MIXERS:
         monkeypatch.setattr(cls, "decode_residual", counted(cls.decode_residual, "mixer"))
     monkeypatch.setattr(SwiGLU, "decode_residual", counted(SwiGLU.decode_residual, "ffn"))
-    fused_logits, fused_caches = decode_steps(model, batch, context)
+    blocks = decode_steps(model, batch, context, plans=False)
+    assert served == {"mixer": 3 * len(model.blocks), "ffn": 3 * len(model.blocks)}
     turn_off(monkeypatch)
-    logits, caches = decode_steps(model, batch, context)
-    assert served["ffn"] == 3 * len(model.blocks)
-    assert served["mixer"] == 3 * len(model.blocks)
-    if arch == "linear" and dtype == torch.float32 or arch == "mla":
-        tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}  # bf16: its own rounding
-        torch.testing.assert_close(fused_logits, logits, **tolerance)
-        for fused, plain in zip(fused_caches, caches):
-            torch.testing.assert_close(fused, plain, **tolerance)
-    else:
-        assert torch.equal(fused_logits, logits)
-        assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches))
+    plain = decode_steps(model, batch, context)
+    assert_steps_agree(plan, blocks, False, dtype)
+    assert_steps_agree(plan, plain, arch == "linear" and dtype == torch.float32 or arch == "mla", dtype)
 
 
 @pytest.mark.parametrize("arch", ["gqa", "cla", "swa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_int8_halves_match_the_modules_path(arch, dtype, batch, monkeypatch):
-    """int8 weights (zoo.quantize's per-channel scales) through the fused attention and feed-forward halves: the
-    same int8 GEMV each QuantizedLinear's forward calls, so bit for bit."""
+    """int8 weights (zoo.quantize's per-channel scales) through the fused attention and feed-forward halves, in a
+    plan: the same int8 GEMV each QuantizedLinear's forward calls, so bit for bit."""
     torch.manual_seed(0)
     model = quantize(zoo.build(arch, preset="tiny").to(dtype).eval(), QuantizeConfig(weights="int8"))
-    served_halves = []
-    for cls in (Attention, SwiGLU):
-        method = cls.decode_residual
-        monkeypatch.setattr(cls, "decode_residual",
-                            lambda *args, method=method: served_halves.append(method(*args)) or served_halves[-1])
-    fused_logits, fused_caches = decode_steps(model, batch, 40)
-    assert len(served_halves) == 2 * 3 * len(model.blocks) and all(h is not None for h in served_halves)
+    assert planned(model, batch)
+    fused = decode_steps(model, batch, 40)
     turn_off(monkeypatch)
-    logits, caches = decode_steps(model, batch, 40)
-    assert torch.equal(fused_logits, logits)
-    assert all(torch.equal(a, b) for a, b in zip(fused_caches, caches))
+    assert_steps_agree(fused, decode_steps(model, batch, 40), False, dtype)
 
 
 def block_inputs(dtype, batch=2, kv_heads=2, heads=4, head_dim=16, d_model=32, slots=3, rows=24):

@@ -28,8 +28,14 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def decode_residual(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """x + self(norm(x)) in one call (kernels/cpu_blocks.py) where norm is an RMSNorm and this call would take the
-        fused SwiGLU (an eager CPU decode step); None elsewhere, where the block runs the two modules."""
+        """x + self(norm(x)) in one call (kernels/cpu_blocks.py) where decode_half decides one; None elsewhere, where
+        the block runs the two modules."""
+        half = self.decode_half(norm, x)
+        return None if half is None else cpu_blocks.run_half(half, x, None, None)
+
+    def decode_half(self, norm: nn.Module, x: torch.Tensor) -> "cpu_blocks.Half | None":
+        """This feed-forward's half where norm is an RMSNorm and this call would take the fused SwiGLU (an eager CPU
+        decode step), its projections float or int8; None elsewhere."""
         if type(norm) is not RMSNorm or type(self) is not SwiGLU or "forward" in vars(self):
             return None
         operands = cpu_blocks.half_operands(self, norm, PROJECTIONS, int8=True)  # float or int8 projections
@@ -39,7 +45,7 @@ class SwiGLU(nn.Module):
         if not cpu_blocks.gemv_half_fits(x, weights, norm_weight, scales=scales) \
                 or weights[0].shape != weights[1].shape or weights[2].shape[1] != weights[0].shape[0]:
             return None
-        return cpu_blocks.ffn_block(x, norm_weight, norm.eps, *weights, *scales)
+        return cpu_blocks.Half("ffn", (norm_weight, *weights, *scales), floats=(norm.eps,))
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """float64: down(g / (1 + e^-g) * u) with g = x W_gate^T, u = x W_up^T."""
