@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <initializer_list>
 #include <string>
 
@@ -453,16 +454,6 @@ at::Tensor state_update_rows(at::Tensor &ssm, const int64_t *slot, const at::Ten
     return y;
 }
 
-// The slots' conv windows shifted by one with the new input at the end, written back to the conv state cache
-// [slots, channels, d_conv]; returns them (the module's torch.cat of the window's last d_conv - 1 and x)
-at::Tensor shift_windows(at::Tensor &conv, const at::Tensor &slots, const at::Tensor &x) {
-    int64_t d_conv = conv.size(2);
-    at::Tensor window = at::cat({conv.index_select(0, slots).narrow(-1, 1, d_conv - 1),
-                                 x.unsqueeze(-1).to(conv.scalar_type())}, -1);
-    conv.index_copy_(0, slots, window);
-    return window;
-}
-
 // each slot within the cache's rows, checked before anything is written
 const int64_t *checked_slots(const at::Tensor &slots, int64_t rows, const char *what) {
     auto slot = slots.data_ptr<int64_t>();
@@ -527,11 +518,68 @@ at::Tensor mla_block(const at::Tensor &x, const at::Tensor &norm, double eps, co
     return out;
 }
 
-// x [B, 1, D] + out_proj(Mamba-2's decode step) after RMSNorm (ssm/mamba2.py's Mamba2.step, op for op in torch's
-// own ops so its roundings are the module's): in_proj GEMV; the depthwise conv's window shifted in the conv state
-// cache rows of `slots` and summed; the selective state update (kernels/cpu/selective_state_update.c) on the SSM
-// state cache rows in place, not on a copy written back; the gated RMSNorm; out_proj GEMV. A Mamba-2 layer's half of
-// a decode block in one call (kernels/cpu_blocks.py)
+// a float rounded to T and back: what a torch op computing in T stores
+template <typename T> inline float rounded(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+// run(T()) with T x's element type, fp32 or bf16 (the CPU kernels' dtypes)
+template <typename Run> void by_dtype(const at::Tensor &x, const char *what, Run &&run) {
+    if (x.scalar_type() == at::kFloat) run(0.f);
+    else if (x.scalar_type() == at::kBFloat16) run(c10::BFloat16());
+    else TORCH_CHECK_VALUE(false, what, ": x's dtype ", dtype_name(x.scalar_type()), " is beyond the CPU kernels "
+                           "(torch.float32, torch.bfloat16)");
+}
+
+// Each row's conv window (conv state [slots, channels, d_conv] at its slot, unit strides within a slot) shifted by
+// one with the row's new channels xbc at its end, in place; then each channel's window times its taps [channels,
+// d_conv], summed, plus its bias, through SiLU, into act [rows, channels] in fp32, rounded where the module's ops in
+// T round (each product, the sum, the bias's add, the SiLU): one pass in C++ for the module's ~10 torch ops
+template <typename T>
+void conv_step(T *conv, int64_t slot_stride, const int64_t *slot, int64_t rows, const T *xbc, int64_t xbc_stride,
+               const T *taps, const T *bias, int64_t channels, int64_t d_conv, float *act) {
+    for (int64_t i = 0; i < rows; i++) {
+        T *state = conv + slot[i] * slot_stride;
+        for (int64_t c = 0; c < channels; c++) {
+            T *window = state + c * d_conv;
+            for (int64_t j = 0; j + 1 < d_conv; j++) window[j] = window[j + 1];
+            window[d_conv - 1] = xbc[i * xbc_stride + c];
+            float sum = 0.f;
+            for (int64_t j = 0; j < d_conv; j++)
+                sum += rounded<T>(static_cast<float>(window[j]) * static_cast<float>(taps[c * d_conv + j]));
+            float mixed = rounded<T>(sum);
+            if (bias) mixed = rounded<T>(mixed + static_cast<float>(bias[c]));
+            act[i * channels + c] = rounded<T>(silu(mixed));
+        }
+    }
+}
+
+// Mamba-2's gated RMSNorm (ssm/mamba2.py's GatedRMSNorm): y (fp32 [rows, width], rounded to T first, as the module
+// hands it over) times SiLU(z), normalised over groups of width / groups channels, rounded to T, times the weight
+template <typename T>
+void gated_norm(const float *y, const T *z, int64_t z_stride, const T *weight, float eps, int64_t rows, int64_t width,
+                int64_t groups, float *scratch, T *out) {
+    int64_t size = width / groups;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            float squares = 0.f;
+            for (int64_t c = g * size; c < (g + 1) * size; c++) {
+                float v = rounded<T>(y[i * width + c]) * silu(static_cast<float>(z[i * z_stride + c]));
+                scratch[c] = v;
+                squares += v * v;
+            }
+            float scale = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
+            for (int64_t c = g * size; c < (g + 1) * size; c++)
+                out[i * width + c] = static_cast<T>(static_cast<float>(weight[c]) * rounded<T>(scratch[c] * scale));
+        }
+}
+
+// x [B, 1, D] + out_proj(Mamba-2's decode step) after RMSNorm (ssm/mamba2.py's Mamba2.step): in_proj GEMV; the
+// depthwise conv's window shifted in the conv state cache rows of `slots` and summed, and the gated RMSNorm, each one
+// pass in C++ (conv_step, gated_norm); the selective state update (kernels/cpu/selective_state_update.c) on the SSM
+// state cache rows in place, not on a copy written back; out_proj GEMV. A Mamba-2 layer's half of a decode block in
+// one call (kernels/cpu_blocks.py). Its roundings are the module's ops' in x's dtype, its sums and exps in their own
+// order: equal to the module's path to rounding, not bit for bit
 at::Tensor mamba2_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &in_w,
                         const at::Tensor &conv_w, const std::optional<at::Tensor> &conv_b, const at::Tensor &dt_bias,
                         const at::Tensor &A_log, const at::Tensor &D, const at::Tensor &gate_norm, double gate_eps,
@@ -544,39 +592,50 @@ at::Tensor mamba2_block(const at::Tensor &x, const at::Tensor &norm, double eps,
                       heads % groups == 0 && conv_dim == d_inner + 2 * groups * dstate &&
                       in_w.size(0) == d_inner + conv_dim + heads && conv_w.size(0) == conv_dim &&
                       conv_w.size(-1) == d_conv && slots_in.numel() == batch && dstate <= 1024 &&
-                      conv.scalar_type() == x.scalar_type() && ssm.scalar_type() == x.scalar_type(),
+                      conv.scalar_type() == x.scalar_type() && ssm.scalar_type() == x.scalar_type() &&
+                      conv.stride(2) == 1 && conv.stride(1) == d_conv && gate_norm.numel() == d_inner &&
+                      (!conv_b || conv_b->numel() == conv_dim),
                       "mamba2_block: x ", x.sizes(), " must be [B, 1, D] with conv state [slots, conv_dim, d_conv] ",
-                      conv.sizes(), " and SSM state [slots, H, P, N <= 1024] ", ssm.sizes(), " in x's dtype, ", groups,
-                      " groups, in_proj ", in_w.sizes(), " and B slots");
+                      conv.sizes(), " (each slot's contiguous) and SSM state [slots, H, P, N <= 1024] ", ssm.sizes(),
+                      " in x's dtype, ", groups, " groups, in_proj ", in_w.sizes(), " and B slots");
+    TORCH_CHECK_VALUE(conv_w.scalar_type() == x.scalar_type() && gate_norm.scalar_type() == x.scalar_type() &&
+                      (!conv_b || conv_b->scalar_type() == x.scalar_type()),
+                      "mamba2_block: the conv's taps and bias and the gated norm's weight must be in x's dtype ",
+                      dtype_name(x.scalar_type()));
     at::Tensor slots = slots_in.to(at::kLong).contiguous();
     const int64_t *slot = checked_slots(slots, std::min(conv.size(0), ssm.size(0)), "mamba2_block");
     at::Tensor projected = dense_gemv(rms_norm(x, norm, eps), in_w, std::nullopt).select(1, 0);  // [B, in_width]
-    at::Tensor z = projected.narrow(-1, 0, d_inner), xbc = projected.narrow(-1, d_inner, conv_dim);
-    at::Tensor dt = projected.narrow(-1, d_inner + conv_dim, heads);
-    at::Tensor mixed = (shift_windows(conv, slots, xbc) * conv_w).sum(-1);
-    if (conv_b) mixed = mixed + *conv_b;
-    at::Tensor activated = at::silu(mixed).to(z.scalar_type());
-    at::Tensor xs = activated.narrow(-1, 0, d_inner).unflatten(-1, {heads, head_dim});
-    at::Tensor B = activated.narrow(-1, d_inner, groups * dstate).unflatten(-1, {groups, dstate}).to(at::kFloat);
-    at::Tensor C = activated.narrow(-1, d_inner + groups * dstate, groups * dstate).unflatten(-1, {groups, dstate})
-                       .to(at::kFloat);
-    // as the module hands them to the kernel: per-head values broadcast over head_dim (and d_state) as views, in fp32
+    at::Tensor taps = conv_w.contiguous(), bias = conv_b ? conv_b->contiguous() : at::Tensor();
+    at::Tensor gate_w = gate_norm.contiguous();
+    at::Tensor act = at::empty({batch, conv_dim}, x.options().dtype(at::kFloat));  // SiLU(conv): x, B, C
+    at::Tensor normed = at::empty({batch, 1, d_inner}, x.options());
     at::Tensor A = (-at::exp(A_log.to(at::kFloat))).unsqueeze(-1).unsqueeze(-1).expand({heads, head_dim, dstate});
-    at::Tensor x32 = xs.to(at::kFloat), dt32 = dt.unsqueeze(-1).expand({batch, heads, head_dim}).to(at::kFloat);
+    at::Tensor dt = projected.narrow(-1, d_inner + conv_dim, heads);
+    at::Tensor dt32 = dt.unsqueeze(-1).expand({batch, heads, head_dim}).to(at::kFloat);
     at::Tensor D32 = D.unsqueeze(-1).expand({heads, head_dim}).to(at::kFloat);
     at::Tensor bias32 = dt_bias.unsqueeze(-1).expand({heads, head_dim}).to(at::kFloat);
-    at::Tensor y = state_update_rows(ssm, slot, x32, dt32, A, B, C, D32, std::nullopt, bias32);
-    // the gated RMSNorm (ssm/mamba2.py's GatedRMSNorm) over groups of d_inner / groups channels
-    at::Tensor gated = y.to(x.scalar_type()).flatten(-2).to(at::kFloat) * at::silu(z.to(at::kFloat));
-    at::Tensor parts = gated.unflatten(-1, {-1, d_inner / groups});
-    parts = parts * at::rsqrt(parts.pow(2).mean(-1, true) + gate_eps);
-    at::Tensor normed = gate_norm * parts.flatten(-2).to(x.scalar_type());
-    return dense_gemv(normed.unsqueeze(1), out_w, std::nullopt).add_(x);
+    at::Tensor scratch = at::empty({d_inner}, x.options().dtype(at::kFloat));
+    by_dtype(x, "mamba2_block", [&](auto zero) {
+        using T = decltype(zero);
+        const T *rows = static_cast<const T *>(projected.data_ptr());
+        conv_step<T>(static_cast<T *>(conv.data_ptr()), conv.stride(0), slot, batch, rows + d_inner,
+                     projected.stride(0), static_cast<const T *>(taps.data_ptr()),
+                     bias.defined() ? static_cast<const T *>(bias.data_ptr()) : nullptr, conv_dim, d_conv,
+                     act.data_ptr<float>());
+        at::Tensor xs = act.narrow(-1, 0, d_inner).unflatten(-1, {heads, head_dim});
+        at::Tensor B = act.narrow(-1, d_inner, groups * dstate).unflatten(-1, {groups, dstate});
+        at::Tensor C = act.narrow(-1, d_inner + groups * dstate, groups * dstate).unflatten(-1, {groups, dstate});
+        at::Tensor y = state_update_rows(ssm, slot, xs, dt32, A, B, C, D32, std::nullopt, bias32);
+        gated_norm<T>(y.data_ptr<float>(), rows, projected.stride(0), static_cast<const T *>(gate_w.data_ptr()),
+                      static_cast<float>(gate_eps), batch, d_inner, groups, scratch.data_ptr<float>(),
+                      static_cast<T *>(normed.data_ptr()));
+    });
+    return dense_gemv(normed, out_w, std::nullopt).add_(x);
 }
 
-// x [B, 1, D] + out_proj(Mamba's decode step) after RMSNorm (ssm/mamba.py's Mamba.step, op for op in torch's own
-// ops): in_proj GEMV into x and z; the depthwise conv's window shifted in the conv state cache rows of `slots`;
-// x_proj GEMV and dt_proj into dt, B and C; the selective state update on the SSM state cache rows [slots, d_inner, N]
+// x [B, 1, D] + out_proj(Mamba's decode step) after RMSNorm (ssm/mamba.py's Mamba.step): in_proj GEMV into x and
+// z; the depthwise conv's window shifted in the conv state cache rows of `slots` and summed, one pass in C++
+// (conv_step: the module's roundings, its own sum order and exp, so equal to it to rounding); x_proj GEMV and dt_proj into dt, B and C; the selective state update on the SSM state cache rows [slots, d_inner, N]
 // in place, gated by z; out_proj GEMV. A Mamba layer's half of a decode block in one call (kernels/cpu_blocks.py)
 at::Tensor mamba_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &in_w,
                        const at::Tensor &conv_w, const std::optional<at::Tensor> &conv_b, const at::Tensor &x_w,
@@ -588,17 +647,28 @@ at::Tensor mamba_block(const at::Tensor &x, const at::Tensor &norm, double eps, 
                       in_w.size(0) == 2 * d_inner && x_w.size(0) == rank + 2 * dstate && dt_w.size(0) == d_inner &&
                       conv_w.size(0) == d_inner && conv_w.size(-1) == conv.size(2) && A_log.size(0) == d_inner &&
                       A_log.size(1) == dstate && slots_in.numel() == batch && dstate <= 1024 &&
-                      conv.scalar_type() == x.scalar_type() && ssm.scalar_type() == x.scalar_type(),
+                      conv.scalar_type() == x.scalar_type() && ssm.scalar_type() == x.scalar_type() &&
+                      conv.stride(2) == 1 && conv.stride(1) == conv.size(2) && (!conv_b || conv_b->numel() == d_inner),
                       "mamba_block: x ", x.sizes(), " must be [B, 1, D] with conv state [slots, d_inner, d_conv] ",
-                      conv.sizes(), " and SSM state [slots, d_inner, N <= 1024] ", ssm.sizes(), " in x's dtype, ",
+                      conv.sizes(), " (each slot's contiguous) and SSM state [slots, d_inner, N <= 1024] ", ssm.sizes(), " in x's dtype, ",
                       "in_proj ", in_w.sizes(), ", x_proj ", x_w.sizes(), ", dt_proj ", dt_w.sizes(), " and B slots");
+    TORCH_CHECK_VALUE(conv_w.scalar_type() == x.scalar_type() && (!conv_b || conv_b->scalar_type() == x.scalar_type()),
+                      "mamba_block: the conv's taps and bias must be in x's dtype ", dtype_name(x.scalar_type()));
     at::Tensor slots = slots_in.to(at::kLong).contiguous();
     const int64_t *slot = checked_slots(slots, std::min(conv.size(0), ssm.size(0)), "mamba_block");
     at::Tensor projected = dense_gemv(rms_norm(x, norm, eps), in_w, std::nullopt).select(1, 0);  // [B, 2 d_inner]
-    at::Tensor xs = projected.narrow(-1, 0, d_inner), z = projected.narrow(-1, d_inner, d_inner);
-    at::Tensor mixed = (shift_windows(conv, slots, xs) * conv_w).sum(-1);
-    if (conv_b) mixed = mixed + *conv_b;
-    at::Tensor xc = at::silu(mixed.to(x.scalar_type()));
+    at::Tensor z = projected.narrow(-1, d_inner, d_inner);
+    at::Tensor taps = conv_w.contiguous(), bias = conv_b ? conv_b->contiguous() : at::Tensor();
+    at::Tensor act = at::empty({batch, d_inner}, x.options().dtype(at::kFloat));  // SiLU(conv(x)), x's roundings
+    by_dtype(x, "mamba_block", [&](auto zero) {
+        using T = decltype(zero);
+        conv_step<T>(static_cast<T *>(conv.data_ptr()), conv.stride(0), slot, batch,
+                     static_cast<const T *>(projected.data_ptr()), projected.stride(0),
+                     static_cast<const T *>(taps.data_ptr()),
+                     bias.defined() ? static_cast<const T *>(bias.data_ptr()) : nullptr, d_inner, conv.size(2),
+                     act.data_ptr<float>());
+    });
+    at::Tensor xc = act.to(x.scalar_type());  // exact: act holds values of x's dtype
     at::Tensor steps = dense_gemv(xc, x_w, std::nullopt);  // dt (before dt_proj), B, C
     at::Tensor dt = at::linear(steps.narrow(-1, 0, rank), dt_w);
     // the Mamba-1 layout as the kernel's Mamba-2 one: one head of d_inner channels, one group (views, in fp32)
@@ -606,7 +676,7 @@ at::Tensor mamba_block(const at::Tensor &x, const at::Tensor &norm, double eps, 
     at::Tensor B = steps.narrow(-1, rank, dstate).unsqueeze(1).to(at::kFloat);
     at::Tensor C = steps.narrow(-1, rank + dstate, dstate).unsqueeze(1).to(at::kFloat);
     at::Tensor A = (-at::exp(A_log.to(at::kFloat))).unsqueeze(0).to(at::kFloat);
-    at::Tensor y = state_update_rows(heads, slot, xc.unsqueeze(1).to(at::kFloat), dt.unsqueeze(1).to(at::kFloat), A,
+    at::Tensor y = state_update_rows(heads, slot, act.unsqueeze(1), dt.unsqueeze(1).to(at::kFloat), A,
                                      B, C, D.unsqueeze(0).to(at::kFloat), z.unsqueeze(1).to(at::kFloat),
                                      dt_b.unsqueeze(0).to(at::kFloat));
     return dense_gemv(y.select(1, 0).to(x.scalar_type()).unsqueeze(1), out_w, std::nullopt).add_(x);
