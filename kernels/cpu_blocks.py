@@ -3,15 +3,14 @@
 latent row written into a contiguous cache on the way), and a linear attention, Mamba-2 or Mamba layer's (its
 recurrent states updated in place in the engine's state slots).
 
-Each op here is C++ (kernels/cpu/ops.cpp) over the C kernels. The attention and feed-forward halves compute each
-output as the kernels and torch ops of the modules' path do, with the same roundings, so their results are
-bit-identical to that path (they keep their threads in one or two parallel regions: kernels/cpu/attention_half.c,
-kernels/cpu/ffn_half.c); MLA's half (kernels/cpu/mla_half.c, one region) folds its query through W_UK and its output
-through W_UV in C, summing in another order than the module's einsums; the Mamba and Mamba-2 halves run their conv
-step (and Mamba-2's gated norm) as one C++ pass each with the modules' roundings in x's dtype, summing and taking
-exps in their own order (~10 torch ops each, ~55 µs of a ~175 µs `small` Mamba-2 layer, hot); so these three match
-their modules' path to rounding. The recurrent halves update their states in the slots' rows rather than in
-copies written back. The linear attention half's state step is one pass in C (kernels/cpu/linear_attention_step.c),
+Each op here is C++ (kernels/cpu/ops.cpp) over the C kernels. The attention, feed-forward and Mamba halves compute
+each output as the kernels and torch ops of the modules' path do, with the same roundings, so their results are
+bit-identical to that path (the attention and feed-forward halves keep their threads in one or two parallel regions:
+kernels/cpu/attention_half.c, kernels/cpu/ffn_half.c; the Mamba and Mamba-2 conv step is one C++ pass in torch's
+order, its SiLU torch's); MLA's half (kernels/cpu/mla_half.c, one region) folds its query through W_UK and its
+output through W_UV in C, summing in another order than the module's einsums, and Mamba-2's gated RMSNorm is one
+C++ pass whose mean sums in order, so these two match their modules' path to rounding. The recurrent halves update
+their states in the slots' rows rather than in copies written back. The linear attention half's state step is one pass in C (kernels/cpu/linear_attention_step.c),
 where the module's path copied the state five times, and sums in another order. The Python functions below compose the
 same steps, serving where the C++ glue does not build.
 

@@ -521,8 +521,6 @@ at::Tensor mla_block(const at::Tensor &x, const at::Tensor &norm, double eps, co
 // a float rounded to T and back: what a torch op computing in T stores
 template <typename T> inline float rounded(float v) { return static_cast<float>(static_cast<T>(v)); }
 
-inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
-
 // run(T()) with T x's element type, fp32 or bf16 (the CPU kernels' dtypes)
 template <typename Run> void by_dtype(const at::Tensor &x, const char *what, Run &&run) {
     if (x.scalar_type() == at::kFloat) run(0.f);
@@ -533,11 +531,12 @@ template <typename Run> void by_dtype(const at::Tensor &x, const char *what, Run
 
 // Each row's conv window (conv state [slots, channels, d_conv] at its slot, unit strides within a slot) shifted by
 // one with the row's new channels xbc at its end, in place; then each channel's window times its taps [channels,
-// d_conv], summed, plus its bias, through SiLU, into act [rows, channels] in fp32, rounded where the module's ops in
-// T round (each product, the sum, the bias's add, the SiLU): one pass in C++ for the module's ~10 torch ops
+// d_conv], summed in order, plus its bias, into mixed [rows, channels], rounded where the module's ops in T round
+// (each product, the sum, the bias's add): one pass in C++ for the module's ~8 torch ops, bit for bit (its SiLU
+// stays torch's, whose exp is SLEEF's)
 template <typename T>
 void conv_step(T *conv, int64_t slot_stride, const int64_t *slot, int64_t rows, const T *xbc, int64_t xbc_stride,
-               const T *taps, const T *bias, int64_t channels, int64_t d_conv, float *act) {
+               const T *taps, const T *bias, int64_t channels, int64_t d_conv, T *mixed) {
     for (int64_t i = 0; i < rows; i++) {
         T *state = conv + slot[i] * slot_stride;
         for (int64_t c = 0; c < channels; c++) {
@@ -547,24 +546,40 @@ void conv_step(T *conv, int64_t slot_stride, const int64_t *slot, int64_t rows, 
             float sum = 0.f;
             for (int64_t j = 0; j < d_conv; j++)
                 sum += rounded<T>(static_cast<float>(window[j]) * static_cast<float>(taps[c * d_conv + j]));
-            float mixed = rounded<T>(sum);
-            if (bias) mixed = rounded<T>(mixed + static_cast<float>(bias[c]));
-            act[i * channels + c] = rounded<T>(silu(mixed));
+            float value = rounded<T>(sum);
+            if (bias) value = rounded<T>(value + static_cast<float>(bias[c]));
+            mixed[i * channels + c] = static_cast<T>(value);
         }
     }
 }
 
+// the conv step of every row (conv_step) through torch's SiLU: [rows, channels] in x's dtype
+at::Tensor conv_silu(at::Tensor &conv, const int64_t *slot, const at::Tensor &rows, const at::Tensor &taps,
+                     const at::Tensor &bias, const char *what) {
+    int64_t batch = rows.size(0), channels = taps.size(0);
+    at::Tensor mixed = at::empty({batch, channels}, rows.options());
+    by_dtype(rows, what, [&](auto zero) {
+        using T = decltype(zero);
+        conv_step<T>(static_cast<T *>(conv.data_ptr()), conv.stride(0), slot, batch,
+                     static_cast<const T *>(rows.data_ptr()), rows.stride(0), static_cast<const T *>(taps.data_ptr()),
+                     bias.defined() ? static_cast<const T *>(bias.data_ptr()) : nullptr, channels, conv.size(2),
+                     static_cast<T *>(mixed.data_ptr()));
+    });
+    return at::silu_(mixed);
+}
+
 // Mamba-2's gated RMSNorm (ssm/mamba2.py's GatedRMSNorm): y (fp32 [rows, width], rounded to T first, as the module
-// hands it over) times SiLU(z), normalised over groups of width / groups channels, rounded to T, times the weight
+// hands it over) times gate (SiLU(z) in fp32, torch's), normalised over groups of width / groups channels, rounded
+// to T, times the weight; its mean sums in order (torch's in its own), so it matches the module to rounding
 template <typename T>
-void gated_norm(const float *y, const T *z, int64_t z_stride, const T *weight, float eps, int64_t rows, int64_t width,
+void gated_norm(const float *y, const float *gate, const T *weight, float eps, int64_t rows, int64_t width,
                 int64_t groups, float *scratch, T *out) {
     int64_t size = width / groups;
     for (int64_t i = 0; i < rows; i++)
         for (int64_t g = 0; g < groups; g++) {
             float squares = 0.f;
             for (int64_t c = g * size; c < (g + 1) * size; c++) {
-                float v = rounded<T>(y[i * width + c]) * silu(static_cast<float>(z[i * z_stride + c]));
+                float v = rounded<T>(y[i * width + c]) * gate[i * width + c];
                 scratch[c] = v;
                 squares += v * v;
             }
@@ -576,9 +591,9 @@ void gated_norm(const float *y, const T *z, int64_t z_stride, const T *weight, f
 
 // x [B, 1, D] + out_proj(Mamba-2's decode step) after RMSNorm (ssm/mamba2.py's Mamba2.step): in_proj GEMV; the
 // depthwise conv's window shifted in the conv state cache rows of `slots` and summed, and the gated RMSNorm, each one
-// pass in C++ (conv_step, gated_norm); the selective state update (kernels/cpu/selective_state_update.c) on the SSM
+// pass in C++ (conv_silu, gated_norm); the selective state update (kernels/cpu/selective_state_update.c) on the SSM
 // state cache rows in place, not on a copy written back; out_proj GEMV. A Mamba-2 layer's half of a decode block in
-// one call (kernels/cpu_blocks.py). Its roundings are the module's ops' in x's dtype, its sums and exps in their own
+// one call (kernels/cpu_blocks.py). Its roundings are the module's ops' in x's dtype, the gated norm's mean summed in
 // order: equal to the module's path to rounding, not bit for bit
 at::Tensor mamba2_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &in_w,
                         const at::Tensor &conv_w, const std::optional<at::Tensor> &conv_b, const at::Tensor &dt_bias,
@@ -607,7 +622,9 @@ at::Tensor mamba2_block(const at::Tensor &x, const at::Tensor &norm, double eps,
     at::Tensor projected = dense_gemv(rms_norm(x, norm, eps), in_w, std::nullopt).select(1, 0);  // [B, in_width]
     at::Tensor taps = conv_w.contiguous(), bias = conv_b ? conv_b->contiguous() : at::Tensor();
     at::Tensor gate_w = gate_norm.contiguous();
-    at::Tensor act = at::empty({batch, conv_dim}, x.options().dtype(at::kFloat));  // SiLU(conv): x, B, C
+    // SiLU(conv): x, B, C, in fp32 as the module hands them to the state update
+    at::Tensor act = conv_silu(conv, slot, projected.narrow(-1, d_inner, conv_dim), taps, bias, "mamba2_block")
+                         .to(at::kFloat);
     at::Tensor normed = at::empty({batch, 1, d_inner}, x.options());
     at::Tensor A = (-at::exp(A_log.to(at::kFloat))).unsqueeze(-1).unsqueeze(-1).expand({heads, head_dim, dstate});
     at::Tensor dt = projected.narrow(-1, d_inner + conv_dim, heads);
@@ -615,18 +632,14 @@ at::Tensor mamba2_block(const at::Tensor &x, const at::Tensor &norm, double eps,
     at::Tensor D32 = D.unsqueeze(-1).expand({heads, head_dim}).to(at::kFloat);
     at::Tensor bias32 = dt_bias.unsqueeze(-1).expand({heads, head_dim}).to(at::kFloat);
     at::Tensor scratch = at::empty({d_inner}, x.options().dtype(at::kFloat));
+    at::Tensor xs = act.narrow(-1, 0, d_inner).unflatten(-1, {heads, head_dim});
+    at::Tensor B = act.narrow(-1, d_inner, groups * dstate).unflatten(-1, {groups, dstate});
+    at::Tensor C = act.narrow(-1, d_inner + groups * dstate, groups * dstate).unflatten(-1, {groups, dstate});
+    at::Tensor y = state_update_rows(ssm, slot, xs, dt32, A, B, C, D32, std::nullopt, bias32);
+    at::Tensor gate = at::silu(projected.narrow(-1, 0, d_inner).to(at::kFloat)).contiguous();
     by_dtype(x, "mamba2_block", [&](auto zero) {
         using T = decltype(zero);
-        const T *rows = static_cast<const T *>(projected.data_ptr());
-        conv_step<T>(static_cast<T *>(conv.data_ptr()), conv.stride(0), slot, batch, rows + d_inner,
-                     projected.stride(0), static_cast<const T *>(taps.data_ptr()),
-                     bias.defined() ? static_cast<const T *>(bias.data_ptr()) : nullptr, conv_dim, d_conv,
-                     act.data_ptr<float>());
-        at::Tensor xs = act.narrow(-1, 0, d_inner).unflatten(-1, {heads, head_dim});
-        at::Tensor B = act.narrow(-1, d_inner, groups * dstate).unflatten(-1, {groups, dstate});
-        at::Tensor C = act.narrow(-1, d_inner + groups * dstate, groups * dstate).unflatten(-1, {groups, dstate});
-        at::Tensor y = state_update_rows(ssm, slot, xs, dt32, A, B, C, D32, std::nullopt, bias32);
-        gated_norm<T>(y.data_ptr<float>(), rows, projected.stride(0), static_cast<const T *>(gate_w.data_ptr()),
+        gated_norm<T>(y.data_ptr<float>(), gate.data_ptr<float>(), static_cast<const T *>(gate_w.data_ptr()),
                       static_cast<float>(gate_eps), batch, d_inner, groups, scratch.data_ptr<float>(),
                       static_cast<T *>(normed.data_ptr()));
     });
@@ -635,7 +648,7 @@ at::Tensor mamba2_block(const at::Tensor &x, const at::Tensor &norm, double eps,
 
 // x [B, 1, D] + out_proj(Mamba's decode step) after RMSNorm (ssm/mamba.py's Mamba.step): in_proj GEMV into x and
 // z; the depthwise conv's window shifted in the conv state cache rows of `slots` and summed, one pass in C++
-// (conv_step: the module's roundings, its own sum order and exp, so equal to it to rounding); x_proj GEMV and dt_proj into dt, B and C; the selective state update on the SSM state cache rows [slots, d_inner, N]
+// (conv_silu: the module's order and roundings, torch's SiLU, so bit for bit); x_proj GEMV and dt_proj into dt, B and C; the selective state update on the SSM state cache rows [slots, d_inner, N]
 // in place, gated by z; out_proj GEMV. A Mamba layer's half of a decode block in one call (kernels/cpu_blocks.py)
 at::Tensor mamba_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &in_w,
                        const at::Tensor &conv_w, const std::optional<at::Tensor> &conv_b, const at::Tensor &x_w,
@@ -659,16 +672,7 @@ at::Tensor mamba_block(const at::Tensor &x, const at::Tensor &norm, double eps, 
     at::Tensor projected = dense_gemv(rms_norm(x, norm, eps), in_w, std::nullopt).select(1, 0);  // [B, 2 d_inner]
     at::Tensor z = projected.narrow(-1, d_inner, d_inner);
     at::Tensor taps = conv_w.contiguous(), bias = conv_b ? conv_b->contiguous() : at::Tensor();
-    at::Tensor act = at::empty({batch, d_inner}, x.options().dtype(at::kFloat));  // SiLU(conv(x)), x's roundings
-    by_dtype(x, "mamba_block", [&](auto zero) {
-        using T = decltype(zero);
-        conv_step<T>(static_cast<T *>(conv.data_ptr()), conv.stride(0), slot, batch,
-                     static_cast<const T *>(projected.data_ptr()), projected.stride(0),
-                     static_cast<const T *>(taps.data_ptr()),
-                     bias.defined() ? static_cast<const T *>(bias.data_ptr()) : nullptr, d_inner, conv.size(2),
-                     act.data_ptr<float>());
-    });
-    at::Tensor xc = act.to(x.scalar_type());  // exact: act holds values of x's dtype
+    at::Tensor xc = conv_silu(conv, slot, projected.narrow(-1, 0, d_inner), taps, bias, "mamba_block");
     at::Tensor steps = dense_gemv(xc, x_w, std::nullopt);  // dt (before dt_proj), B, C
     at::Tensor dt = at::linear(steps.narrow(-1, 0, rank), dt_w);
     // the Mamba-1 layout as the kernel's Mamba-2 one: one head of d_inner channels, one group (views, in fp32)
@@ -676,7 +680,7 @@ at::Tensor mamba_block(const at::Tensor &x, const at::Tensor &norm, double eps, 
     at::Tensor B = steps.narrow(-1, rank, dstate).unsqueeze(1).to(at::kFloat);
     at::Tensor C = steps.narrow(-1, rank + dstate, dstate).unsqueeze(1).to(at::kFloat);
     at::Tensor A = (-at::exp(A_log.to(at::kFloat))).unsqueeze(0).to(at::kFloat);
-    at::Tensor y = state_update_rows(heads, slot, act.unsqueeze(1), dt.unsqueeze(1).to(at::kFloat), A,
+    at::Tensor y = state_update_rows(heads, slot, xc.unsqueeze(1).to(at::kFloat), dt.unsqueeze(1).to(at::kFloat), A,
                                      B, C, D.unsqueeze(0).to(at::kFloat), z.unsqueeze(1).to(at::kFloat),
                                      dt_b.unsqueeze(0).to(at::kFloat));
     return dense_gemv(y.select(1, 0).to(x.scalar_type()).unsqueeze(1), out_w, std::nullopt).add_(x);
