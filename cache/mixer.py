@@ -5,9 +5,11 @@ A mixer is an nn.Module constructed as cls(d_model=..., layer_idx=..., **its set
 int / float / bool / str constructor parameters (the registry validates them by those annotations). Taking a
 `causal: bool` parameter says it can also attend both ways (a masked diffusion LM's layers). A mixer may name, in a
 class attribute `query_key_projections`, its linear layers whose outputs meet in a query-key product (zoo.quantize's
-AWQ does not clip their weights). A mixer (or feed-forward) may offer `decode_residual(norm, x, ...)`: its block's
-whole half, x + self(norm(x), ...), as one call where it can (attention/attention.py's, on the CPU), else None; the
-block then runs the norm and the mixer itself (zoo/model.py's Block).
+AWQ does not clip their weights). A mixer (or feed-forward) may offer `decode_half(norm, x, ...)`: its block's whole
+half, x + self(norm(x), ...), decided as one call where it can (a kernels/cpu_blocks.py Half; attention/attention.py's,
+on the CPU), else None, and `decode_residual(norm, x, ...)`, which runs it; the block then runs the norm and the
+mixer itself where there is none (zoo/model.py's Block), and an engine's decode plan runs every block's halves in one
+call (zoo/decode_plan.py).
 """
 from typing import Protocol, runtime_checkable
 
