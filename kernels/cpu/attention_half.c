@@ -105,6 +105,7 @@ int attention_half(const void *x, int64_t batch, int64_t width, int dtype, const
                 memcpy(cache, row, head_dim * elem);
             }
         }
+        prefetch_share(weights[WO], width, q_width * (scales[WO] ? 1 : elem), t, n); /* o's, while they attend */
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < plan.tasks; task++) attention_task(&plan, task, work);

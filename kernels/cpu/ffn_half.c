@@ -16,10 +16,11 @@ static int64_t aligned(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
 /* gate_out = RMSNorm(x) gate^T and up_out = RMSNorm(x) up^T: x [batch, width] contiguous in dtype (fp32 or bf16),
  * gate and up [hidden, width] in dtype or int8 times their scales (s_dtypes) where those are not NULL; the outputs
- * [batch, hidden] in dtype. Returns 0, -1 for a dtype beyond the kernels, -2 out of memory. */
+ * [batch, hidden] in dtype. down (or NULL): the next GEMV's weights [width, down_row_bytes], whose rows each thread
+ * will take in gemv_residual: the start of its share is fetched at the end. Returns 0, -1 for a dtype beyond the kernels, -2 out of memory. */
 int ffn_gate_up(const void *x, int64_t batch, int64_t width, int dtype, const void *norm, float eps,
                 const void *gate, const void *gate_scales, const void *up, const void *up_scales, const int *s_dtypes,
-                int64_t hidden, void *gate_out, void *up_out, int threads) {
+                int64_t hidden, void *gate_out, void *up_out, const void *down, int64_t down_row_bytes, int threads) {
     if ((dtype != F32 && dtype != BF16) || batch < 1) return -1;
     int widen_gate = gemv_widens(dtype, gate_scales != NULL), widen_up = gemv_widens(dtype, up_scales != NULL);
     int64_t h_bytes = aligned(batch * width * (dtype == F32 ? 4 : 2));
@@ -42,6 +43,7 @@ int ffn_gate_up(const void *x, int64_t batch, int64_t width, int dtype, const vo
             gemv_part(widen_up ? (const void *)wide : h, batch, width, width, dtype, up, up_scales, s_dtypes[1], n0,
                       n1, up_out, hidden);
         }
+        if (down) prefetch_share(down, width, down_row_bytes, t, n); /* down's rows, while torch's SiLU runs */
     }
     free(memory);
     return 0;

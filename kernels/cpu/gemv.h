@@ -1,5 +1,5 @@
 /* A share of one GEMV (kernels/cpu/dense_gemv.c) for the kernels that split a GEMV's rows among the threads of a
- * parallel region of their own (kernels/cpu/attention_half.c). */
+ * parallel region of their own (kernels/cpu/attention_half.c, ffn_half.c, mla_half.c). */
 #ifndef ARCHZOO_GEMV_H
 #define ARCHZOO_GEMV_H
 #include <stdint.h>
@@ -19,5 +19,19 @@ static inline void tile_share(int64_t n, int t, int threads, int64_t *n0, int64_
     *n0 = 4 * (tiles * t / threads);
     *n1 = 4 * (tiles * (t + 1) / threads);
     *n1 = *n1 < n ? *n1 : n;
+}
+
+/* How much of the next weights a thread fetches while it waits between two parts of a half: a new stream starts cold
+ * at every region or share, and the threads meet at barriers (and torch's SiLU runs) between them. 32 KiB: a `base`
+ * bf16 attention half streamed 22.2, 17.5, 16.5 GB/s against 17.6, 15.2, 14.0 without it (alternating processes). */
+#define NEXT_PREFETCH_BYTES 32768
+
+/* The start of this thread's share (tile_share) of the n rows of w, row_bytes each, on its way to L2. */
+static inline void prefetch_share(const void *w, int64_t n, int64_t row_bytes, int t, int threads) {
+    int64_t n0, n1;
+    tile_share(n, t, threads, &n0, &n1);
+    int64_t bytes = (n1 - n0) * row_bytes < NEXT_PREFETCH_BYTES ? (n1 - n0) * row_bytes : NEXT_PREFETCH_BYTES;
+    const char *first = (const char *)w + n0 * row_bytes;
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(first + off, 0, 1);
 }
 #endif

@@ -113,6 +113,7 @@ int mla_half(const void *x, int64_t batch, int64_t width, int dtype, const void 
                 attention_query(&plan, (int)b, (int)head, query, scale);
             }
         }
+        prefetch_share(wo, width, heads * v_dim * elem, t, n); /* o's, while they attend */
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < plan.tasks; task++) attention_task(&plan, task, work);

@@ -48,7 +48,8 @@ using MlaHalfFn = int (*)(const void *, int64_t, int64_t, int, const void *, flo
                           int64_t, int64_t, int64_t, const int64_t *, const int64_t *, const int32_t *, float, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int, void *, int);
 using FfnGateUpFn = int (*)(const void *, int64_t, int64_t, int, const void *, float, const void *, const void *,
-                            const void *, const void *, const int *, int64_t, void *, void *, int);
+                            const void *, const void *, const int *, int64_t, void *, void *, const void *, int64_t,
+                            int);
 using GemvResidualFn = int (*)(const void *, int64_t, int64_t, int, const void *, const void *, int, int64_t,
                                const void *, void *, int);
 
@@ -302,7 +303,8 @@ at::Tensor ffn_block(const at::Tensor &x, const at::Tensor &norm, double eps, co
     at::Tensor gated = at::empty({rows, hidden}, x.options()), upped = at::empty({rows, hidden}, x.options());
     int status = kernels().ffn_gate_up(xs.data_ptr(), rows, width, code, h_norm.data_ptr(), static_cast<float>(eps),
                                        ws[0].data_ptr(), scale_ptr(0), ws[1].data_ptr(), scale_ptr(1), s_codes,
-                                       hidden, gated.data_ptr(), upped.data_ptr(), threads);
+                                       hidden, gated.data_ptr(), upped.data_ptr(), ws[2].data_ptr(),
+                                       hidden * ws[2].element_size(), threads);
     at::silu_(gated);  // torch's silu, so the rounding is the module's
     gated.mul_(upped);
     at::Tensor out = at::empty(xs.sizes(), xs.options());
