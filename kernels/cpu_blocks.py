@@ -10,9 +10,9 @@ kernels/cpu/attention_half.c, kernels/cpu/ffn_half.c; the Mamba and Mamba-2 conv
 order, its SiLU torch's); MLA's half (kernels/cpu/mla_half.c, one region) folds its query through W_UK and its
 output through W_UV in C, summing in another order than the module's einsums, and Mamba-2's gated RMSNorm is one
 C++ pass whose mean sums in order, so these two match their modules' path to rounding. The recurrent halves update
-their states in the slots' rows rather than in copies written back. The linear attention half's state step is one pass in C (kernels/cpu/linear_attention_step.c),
-where the module's path copied the state five times, and sums in another order. The Python functions below compose the
-same steps, serving where the C++ glue does not build.
+their states in the slots' rows rather than in copies written back. The linear attention half's state step is one
+pass in C (kernels/cpu/linear_attention_step.c), where the module's path copied the state five times, and sums in
+another order. The Python functions below compose the same steps, serving where the C++ glue does not build.
 
 What the module path cost, `small` (8 layers, d_model 512) on a 2-core EPYC, fp32, batch 1: per layer ~20 module
 calls and dispatch checks, two cache index_puts and the views between them, ~0.15-0.2 ms a step in all (2-3%). The
