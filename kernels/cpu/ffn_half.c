@@ -20,7 +20,8 @@ static int64_t aligned(int64_t bytes) { return (bytes + 63) / 64 * 64; }
  * will take in gemv_residual: the start of its share is fetched at the end. Returns 0, -1 for a dtype beyond the kernels, -2 out of memory. */
 int ffn_gate_up(const void *x, int64_t batch, int64_t width, int dtype, const void *norm, float eps,
                 const void *gate, const void *gate_scales, const void *up, const void *up_scales, const int *s_dtypes,
-                int64_t hidden, void *gate_out, void *up_out, const void *down, int64_t down_row_bytes, int threads) {
+                int64_t hidden, void *gate_out, void *up_out, const void *down, int64_t down_row_bytes,
+                int threads) {
     if ((dtype != F32 && dtype != BF16) || batch < 1) return -1;
     int widen_gate = gemv_widens(dtype, gate_scales != NULL), widen_up = gemv_widens(dtype, up_scales != NULL);
     int64_t h_bytes = aligned(batch * width * (dtype == F32 ? 4 : 2));
