@@ -17,7 +17,8 @@ static int64_t aligned(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 /* gate_out = RMSNorm(x) gate^T and up_out = RMSNorm(x) up^T: x [batch, width] contiguous in dtype (fp32 or bf16),
  * gate and up [hidden, width] in dtype or int8 times their scales (s_dtypes) where those are not NULL; the outputs
  * [batch, hidden] in dtype. down (or NULL): the next GEMV's weights [width, down_row_bytes], whose rows each thread
- * will take in gemv_residual: the start of its share is fetched at the end. Returns 0, -1 for a dtype beyond the kernels, -2 out of memory. */
+ * will take in gemv_residual: the start of its share is fetched at the end. Returns 0, -1 for a dtype beyond the
+ * kernels, -2 out of memory. */
 int ffn_gate_up(const void *x, int64_t batch, int64_t width, int dtype, const void *norm, float eps,
                 const void *gate, const void *gate_scales, const void *up, const void *up_scales, const int *s_dtypes,
                 int64_t hidden, void *gate_out, void *up_out, const void *down, int64_t down_row_bytes,
