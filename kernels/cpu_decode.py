@@ -420,7 +420,7 @@ DENSE_DTYPES = (torch.float32, torch.bfloat16)
 
 def dense_gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether dense_gemv takes these: x, weight and bias all fp32 or all bf16, the weight contiguous [N, K]."""
-    return (x.dtype in DENSE_DTYPES and weight.dtype == x.dtype and weight.stride() == (weight.shape[1], 1)
+    return (x.dtype in DENSE_DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
             and (bias is None or bias.dtype == x.dtype))
 
 

@@ -30,6 +30,7 @@ prefill's many rows, fp16, and a batch whose gradient is recorded take nn.Linear
 state_dict as nn.Linear, so weights load unchanged.
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_decode
@@ -46,10 +47,12 @@ def rows_of(x: torch.Tensor) -> int:
 def dense_gemv_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """The C GEMV: fp32 or bf16 on the CPU at the row counts it measured fastest for, a contiguous weight, and no
     gradient to record (the op has no backward)."""
-    params = (weight,) if bias is None else (weight, bias)
-    recording = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))
-    return (rows_of(x) in GEMV_ROWS.get(x.dtype, ()) and not recording
-            and cpu_decode.dense_gemv_fits(x, weight, bias) and use_cpu_kernel(x, *params))
+    if rows_of(x) not in GEMV_ROWS.get(x.dtype, ()):  # the cheapest test first: it is paid on every call
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                    (bias is not None and bias.requires_grad)):
+        return False
+    return cpu_decode.dense_gemv_fits(x, weight, bias) and use_cpu_kernel(x, weight, bias)
 
 
 def transposed_path(x: torch.Tensor, rows: int) -> bool:
@@ -59,13 +62,13 @@ def transposed_path(x: torch.Tensor, rows: int) -> bool:
 
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if dense_gemv_path(x, self.weight, self.bias):
-            gemv = cpu_decode.op_or_function(cpu_decode.dense_gemv, cpu_decode.dense_gemv_eager)
-            return gemv(x, self.weight, self.bias)
+        weight, bias = self.weight, self.bias  # a module's parameter lookup costs ~1 µs each time
+        if dense_gemv_path(x, weight, bias):
+            return cpu_decode.op_or_function(cpu_decode.dense_gemv, cpu_decode.dense_gemv_eager)(x, weight, bias)
         rows = rows_of(x)
         if not transposed_path(x, rows):
-            return super().forward(x)
-        y = torch.mm(self.weight, x.reshape(rows, -1).t()).t()
-        if self.bias is not None:
-            y = y + self.bias
+            return F.linear(x, weight, bias)
+        y = torch.mm(weight, x.reshape(rows, -1).t()).t()
+        if bias is not None:
+            y = y + bias
         return y.reshape(*x.shape[:-1], self.out_features)
