@@ -17,7 +17,12 @@
  * batch 4, 110 -> 96 at batch 1; MHA 1.06x; MLA, whose 8 heads share a 288-wide row, no change). The next tile's
  * rows are prefetched a row at a time during this tile's dot products, sums are FMAs, and the value sums keep 64
  * columns in 8 registers: fp32, 2048 keys, six layers' caches walked in turn (from memory), same run: MHA 8 heads at
- * batch 4 2279 -> 1685 µs (14.7 -> 19.9 GB/s), GQA 8/2 heads at batch 4 641 -> 470, at batch 1 112 -> 106. Built at
+ * batch 4 2279 -> 1685 µs (14.7 -> 19.9 GB/s), GQA 8/2 heads at batch 4 641 -> 470, at batch 1 112 -> 106.
+ * The next tile's rows are asked for across every head's dot products, not all during the first head's (a GQA
+ * group's four heads made them a burst in a quarter of the tile's work), a tile is 64 keys, not 32, and a tile's
+ * softmax weights are summed eight lanes at a time: fp32, 2048 keys, twelve layers' caches walked in turn, old and
+ * new in alternating processes, 2-core EPYC, µs a call: GQA 8/2 heads batch 1 130-183 against 184-200, batch 4
+ * 527-664 against 647-769, MQA 98-152 against 119-175, MHA batch 4 (1024 keys) 806-1006 against 882-1058. Built at
  * first use by kernels/cpu_decode.py with the compiler flags written there.
  */
 /* ISO C mode (-std=c11) turns off fused multiply-add contraction: the dot products and value sums here are FMAs */
@@ -137,6 +142,16 @@ static inline __attribute__((always_inline)) void prefetch_row(const Cache *c, i
         for (int byte = 0; byte < c->dv * elem; byte += 64) __builtin_prefetch(v + byte, 0, 1);
 }
 
+/* Asks for the next tile's rows up to the share `done` of `total` score steps: the requests spread over every head's
+ * dot products of the tile, not all in the first head's. Returns the rows asked for so far. */
+static inline __attribute__((always_inline)) int fetch_paced(const Cache *c, const int64_t *next_k,
+                                                             const int64_t *next_v, int fetched, int n_next, int done,
+                                                             int total) {
+    for (int target = (n_next * done + total - 1) / total; fetched < target; fetched++)
+        prefetch_row(c, next_k[fetched], next_v[fetched]);
+    return fetched;
+}
+
 /* An empty partial: no keys yet, so weight 0 in the merge. */
 static void reset_partial(int task_heads, int dv, float *out_task, float *max_task, float *sum_task) {
     for (int h = 0; h < task_heads; h++) {
@@ -172,11 +187,12 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int6
             row_offsets(c, c->k_block, c->k_pos, c->k_head, table_row, kv, first + step, n_next, next_k);
             row_offsets(c, c->v_block, c->v_pos, c->v_head, table_row, kv, first + step, n_next, next_v);
         }
+        int fetched = 0; /* rows of the next tile asked for so far */
         for (int g = 0; g < group; g++) {  /* scores: four keys at a time, four independent dot products */
             const float *qg = q + (int64_t)g * dk;
             int t = 0;
             for (; t + 4 <= n; t += 4) {
-                for (int r = t; g == 0 && r < t + 4 && r < n_next; r++) prefetch_row(c, next_k[r], next_v[r]);
+                fetched = fetch_paced(c, next_k, next_v, fetched, n_next, g * n + t + 4, group * n);
                 const float *k0 = krows[t], *k1 = krows[t + 1], *k2 = krows[t + 2], *k3 = krows[t + 3];
                 float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
                 for (int d = 0; d < dk; d++) {
@@ -188,7 +204,7 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int6
                 scores[g][t] = s0, scores[g][t + 1] = s1, scores[g][t + 2] = s2, scores[g][t + 3] = s3;
             }
             for (; t < n; t++) {
-                if (g == 0 && t < n_next) prefetch_row(c, next_k[t], next_v[t]);
+                fetched = fetch_paced(c, next_k, next_v, fetched, n_next, g * n + t + 1, group * n);
                 float s0 = 0.0f;
                 for (int d = 0; d < dk; d++) s0 += qg[d] * krows[t][d];
                 scores[g][t] = s0;
@@ -199,11 +215,16 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int6
             for (int t = 0; t < n; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
             float new_max = tile_max > max_out[g] ? tile_max : max_out[g];
             float rescale = expf(max_out[g] - new_max);
+            v8 sums = splat(0.0f); /* whole 8s summed by lane, the last part lane by lane */
             for (int t = 0; t < n; t += 8) { /* 8 lanes at a time: expf per score was ~a third of a step */
                 v8 weights = exp8(*(v8 *)(s + t) - new_max); /* lanes past n read and write the tile's spare room */
                 *(v8 *)(s + t) = weights;
-                for (int lane = 0; lane < 8 && t + lane < n; lane++) tile_sum += weights[lane];
+                if (t + 8 <= n)
+                    sums += weights;
+                else
+                    for (int lane = 0; t + lane < n; lane++) tile_sum += weights[lane];
             }
+            tile_sum += ((sums[0] + sums[4]) + (sums[1] + sums[5])) + ((sums[2] + sums[6]) + (sums[3] + sums[7]));
             sum_out[g] = sum_out[g] * rescale + tile_sum;
             max_out[g] = new_max;
             float *acc = out + (int64_t)g * dv;
