@@ -32,7 +32,7 @@ NARROW_EXPERTS = {"moe": {"expert_hidden": 64}, "hybrid-moe": {"expert_hidden": 
 ONE_BYTE = [(arch, kv_dtype) for arch in ("gqa", "mla", "swa", "hybrid-1in6") for kv_dtype in ("int8", "fp8")]
 # Triton's interpreter takes 2-10 s an architecture and layout: it runs one architecture per set of kernels and
 # launches. Left to the CPU kernels: mha and mqa (gqa's kernels, one and all heads a group), the hybrids built of
-# other entries' mixers (hybrid stays), gdn-neg (gdn's kernels) and hybrid-moe (moe's and mamba2's): ~55 s a run.
+# other entries' mixers (hybrid stays), gdn-neg (gdn's kernels) and hybrid-moe (moe's and mamba2's): 42 s a run.
 SAME_TRITON_KERNELS = {"mha", "mqa", "hybrid-1in6", "hybrid-3to1", "hybrid-chunked", "gdn-neg", "hybrid-moe"}
 
 
