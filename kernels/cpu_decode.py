@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = sorted((Path(__file__).with_name("cpu")).glob("*.c"))  # decode attention, Mamba's state update
+SOURCE_DIR = Path(__file__).with_name("cpu")  # the C kernels and their headers
 DISABLE_ENV = "ARCHZOO_CPU_KERNELS"  # "0": the engine's CPU decode runs the PyTorch references instead
 # -ffast-math's parts, not the flag itself: with -ffast-math, GCC before 13 links crtfastmath.o even into a shared
 # library, and loading it switches the whole process to flush subnormals to zero (5e-324 becomes 0.0 in Python).
@@ -72,7 +72,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
     compiler = compiler.split()[0]
-    source = b"".join(path.read_bytes() for path in sorted(SOURCES[0].parent.glob("*.[ch]")))  # headers too
+    files = sorted(SOURCE_DIR.glob("*.[ch]"))  # listed at build time, so the key names what is compiled
+    source = b"".join(path.read_bytes() for path in files)  # headers too
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
@@ -85,7 +86,8 @@ def _library() -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], capture_output=True)
+            sources = [str(path) for path in files if path.suffix == ".c"]
+            result = subprocess.run([compiler, *FLAGS, *sources, "-o", str(built), "-lm"], capture_output=True)
             if result.returncode:  # said aloud: every CPU step would silently run the references, many times slower
                 errors = [line for line in result.stderr.decode(errors="replace").splitlines() if "error" in line]
                 warnings.warn(f"archzoo's CPU kernels did not build with {compiler} ({'; '.join(errors[:3]) or 'no message'}); "
@@ -483,7 +485,7 @@ def _glue_registered() -> bool:
                                  (lib.dense_gemv, lib.int8_gemv, lib.quantized_gemv, lib.decode_attention,
                                   lib.rms_norm, lib.rotary, lib.linear_attention_step,
                                   lib.selective_state_update, lib.attention_half, lib.mla_half,
-                                  lib.ffn_gate_up, lib.gemv_residual)))
+                                  lib.ffn_gate_up, lib.gemv_residual, lib.mamba_half)))
     return True
 
 

@@ -182,9 +182,13 @@ class Mamba(nn.Module):
             return None
         # dt_proj's weight is read whole ([d_inner, dt_rank]: its rows are not the C GEMV's to stream)
         weights = cpu_blocks.half_weights(self, norm, ("in_proj", "x_proj", "out_proj", "dt_proj"), biased=("dt_proj",))
-        conv, ssm = cache.tensors["conv"], cache.tensors["ssm"]
-        if (weights is None or not cpu_blocks.gemv_half_fits(x, weights[:3], norm.weight, weights[3],
-                                                             self.conv1d.weight, self.D)
+        if weights is None:
+            return None
+        conv, ssm, conv_bias = cache.tensors["conv"], cache.tensors["ssm"], self.conv1d.bias
+        # every parameter in x's dtype: the half reads them as they are (kernels/cpu/mamba_half.c)
+        if (not cpu_blocks.gemv_half_fits(x, weights[:3], norm.weight, weights[3], self.dt_proj.bias,
+                                          self.conv1d.weight, self.A_log, self.D,
+                                          *(() if conv_bias is None else (conv_bias,)))
                 or conv.dtype != x.dtype or ssm.dtype != x.dtype or not cpu_decode.state_update_fits(ssm)):
             return None
         return cpu_blocks.Half("mamba", (norm.weight, weights[0], self.conv1d.weight[:, 0], self.conv1d.bias,

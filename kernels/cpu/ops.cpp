@@ -52,6 +52,10 @@ using FfnGateUpFn = int (*)(const void *, int64_t, int64_t, int, const void *, f
                             int);
 using GemvResidualFn = int (*)(const void *, int64_t, int64_t, int, const void *, const void *, int, int64_t,
                                const void *, void *, int);
+using MambaHalfFn = int (*)(const void *, int64_t, int64_t, int, const void *, float, const void *, const void *,
+                            const void *, const void *, const void *, const void *, const void *, const void *,
+                            const void *, void *, int64_t, int64_t, void *, int64_t, const int64_t *, int64_t,
+                            int64_t, int64_t, void *, int);
 
 using LinearStepFn = int (*)(const float *, const float *, const float *, float *, int64_t, int64_t, float *, int64_t,
                              int64_t, const int64_t *, int, int, int, int, float, float *, int);
@@ -75,6 +79,7 @@ struct Kernels {
     MlaHalfFn mla_half = nullptr;
     FfnGateUpFn ffn_gate_up = nullptr;
     GemvResidualFn gemv_residual = nullptr;
+    MambaHalfFn mamba_half = nullptr;
 };
 
 Kernels &kernels() {  // set once by archzoo_point_kernels, before the first call
@@ -648,44 +653,56 @@ at::Tensor mamba2_block(const at::Tensor &x, const at::Tensor &norm, double eps,
     return dense_gemv(normed, out_w, std::nullopt).add_(x);
 }
 
-// x [B, 1, D] + out_proj(Mamba's decode step) after RMSNorm (ssm/mamba.py's Mamba.step): in_proj GEMV into x and
-// z; the depthwise conv's window shifted in the conv state cache rows of `slots` and summed, one pass in C++
-// (conv_silu: the module's order and roundings, torch's SiLU, so bit for bit); x_proj GEMV and dt_proj into dt, B and C; the selective state update on the SSM state cache rows [slots, d_inner, N]
-// in place, gated by z; out_proj GEMV. A Mamba layer's half of a decode block in one call (kernels/cpu_blocks.py)
+// x [B, 1, D] + out_proj(Mamba's decode step) after RMSNorm (ssm/mamba.py's Mamba.step): in_proj into x and z; the
+// depthwise conv's window shifted in the conv state cache rows of `slots` and summed; x_proj and dt_proj into dt, B
+// and C; the selective state update on the SSM state cache rows [slots, d_inner, N] in place, gated by z; out_proj.
+// A Mamba layer's half of a decode block in one call (kernels/cpu_blocks.py), in one parallel region
+// (kernels/cpu/mamba_half.c): equal to the module's path to rounding
 at::Tensor mamba_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &in_w,
                        const at::Tensor &conv_w, const std::optional<at::Tensor> &conv_b, const at::Tensor &x_w,
                        const at::Tensor &dt_w, const at::Tensor &dt_b, const at::Tensor &A_log, const at::Tensor &D,
                        const at::Tensor &out_w, at::Tensor conv, at::Tensor ssm, const at::Tensor &slots_in) {
-    TORCH_CHECK(kernels().state_update, "mamba_block: the C kernels are not pointed to");
+    TORCH_CHECK(kernels().mamba_half, "mamba_block: the C kernels are not pointed to");
     int64_t batch = x.size(0), d_inner = ssm.size(1), dstate = ssm.size(2), rank = dt_w.size(1);
     TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == 1 && ssm.dim() == 3 && conv.dim() == 3 && conv.size(1) == d_inner &&
                       in_w.size(0) == 2 * d_inner && x_w.size(0) == rank + 2 * dstate && dt_w.size(0) == d_inner &&
                       conv_w.size(0) == d_inner && conv_w.size(-1) == conv.size(2) && A_log.size(0) == d_inner &&
                       A_log.size(1) == dstate && slots_in.numel() == batch && dstate <= 1024 &&
                       conv.scalar_type() == x.scalar_type() && ssm.scalar_type() == x.scalar_type() &&
-                      conv.stride(2) == 1 && conv.stride(1) == conv.size(2) && (!conv_b || conv_b->numel() == d_inner),
+                      conv.stride(2) == 1 && conv.stride(1) == conv.size(2) && ssm.stride(2) == 1 &&
+                      ssm.stride(1) == dstate && (!conv_b || conv_b->numel() == d_inner),
                       "mamba_block: x ", x.sizes(), " must be [B, 1, D] with conv state [slots, d_inner, d_conv] ",
-                      conv.sizes(), " (each slot's contiguous) and SSM state [slots, d_inner, N <= 1024] ", ssm.sizes(), " in x's dtype, ",
+                      conv.sizes(), " (each slot's contiguous) and SSM state [slots, d_inner, N <= 1024] ", ssm.sizes(),
+                      " (each slot's contiguous) in x's dtype, ",
                       "in_proj ", in_w.sizes(), ", x_proj ", x_w.sizes(), ", dt_proj ", dt_w.sizes(), " and B slots");
     TORCH_CHECK_VALUE(conv_w.scalar_type() == x.scalar_type() && (!conv_b || conv_b->scalar_type() == x.scalar_type()),
                       "mamba_block: the conv's taps and bias must be in x's dtype ", dtype_name(x.scalar_type()));
+    for (const at::Tensor *t : {&norm, &in_w, &x_w, &dt_w, &dt_b, &A_log, &D, &out_w})
+        TORCH_CHECK_VALUE(t->scalar_type() == x.scalar_type(), "mamba_block: weights in x's dtype ",
+                          dtype_name(x.scalar_type()), ", got ", dtype_name(t->scalar_type()));
+    int64_t d_model = x.size(2);
+    TORCH_CHECK_VALUE(norm.numel() == d_model && in_w.size(1) == d_model && x_w.size(1) == d_inner &&
+                      out_w.size(0) == d_model && out_w.size(1) == d_inner && dt_b.numel() == d_inner &&
+                      D.numel() == d_inner, "mamba_block: norm ", norm.sizes(), ", in_proj ", in_w.sizes(),
+                      ", x_proj ", x_w.sizes(), " and out_proj ", out_w.sizes(), " must match width ", d_model,
+                      " and ", d_inner, " channels, with dt_proj's bias ", dt_b.sizes(), " and D ", D.sizes());
     at::Tensor slots = slots_in.to(at::kLong).contiguous();
     const int64_t *slot = checked_slots(slots, std::min(conv.size(0), ssm.size(0)), "mamba_block");
-    at::Tensor projected = dense_gemv(rms_norm(x, norm, eps), in_w, std::nullopt).select(1, 0);  // [B, 2 d_inner]
-    at::Tensor z = projected.narrow(-1, d_inner, d_inner);
-    at::Tensor taps = conv_w.contiguous(), bias = conv_b ? conv_b->contiguous() : at::Tensor();
-    at::Tensor xc = conv_silu(conv, slot, projected.narrow(-1, 0, d_inner), taps, bias, "mamba_block");
-    at::Tensor steps = dense_gemv(xc, x_w, std::nullopt);  // dt (before dt_proj), B, C
-    at::Tensor dt = at::linear(steps.narrow(-1, 0, rank), dt_w);
-    // the Mamba-1 layout as the kernel's Mamba-2 one: one head of d_inner channels, one group (views, in fp32)
-    at::Tensor heads = ssm.unsqueeze(1);
-    at::Tensor B = steps.narrow(-1, rank, dstate).unsqueeze(1).to(at::kFloat);
-    at::Tensor C = steps.narrow(-1, rank + dstate, dstate).unsqueeze(1).to(at::kFloat);
-    at::Tensor A = (-at::exp(A_log.to(at::kFloat))).unsqueeze(0).to(at::kFloat);
-    at::Tensor y = state_update_rows(heads, slot, xc.unsqueeze(1).to(at::kFloat), dt.unsqueeze(1).to(at::kFloat), A,
-                                     B, C, D.unsqueeze(0).to(at::kFloat), z.unsqueeze(1).to(at::kFloat),
-                                     dt_b.unsqueeze(0).to(at::kFloat));
-    return dense_gemv(y.select(1, 0).to(x.scalar_type()).unsqueeze(1), out_w, std::nullopt).add_(x);
+    at::Tensor xs = x.contiguous();
+    at::Tensor ws[] = {norm.contiguous(), in_w.contiguous(), conv_w.contiguous(), x_w.contiguous(),
+                       dt_w.contiguous(), dt_b.contiguous(), A_log.contiguous(), D.contiguous(), out_w.contiguous()};
+    at::Tensor bias = conv_b ? conv_b->contiguous() : at::Tensor();
+    at::Tensor out = at::empty(xs.sizes(), xs.options());
+    int status = kernels().mamba_half(
+        xs.data_ptr(), batch, d_model, dtype_code(x, "x"), ws[0].data_ptr(), static_cast<float>(eps), ws[1].data_ptr(),
+        ws[2].data_ptr(), bias.defined() ? bias.data_ptr() : nullptr, ws[3].data_ptr(), ws[4].data_ptr(),
+        ws[5].data_ptr(), ws[6].data_ptr(), ws[7].data_ptr(), ws[8].data_ptr(), conv.data_ptr(), conv.stride(0),
+        conv.size(2), ssm.data_ptr(), ssm.stride(0), slot, d_inner, dstate, rank, out.data_ptr(),
+        at::get_num_threads());
+    TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "mamba_block: out of memory for its workspace");
+    TORCH_CHECK_VALUE(status == 0, "mamba_block: dtype ", dtype_name(x.scalar_type()), " is beyond the CPU kernels "
+                      "(torch.float32, torch.bfloat16)");
+    return out;
 }
 
 // x after every half of a decode step's blocks, in order (kernels/cpu_blocks.py's decode_blocks: flatten_halves lays
@@ -756,14 +773,14 @@ at::Tensor decode_blocks(const at::Tensor &x_in, const c10::List<std::optional<a
 
 extern "C" void archzoo_point_kernels(void *dense, void *int8, void *int4, void *attention, void *rms_norm,
                                       void *rotary, void *linear_step, void *state_update, void *attention_half,
-                                      void *mla_half, void *ffn_gate_up, void *gemv_residual) {
+                                      void *mla_half, void *ffn_gate_up, void *gemv_residual, void *mamba_half) {
     kernels() = Kernels{reinterpret_cast<DenseFn>(dense), reinterpret_cast<Int8Fn>(int8),
                         reinterpret_cast<Int4Fn>(int4), reinterpret_cast<AttentionFn>(attention),
                         reinterpret_cast<RmsNormFn>(rms_norm), reinterpret_cast<RotaryFn>(rotary),
                         reinterpret_cast<LinearStepFn>(linear_step), reinterpret_cast<StateUpdateFn>(state_update),
                         reinterpret_cast<AttentionHalfFn>(attention_half),
                         reinterpret_cast<MlaHalfFn>(mla_half), reinterpret_cast<FfnGateUpFn>(ffn_gate_up),
-                        reinterpret_cast<GemvResidualFn>(gemv_residual)};
+                        reinterpret_cast<GemvResidualFn>(gemv_residual), reinterpret_cast<MambaHalfFn>(mamba_half)};
 }
 
 TORCH_LIBRARY_IMPL(archzoo, CPU, m) {
