@@ -483,9 +483,9 @@ def _glue_registered() -> bool:
     glue = ctypes.CDLL(path)
     glue.archzoo_point_kernels(*(ctypes.cast(kernel, ctypes.c_void_p) for kernel in
                                  (lib.dense_gemv, lib.int8_gemv, lib.quantized_gemv, lib.decode_attention,
-                                  lib.rms_norm, lib.rotary, lib.linear_attention_step,
-                                  lib.selective_state_update, lib.attention_half, lib.mla_half,
-                                  lib.ffn_gate_up, lib.gemv_residual, lib.mamba_half)))
+                                  lib.rms_norm, lib.rotary, lib.linear_attention_step, lib.attention_half,
+                                  lib.mla_half, lib.ffn_gate_up, lib.gemv_residual, lib.mamba_half,
+                                  lib.mamba2_half)))
     return True
 
 

@@ -201,9 +201,11 @@ class Mamba2(nn.Module):
                 or {"forward", "step", "split_xbc"} & vars(self).keys()):  # the fused half computes these itself
             return None
         weights = cpu_blocks.half_weights(self, norm, ("in_proj", "out_proj"))
-        conv, ssm = cache.tensors["conv"], cache.tensors["ssm"]
+        conv, ssm, conv_bias = cache.tensors["conv"], cache.tensors["ssm"], self.conv1d.bias
+        # every parameter in x's dtype: the half reads them as they are (kernels/cpu/mamba2_half.c)
         if (weights is None or not cpu_blocks.gemv_half_fits(x, weights, norm.weight, self.conv1d.weight, self.dt_bias,
-                                                             self.A_log, self.D, self.norm.weight)
+                                                             self.A_log, self.D, self.norm.weight,
+                                                             *(() if conv_bias is None else (conv_bias,)))
                 or conv.dtype != x.dtype or ssm.dtype != x.dtype or not cpu_decode.state_update_fits(ssm)):
             return None
         return cpu_blocks.Half("mamba2", (norm.weight, weights[0], self.conv1d.weight[:, 0], self.conv1d.bias,

@@ -17,61 +17,10 @@
 #include "floats.h"
 #include "gemv.h"
 #include "norm_rope.h"
+#include "ssm_step.h"
 #include "vector_exp.h"
 
 static int64_t aligned(int64_t bytes) { return (bytes + 63) / 64 * 64; }
-
-/* src [rows, cols] (rows ld apart) for gemv_part: itself, or its fp32 copy in wide (rows cols apart) where the GEMV
- * reads fp32 (bf16 without AVX512-BF16); *ldx is set to the row stride of what is returned */
-static const void *gemv_input(const void *src, int64_t rows, int64_t cols, int64_t ld, int dtype, float *wide,
-                              int64_t *ldx) {
-    if (!gemv_widens(dtype, 0)) {
-        *ldx = ld;
-        return src;
-    }
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < cols; c++) wide[r * cols + c] = load1(src, r * ld + c, dtype);
-    *ldx = cols;
-    return wide;
-}
-
-static float rounded(float v, int dtype) {
-    if (dtype == F32) return v;
-    uint16_t bits;
-    store1(&bits, 0, v, dtype);
-    return load1(&bits, 0, dtype);
-}
-
-/* one state row (dstate elements in dtype) advanced in place, state * decay + dx * B; returns sum(state * C) (bc: B
- * then C, fp32). fp32 rows in place, in a loop the compiler vectorizes; bf16 ones through the fp32 row `wide` */
-static float update_row(void *state, int dtype, const float *restrict decay, float dx, const float *restrict bc,
-                        int64_t dstate, float *restrict wide) {
-    float *restrict s = dtype == F32 ? (float *)state : wide, y = 0.f;
-    if (dtype != F32)
-        for (int64_t j = 0; j < dstate; j++) s[j] = load1(state, j, dtype);
-    for (int64_t j = 0; j < dstate; j++) {
-        s[j] = s[j] * decay[j] + dx * bc[j];
-        y += s[j] * bc[dstate + j];
-    }
-    if (dtype != F32)
-        for (int64_t j = 0; j < dstate; j++) store1(state, j, s[j], dtype);
-    return y;
-}
-
-/* channel c's conv window in `window` (d_conv elements) shifted by one with v at its end; returns SiLU(window . taps
- * + bias) rounded to dtype, each product and the sum and the bias's add rounded as the module's ops in dtype round */
-static float conv_silu(void *window, int64_t d_conv, float v, const void *taps, const void *bias, int64_t c,
-                       int dtype) {
-    float sum = 0.f;
-    for (int64_t j = 0; j < d_conv; j++) {
-        float w = j + 1 < d_conv ? load1(window, j + 1, dtype) : v;
-        store1(window, j, w, dtype);
-        sum += rounded(w * load1(taps, c * d_conv + j, dtype), dtype);
-    }
-    float mixed = rounded(sum, dtype);
-    if (bias) mixed = rounded(mixed + load1(bias, c, dtype), dtype);
-    return rounded(mixed / (1.f + expf(-mixed)), dtype);
-}
 
 /* x [batch, width] (contiguous, fp32 or bf16) + out_proj(Mamba's step): in_w [2 d_inner, width], conv_w [d_inner,
  * d_conv], conv_b [d_inner] or NULL, x_w [rank + 2 dstate, d_inner], dt_w [d_inner, rank], dt_b [d_inner], A_log
@@ -141,15 +90,15 @@ int mamba_half(const void *x, int64_t batch, int64_t width, int dtype, const voi
             for (; j < dstate; j++) A[j] = -expf(A[j]);
             float bias = load1(dt_b, c, dtype), skip = load1(D, c, dtype);
             for (int64_t b = 0; b < batch; b++) {
-                float delta = load1(dt, b * d_inner + c, dtype) + bias;
-                delta = delta > 20.f ? delta : log1pf(expf(delta));
+                float delta = softplus(load1(dt, b * d_inner + c, dtype) + bias);
                 for (j = 0; j + 8 <= dstate; j += 8) *(v8 *)(decay + j) = exp8(*(const v8 *)(A + j) * delta);
                 for (; j < dstate; j++) decay[j] = expf(A[j] * delta);
                 float xv = load1(xc, b * d_inner + c, dtype);
                 char *state = (char *)ssm + (slots[b] * ssm_stride + c * dstate) * elem;
-                float sum = update_row(state, dtype, decay, delta * xv, BC + 2 * b * dstate, dstate, row) + skip * xv;
+                const float *Bv = BC + 2 * b * dstate;
+                float sum = update_row(state, dtype, decay, delta * xv, Bv, Bv + dstate, dstate, row) + skip * xv;
                 float z = load1(proj, b * 2 * d_inner + d_inner + c, dtype);
-                store1(y, b * d_inner + c, sum * (z / (1.f + expf(-z))), dtype);
+                store1(y, b * d_inner + c, sum * silu(z), dtype);
             }
         }
         prefetch_share(out_w, width, d_inner * elem, t, n);

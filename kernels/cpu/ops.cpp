@@ -56,15 +56,14 @@ using MambaHalfFn = int (*)(const void *, int64_t, int64_t, int, const void *, f
                             const void *, const void *, const void *, const void *, const void *, const void *,
                             const void *, void *, int64_t, int64_t, void *, int64_t, const int64_t *, int64_t,
                             int64_t, int64_t, void *, int);
+using Mamba2HalfFn = int (*)(const void *, int64_t, int64_t, int, const void *, float, const void *, const void *,
+                             const void *, const void *, const void *, const void *, const void *, float, const void *,
+                             void *, int64_t, int64_t, void *, int64_t, const int64_t *, int64_t, int64_t, int64_t,
+                             int64_t, void *, int);
 
 using LinearStepFn = int (*)(const float *, const float *, const float *, float *, int64_t, int64_t, float *, int64_t,
                              int64_t, const int64_t *, int, int, int, int, float, float *, int);
 
-using StateUpdateFn = int (*)(void *, int64_t, int64_t, int64_t, int64_t, int, const float *, int64_t, int64_t, int64_t,
-                              const float *, int64_t, int64_t, int64_t, const float *, int64_t, int64_t, const float *,
-                              int64_t, int64_t, int64_t, const float *, int64_t, int64_t, int64_t, const float *,
-                              int64_t, int64_t, int64_t, const float *, int64_t, int64_t, const float *, int64_t,
-                              int64_t, int64_t, float *, int, int, int, int, int, int, int);
 
 struct Kernels {
     DenseFn dense = nullptr;
@@ -74,12 +73,12 @@ struct Kernels {
     RmsNormFn rms_norm = nullptr;
     RotaryFn rotary = nullptr;
     LinearStepFn linear_step = nullptr;
-    StateUpdateFn state_update = nullptr;
     AttentionHalfFn attention_half = nullptr;
     MlaHalfFn mla_half = nullptr;
     FfnGateUpFn ffn_gate_up = nullptr;
     GemvResidualFn gemv_residual = nullptr;
     MambaHalfFn mamba_half = nullptr;
+    Mamba2HalfFn mamba2_half = nullptr;
 };
 
 Kernels &kernels() {  // set once by archzoo_point_kernels, before the first call
@@ -432,35 +431,6 @@ at::Tensor linear_attention_block(const at::Tensor &x, const at::Tensor &norm, d
     return dense_gemv(out.to(x.scalar_type()).view({batch, 1, heads * dv}), wo, std::nullopt).add_(x);
 }
 
-// The selective state update (kernels/cpu/selective_state_update.c, softplus on dt) of each sequence's state row in
-// place: ssm [slots, H, P, N] at rows slot[0..B); x and dt [B, H, P], B and C [B, G, N], A [H, P, N], D and dt_bias
-// [H, P], z [B, H, P] or none, all fp32 at any strides. Returns y [B, H, P] fp32.
-at::Tensor state_update_rows(at::Tensor &ssm, const int64_t *slot, const at::Tensor &x, const at::Tensor &dt,
-                             const at::Tensor &A, const at::Tensor &B, const at::Tensor &C, const at::Tensor &D,
-                             const std::optional<at::Tensor> &z, const at::Tensor &dt_bias) {
-    int64_t batch = x.size(0), heads = ssm.size(1), head_dim = ssm.size(2), dstate = ssm.size(3);
-    at::Tensor y = at::empty({batch, heads, head_dim}, x.options().dtype(at::kFloat));
-    int64_t element = ssm.element_size();
-    for (int64_t i = 0; i < batch; i++) {
-        char *state = static_cast<char *>(ssm.data_ptr()) + slot[i] * ssm.stride(0) * element;
-        const float *zi = z ? z->data_ptr<float>() + i * z->stride(0) : nullptr;
-        int status = kernels().state_update(
-            state, ssm.stride(0), ssm.stride(1), ssm.stride(2), ssm.stride(3), dtype_code(ssm, "state"),
-            x.data_ptr<float>() + i * x.stride(0), x.stride(0), x.stride(1), x.stride(2),
-            dt.data_ptr<float>() + i * dt.stride(0), dt.stride(0), dt.stride(1), dt.stride(2),
-            dt_bias.data_ptr<float>(), dt_bias.stride(0), dt_bias.stride(1),
-            A.data_ptr<float>(), A.stride(0), A.stride(1), A.stride(2),
-            B.data_ptr<float>() + i * B.stride(0), B.stride(0), B.stride(1), B.stride(2),
-            C.data_ptr<float>() + i * C.stride(0), C.stride(0), C.stride(1), C.stride(2),
-            D.data_ptr<float>(), D.stride(0), D.stride(1), zi, z ? z->stride(0) : 0, z ? z->stride(1) : 0,
-            z ? z->stride(2) : 0, y.data_ptr<float>() + i * y.stride(0), 1, static_cast<int>(heads),
-            static_cast<int>(head_dim), static_cast<int>(dstate), static_cast<int>(B.size(1)), 1,
-            at::get_num_threads());
-        TORCH_CHECK_VALUE(status == 0, "selective state update: d_state ", dstate, " is beyond the CPU kernel's 1024");
-    }
-    return y;
-}
-
 // each slot within the cache's rows, checked before anything is written
 const int64_t *checked_slots(const at::Tensor &slots, int64_t rows, const char *what) {
     auto slot = slots.data_ptr<int64_t>();
@@ -525,89 +495,16 @@ at::Tensor mla_block(const at::Tensor &x, const at::Tensor &norm, double eps, co
     return out;
 }
 
-// a float rounded to T and back: what a torch op computing in T stores
-template <typename T> inline float rounded(float v) { return static_cast<float>(static_cast<T>(v)); }
-
-// run(T()) with T x's element type, fp32 or bf16 (the CPU kernels' dtypes)
-template <typename Run> void by_dtype(const at::Tensor &x, const char *what, Run &&run) {
-    if (x.scalar_type() == at::kFloat) run(0.f);
-    else if (x.scalar_type() == at::kBFloat16) run(c10::BFloat16());
-    else TORCH_CHECK_VALUE(false, what, ": x's dtype ", dtype_name(x.scalar_type()), " is beyond the CPU kernels "
-                           "(torch.float32, torch.bfloat16)");
-}
-
-// Each row's conv window (conv state [slots, channels, d_conv] at its slot, unit strides within a slot) shifted by
-// one with the row's new channels xbc at its end, in place; then each channel's window times its taps [channels,
-// d_conv], summed in order, plus its bias, into mixed [rows, channels], rounded where the module's ops in T round
-// (each product, the sum, the bias's add): one pass in C++ for the module's ~8 torch ops, bit for bit (its SiLU
-// stays torch's, whose exp is SLEEF's)
-template <typename T>
-void conv_step(T *conv, int64_t slot_stride, const int64_t *slot, int64_t rows, const T *xbc, int64_t xbc_stride,
-               const T *taps, const T *bias, int64_t channels, int64_t d_conv, T *mixed) {
-    for (int64_t i = 0; i < rows; i++) {
-        T *state = conv + slot[i] * slot_stride;
-        for (int64_t c = 0; c < channels; c++) {
-            T *window = state + c * d_conv;
-            for (int64_t j = 0; j + 1 < d_conv; j++) window[j] = window[j + 1];
-            window[d_conv - 1] = xbc[i * xbc_stride + c];
-            float sum = 0.f;
-            for (int64_t j = 0; j < d_conv; j++)
-                sum += rounded<T>(static_cast<float>(window[j]) * static_cast<float>(taps[c * d_conv + j]));
-            float value = rounded<T>(sum);
-            if (bias) value = rounded<T>(value + static_cast<float>(bias[c]));
-            mixed[i * channels + c] = static_cast<T>(value);
-        }
-    }
-}
-
-// the conv step of every row (conv_step) through torch's SiLU: [rows, channels] in x's dtype
-at::Tensor conv_silu(at::Tensor &conv, const int64_t *slot, const at::Tensor &rows, const at::Tensor &taps,
-                     const at::Tensor &bias, const char *what) {
-    int64_t batch = rows.size(0), channels = taps.size(0);
-    at::Tensor mixed = at::empty({batch, channels}, rows.options());
-    by_dtype(rows, what, [&](auto zero) {
-        using T = decltype(zero);
-        conv_step<T>(static_cast<T *>(conv.data_ptr()), conv.stride(0), slot, batch,
-                     static_cast<const T *>(rows.data_ptr()), rows.stride(0), static_cast<const T *>(taps.data_ptr()),
-                     bias.defined() ? static_cast<const T *>(bias.data_ptr()) : nullptr, channels, conv.size(2),
-                     static_cast<T *>(mixed.data_ptr()));
-    });
-    return at::silu_(mixed);
-}
-
-// Mamba-2's gated RMSNorm (ssm/mamba2.py's GatedRMSNorm): y (fp32 [rows, width], rounded to T first, as the module
-// hands it over) times gate (SiLU(z) in fp32, torch's), normalised over groups of width / groups channels, rounded
-// to T, times the weight; its mean sums in order (torch's in its own), so it matches the module to rounding
-template <typename T>
-void gated_norm(const float *y, const float *gate, const T *weight, float eps, int64_t rows, int64_t width,
-                int64_t groups, float *scratch, T *out) {
-    int64_t size = width / groups;
-    for (int64_t i = 0; i < rows; i++)
-        for (int64_t g = 0; g < groups; g++) {
-            float squares = 0.f;
-            for (int64_t c = g * size; c < (g + 1) * size; c++) {
-                float v = rounded<T>(y[i * width + c]) * gate[i * width + c];
-                scratch[c] = v;
-                squares += v * v;
-            }
-            float scale = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
-            for (int64_t c = g * size; c < (g + 1) * size; c++)
-                out[i * width + c] = static_cast<T>(static_cast<float>(weight[c]) * rounded<T>(scratch[c] * scale));
-        }
-}
-
-// x [B, 1, D] + out_proj(Mamba-2's decode step) after RMSNorm (ssm/mamba2.py's Mamba2.step): in_proj GEMV; the
-// depthwise conv's window shifted in the conv state cache rows of `slots` and summed, and the gated RMSNorm, each one
-// pass in C++ (conv_silu, gated_norm); the selective state update (kernels/cpu/selective_state_update.c) on the SSM
-// state cache rows in place, not on a copy written back; out_proj GEMV. A Mamba-2 layer's half of a decode block in
-// one call (kernels/cpu_blocks.py). Its roundings are the module's ops' in x's dtype, the gated norm's mean summed in
-// order: equal to the module's path to rounding, not bit for bit
+// x [B, 1, D] + out_proj(Mamba-2's decode step) after RMSNorm (ssm/mamba2.py's Mamba2.step): in_proj; the depthwise
+// conv's window shifted in the conv state cache rows of `slots` and summed; the selective state update on the SSM
+// state cache rows in place; the gated RMSNorm; out_proj. A Mamba-2 layer's half of a decode block in one call
+// (kernels/cpu_blocks.py), in one parallel region (kernels/cpu/mamba2_half.c): equal to the module's path to rounding
 at::Tensor mamba2_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &in_w,
                         const at::Tensor &conv_w, const std::optional<at::Tensor> &conv_b, const at::Tensor &dt_bias,
                         const at::Tensor &A_log, const at::Tensor &D, const at::Tensor &gate_norm, double gate_eps,
                         const at::Tensor &out_w, at::Tensor conv, at::Tensor ssm, const at::Tensor &slots_in,
                         int64_t groups) {
-    TORCH_CHECK(kernels().state_update, "mamba2_block: the C kernels are not pointed to");
+    TORCH_CHECK(kernels().mamba2_half, "mamba2_block: the C kernels are not pointed to");
     int64_t batch = x.size(0), heads = ssm.size(1), head_dim = ssm.size(2), dstate = ssm.size(3);
     int64_t d_inner = heads * head_dim, conv_dim = conv.size(1), d_conv = conv.size(2);
     TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == 1 && ssm.dim() == 4 && conv.dim() == 3 && groups >= 1 &&
@@ -616,41 +513,42 @@ at::Tensor mamba2_block(const at::Tensor &x, const at::Tensor &norm, double eps,
                       conv_w.size(-1) == d_conv && slots_in.numel() == batch && dstate <= 1024 &&
                       conv.scalar_type() == x.scalar_type() && ssm.scalar_type() == x.scalar_type() &&
                       conv.stride(2) == 1 && conv.stride(1) == d_conv && gate_norm.numel() == d_inner &&
+                      ssm.stride(3) == 1 && ssm.stride(2) == dstate && ssm.stride(1) == head_dim * dstate &&
                       (!conv_b || conv_b->numel() == conv_dim),
                       "mamba2_block: x ", x.sizes(), " must be [B, 1, D] with conv state [slots, conv_dim, d_conv] ",
-                      conv.sizes(), " (each slot's contiguous) and SSM state [slots, H, P, N <= 1024] ", ssm.sizes(),
-                      " in x's dtype, ", groups, " groups, in_proj ", in_w.sizes(), " and B slots");
+                      conv.sizes(), " and SSM state [slots, H, P, N <= 1024] ", ssm.sizes(),
+                      " (each slot's contiguous) in x's dtype, ", groups, " groups, in_proj ", in_w.sizes(),
+                      " and B slots");
     TORCH_CHECK_VALUE(conv_w.scalar_type() == x.scalar_type() && gate_norm.scalar_type() == x.scalar_type() &&
                       (!conv_b || conv_b->scalar_type() == x.scalar_type()),
                       "mamba2_block: the conv's taps and bias and the gated norm's weight must be in x's dtype ",
                       dtype_name(x.scalar_type()));
+    for (const at::Tensor *t : {&norm, &in_w, &dt_bias, &A_log, &D, &out_w})
+        TORCH_CHECK_VALUE(t->scalar_type() == x.scalar_type(), "mamba2_block: weights in x's dtype ",
+                          dtype_name(x.scalar_type()), ", got ", dtype_name(t->scalar_type()));
+    TORCH_CHECK_VALUE(norm.numel() == x.size(2) && in_w.size(1) == x.size(2) && out_w.size(0) == x.size(2) &&
+                      out_w.size(1) == d_inner && dt_bias.numel() == heads && A_log.numel() == heads &&
+                      D.numel() == heads, "mamba2_block: norm ", norm.sizes(), ", in_proj ", in_w.sizes(),
+                      " and out_proj ", out_w.sizes(), " must match width ", x.size(2), " and ", d_inner,
+                      " channels, with dt_bias ", dt_bias.sizes(), ", A_log ", A_log.sizes(), " and D ", D.sizes(),
+                      " one a head");
     at::Tensor slots = slots_in.to(at::kLong).contiguous();
     const int64_t *slot = checked_slots(slots, std::min(conv.size(0), ssm.size(0)), "mamba2_block");
-    at::Tensor projected = dense_gemv(rms_norm(x, norm, eps), in_w, std::nullopt).select(1, 0);  // [B, in_width]
-    at::Tensor taps = conv_w.contiguous(), bias = conv_b ? conv_b->contiguous() : at::Tensor();
-    at::Tensor gate_w = gate_norm.contiguous();
-    // SiLU(conv): x, B, C, in fp32 as the module hands them to the state update
-    at::Tensor act = conv_silu(conv, slot, projected.narrow(-1, d_inner, conv_dim), taps, bias, "mamba2_block")
-                         .to(at::kFloat);
-    at::Tensor normed = at::empty({batch, 1, d_inner}, x.options());
-    at::Tensor A = (-at::exp(A_log.to(at::kFloat))).unsqueeze(-1).unsqueeze(-1).expand({heads, head_dim, dstate});
-    at::Tensor dt = projected.narrow(-1, d_inner + conv_dim, heads);
-    at::Tensor dt32 = dt.unsqueeze(-1).expand({batch, heads, head_dim}).to(at::kFloat);
-    at::Tensor D32 = D.unsqueeze(-1).expand({heads, head_dim}).to(at::kFloat);
-    at::Tensor bias32 = dt_bias.unsqueeze(-1).expand({heads, head_dim}).to(at::kFloat);
-    at::Tensor scratch = at::empty({d_inner}, x.options().dtype(at::kFloat));
-    at::Tensor xs = act.narrow(-1, 0, d_inner).unflatten(-1, {heads, head_dim});
-    at::Tensor B = act.narrow(-1, d_inner, groups * dstate).unflatten(-1, {groups, dstate});
-    at::Tensor C = act.narrow(-1, d_inner + groups * dstate, groups * dstate).unflatten(-1, {groups, dstate});
-    at::Tensor y = state_update_rows(ssm, slot, xs, dt32, A, B, C, D32, std::nullopt, bias32);
-    at::Tensor gate = at::silu(projected.narrow(-1, 0, d_inner).to(at::kFloat)).contiguous();
-    by_dtype(x, "mamba2_block", [&](auto zero) {
-        using T = decltype(zero);
-        gated_norm<T>(y.data_ptr<float>(), gate.data_ptr<float>(), static_cast<const T *>(gate_w.data_ptr()),
-                      static_cast<float>(gate_eps), batch, d_inner, groups, scratch.data_ptr<float>(),
-                      static_cast<T *>(normed.data_ptr()));
-    });
-    return dense_gemv(normed, out_w, std::nullopt).add_(x);
+    at::Tensor xs = x.contiguous();
+    at::Tensor ws[] = {norm.contiguous(), in_w.contiguous(), conv_w.contiguous(), dt_bias.contiguous(),
+                       A_log.contiguous(), D.contiguous(), gate_norm.contiguous(), out_w.contiguous()};
+    at::Tensor bias = conv_b ? conv_b->contiguous() : at::Tensor();
+    at::Tensor out = at::empty(xs.sizes(), xs.options());
+    int status = kernels().mamba2_half(
+        xs.data_ptr(), batch, x.size(2), dtype_code(x, "x"), ws[0].data_ptr(), static_cast<float>(eps),
+        ws[1].data_ptr(), ws[2].data_ptr(), bias.defined() ? bias.data_ptr() : nullptr, ws[3].data_ptr(),
+        ws[4].data_ptr(), ws[5].data_ptr(), ws[6].data_ptr(), static_cast<float>(gate_eps), ws[7].data_ptr(),
+        conv.data_ptr(), conv.stride(0), d_conv, ssm.data_ptr(), ssm.stride(0), slot, heads, head_dim, dstate,
+        groups, out.data_ptr(), at::get_num_threads());
+    TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "mamba2_block: out of memory for its workspace");
+    TORCH_CHECK_VALUE(status == 0, "mamba2_block: dtype ", dtype_name(x.scalar_type()), " is beyond the CPU kernels "
+                      "(torch.float32, torch.bfloat16)");
+    return out;
 }
 
 // x [B, 1, D] + out_proj(Mamba's decode step) after RMSNorm (ssm/mamba.py's Mamba.step): in_proj into x and z; the
@@ -772,15 +670,17 @@ at::Tensor decode_blocks(const at::Tensor &x_in, const c10::List<std::optional<a
 }  // namespace
 
 extern "C" void archzoo_point_kernels(void *dense, void *int8, void *int4, void *attention, void *rms_norm,
-                                      void *rotary, void *linear_step, void *state_update, void *attention_half,
-                                      void *mla_half, void *ffn_gate_up, void *gemv_residual, void *mamba_half) {
+                                      void *rotary, void *linear_step, void *attention_half,
+                                      void *mla_half, void *ffn_gate_up, void *gemv_residual, void *mamba_half,
+                                      void *mamba2_half) {
     kernels() = Kernels{reinterpret_cast<DenseFn>(dense), reinterpret_cast<Int8Fn>(int8),
                         reinterpret_cast<Int4Fn>(int4), reinterpret_cast<AttentionFn>(attention),
                         reinterpret_cast<RmsNormFn>(rms_norm), reinterpret_cast<RotaryFn>(rotary),
-                        reinterpret_cast<LinearStepFn>(linear_step), reinterpret_cast<StateUpdateFn>(state_update),
+                        reinterpret_cast<LinearStepFn>(linear_step),
                         reinterpret_cast<AttentionHalfFn>(attention_half),
                         reinterpret_cast<MlaHalfFn>(mla_half), reinterpret_cast<FfnGateUpFn>(ffn_gate_up),
-                        reinterpret_cast<GemvResidualFn>(gemv_residual), reinterpret_cast<MambaHalfFn>(mamba_half)};
+                        reinterpret_cast<GemvResidualFn>(gemv_residual), reinterpret_cast<MambaHalfFn>(mamba_half),
+                        reinterpret_cast<Mamba2HalfFn>(mamba2_half)};
 }
 
 TORCH_LIBRARY_IMPL(archzoo, CPU, m) {

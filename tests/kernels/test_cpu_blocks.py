@@ -332,12 +332,20 @@ def test_a_replaced_step_is_the_modules_to_run():
         assert not served(halves(model))[0], arch
 
 
+# tiny's mixers, and odd widths: channels and states not whole tiles or vectors, two groups, no conv bias
+MAMBA2_MIXERS = {"tiny": lambda: zoo.build("mamba2", preset="tiny").blocks[0].mixer,
+                 "odd": lambda: Mamba2(38, 0, d_state=12, head_dim=19, n_groups=2, d_conv=3, conv_bias=False)}
+MAMBA_MIXERS = {"tiny": lambda: zoo.build("mamba", preset="tiny").blocks[0].mixer,
+                "odd": lambda: Mamba(38, 0, d_state=12, d_conv=3, dt_rank=5, conv_bias=False)}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mamba2_half_cpp_and_python_agree(dtype):
+@pytest.mark.parametrize("shape", ["tiny", "odd"])
+def test_mamba2_half_cpp_and_python_agree(dtype, shape):
     if not cpu_decode.glue_available():
         pytest.skip("the C++ glue did not build here (a warning said why)")
     torch.manual_seed(0)
-    mixer = zoo.build("mamba2", preset="tiny").to(dtype).blocks[0].mixer
+    mixer = MAMBA2_MIXERS[shape]().to(dtype)
     g = torch.Generator().manual_seed(0)
     d_model = mixer.in_proj.weight.shape[1]
     ssm = torch.randn(3, mixer.n_heads, mixer.head_dim, mixer.d_state, generator=g).to(dtype)
@@ -352,8 +360,8 @@ def test_mamba2_half_cpp_and_python_agree(dtype):
         for name, fn in (("op", cpu_blocks.mamba2_block_op), ("python", cpu_blocks.mamba2_block_eager)):
             args = {**inputs, "conv": inputs["conv"].clone(), "ssm": inputs["ssm"].clone()}
             results[name] = fn(**args), args["conv"], args["ssm"]
-    # the conv step is bit for bit (kernels/cpu/ops.cpp's conv_step: torch's order and SiLU); the gated norm's mean
-    # sums in its own order (gated_norm), with the module's roundings in x's dtype
+    # the conv state is shifted bit for bit (the in_proj rows are the same GEMV's); the output and the SSM state match
+    # to rounding (kernels/cpu/mamba2_half.c: its own exps, the gated norm's mean summed in order)
     assert torch.equal(results["op"][1], results["python"][1])
     tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
     for op, python in zip(results["op"][::2], results["python"][::2]):
@@ -361,16 +369,19 @@ def test_mamba2_half_cpp_and_python_agree(dtype):
     assert torch.equal(results["op"][2][1], ssm[1]) and not torch.equal(results["op"][2][2], ssm[2])
     with pytest.raises(ValueError, match="taps and bias"):
         cpu_blocks.mamba2_block_op(**{**inputs, "conv_w": inputs["conv_w"].double()})
+    with pytest.raises(ValueError, match="weights in x's dtype"):  # read as they are: never a wrong answer
+        cpu_blocks.mamba2_block_op(**{**inputs, "A_log": inputs["A_log"].double()})
     with pytest.raises(IndexError, match="slot 3"):
         cpu_blocks.mamba2_block_op(**{**inputs, "slots": torch.tensor([3, 0])})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mamba_half_cpp_and_python_agree(dtype):
+@pytest.mark.parametrize("shape", ["tiny", "odd"])
+def test_mamba_half_cpp_and_python_agree(dtype, shape):
     if not cpu_decode.glue_available():
         pytest.skip("the C++ glue did not build here (a warning said why)")
     torch.manual_seed(0)
-    mixer = zoo.build("mamba", preset="tiny").to(dtype).blocks[0].mixer
+    mixer = MAMBA_MIXERS[shape]().to(dtype)
     g = torch.Generator().manual_seed(0)
     d_model = mixer.in_proj.weight.shape[1]
     ssm = torch.randn(3, mixer.d_inner, mixer.A_log.shape[1], generator=g).to(dtype)
@@ -394,6 +405,8 @@ def test_mamba_half_cpp_and_python_agree(dtype):
     assert torch.equal(results["op"][2][1], ssm[1]) and not torch.equal(results["op"][2][2], ssm[2])
     with pytest.raises(ValueError, match="taps and bias"):
         cpu_blocks.mamba_block_op(**{**inputs, "conv_w": inputs["conv_w"].double()})
+    with pytest.raises(ValueError, match="weights in x's dtype"):  # read as they are: never a wrong answer
+        cpu_blocks.mamba_block_op(**{**inputs, "A_log": inputs["A_log"].double()})
     with pytest.raises(IndexError, match="slot 3"):
         cpu_blocks.mamba_block_op(**{**inputs, "slots": torch.tensor([3, 0])})
 
