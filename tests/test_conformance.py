@@ -3,6 +3,8 @@
 cached decode == full forward, batched == alone, paged == contiguous, measured cache bytes == analytic.
 A new registry entry is picked up here without editing this file.
 """
+import copy
+
 import pytest
 import torch
 
@@ -55,6 +57,9 @@ def model(arch_name):
 
 @pytest.mark.parametrize("kv_cache", LAYOUTS)
 def test_cached_decode_matches_full_forward(model, arch_name, kv_cache):
+    """Each step's logits within ATOL of the same weights' full forward in float64: the fp32 full forward is itself up
+    to ~8e-5 from it (Mamba's scan), so against that the two paths' errors would add."""
+    oracle = copy.deepcopy(model).double()
     prompts = make_prompts([1, 5, 8, 17, 33], model.config.vocab_size, seed=1)
     outputs = engine_for(model, kv_cache, max_batch=len(prompts)).generate(prompts, greedy(24))
     for prompt, out in zip(prompts, outputs):
@@ -66,10 +71,10 @@ def test_cached_decode_matches_full_forward(model, arch_name, kv_cache):
         assert cached.argmax(-1).tolist() == out.token_ids, context
         sequence = prompt + out.token_ids[:-1]
         with torch.no_grad():
-            full = model(torch.tensor([sequence]))[0, len(prompt) - 1 :]
+            full = oracle(torch.tensor([sequence]))[0, len(prompt) - 1 :]
         assert full.shape == cached.shape
-        err = (full - cached).abs().max().item()
-        assert err <= ATOL, f"{context}: cached decode differs from the full forward by {err:.3g}"
+        err = (full - cached.double()).abs().max().item()
+        assert err <= ATOL, f"{context}: cached decode differs from the float64 full forward by {err:.3g}"
 
 
 @pytest.mark.parametrize("kv_cache", LAYOUTS)
