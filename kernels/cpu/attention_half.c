@@ -115,15 +115,8 @@ int attention_half(const void *x, int64_t batch, int64_t width, int dtype, const
         /* o: each thread its tiles' rows, then the residual in dtype */
         if (widen[WO])
             for (int64_t i = 0; i < batch * q_width; i++) att_wide[i] = load1(att, i, dtype);
-        int64_t n0, n1;
-        tile_share(width, t, n, &n0, &n1);
-        if (n0 < n1) {
-            gemv_part(widen[WO] ? (const void *)att_wide : att, batch, q_width, q_width, dtype, weights[WO],
-                      scales[WO], s_dtypes[WO], n0, n1, out, width);
-            for (int64_t b = 0; b < batch; b++)
-                for (int64_t i = b * width + n0; i < b * width + n1; i++)
-                    store1(out, i, load1(out, i, dtype) + load1(x, i, dtype), dtype);
-        }
+        gemv_residual_share(widen[WO] ? (const void *)att_wide : att, batch, q_width, q_width, dtype, weights[WO],
+                            scales[WO], s_dtypes[WO], width, x, out, t, n);
     }
     free(memory);
     return 0;

@@ -64,16 +64,8 @@ int gemv_residual(const void *x, int64_t batch, int64_t k, int dtype, const void
         for (int64_t i = 0; i < batch * k; i++) wide[i] = load1(x, i, dtype);
     }
 #pragma omp parallel num_threads(threads)
-    {
-        int64_t n0, n1;
-        tile_share(n, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
-        if (n0 < n1) {
-            gemv_part(widen ? (const void *)wide : x, batch, k, k, dtype, w, scales, s_dtype, n0, n1, out, n);
-            for (int64_t b = 0; b < batch; b++)
-                for (int64_t i = b * n + n0; i < b * n + n1; i++)
-                    store1(out, i, load1(out, i, dtype) + load1(residual, i, dtype), dtype);
-        }
-    }
+    gemv_residual_share(widen ? (const void *)wide : x, batch, k, k, dtype, w, scales, s_dtype, n, residual, out,
+                        omp_get_thread_num(), omp_get_num_threads());
     free(wide);
     return 0;
 }

@@ -1,8 +1,10 @@
 /* A share of one GEMV (kernels/cpu/dense_gemv.c) for the kernels that split a GEMV's rows among the threads of a
- * parallel region of their own (kernels/cpu/attention_half.c, ffn_half.c, mla_half.c). */
+ * parallel region of their own (kernels/cpu/attention_half.c, ffn_half.c, mla_half.c, mamba_half.c, mamba2_half.c). */
 #ifndef ARCHZOO_GEMV_H
 #define ARCHZOO_GEMV_H
 #include <stdint.h>
+
+#include "floats.h"
 
 /* Whether gemv_part reads x as an fp32 copy (1: int8 weights, or bf16 ones without AVX512-BF16) or as it is (0). */
 int gemv_widens(int dtype, int int8);
@@ -19,6 +21,21 @@ static inline void tile_share(int64_t n, int t, int threads, int64_t *n0, int64_
     *n0 = 4 * (tiles * t / threads);
     *n1 = 4 * (tiles * (t + 1) / threads);
     *n1 = *n1 < n ? *n1 : n;
+}
+
+/* out = residual + x W^T over this thread's share (tile_share) of W's n rows, as gemv_part takes x, W and scales:
+ * out and residual [m, n] contiguous in dtype, each sum rounded to dtype as torch's add rounds it. Every half's last
+ * step (its output projection and the residual). */
+static inline void gemv_residual_share(const void *x, int64_t m, int64_t k, int64_t ldx, int dtype, const void *w,
+                                       const void *scales, int s_dtype, int64_t n, const void *residual, void *out,
+                                       int t, int threads) {
+    int64_t n0, n1;
+    tile_share(n, t, threads, &n0, &n1);
+    if (n0 >= n1) return;
+    gemv_part(x, m, k, ldx, dtype, w, scales, s_dtype, n0, n1, out, n);
+    for (int64_t b = 0; b < m; b++)
+        for (int64_t i = b * n + n0; i < b * n + n1; i++)
+            store1(out, i, load1(out, i, dtype) + load1(residual, i, dtype), dtype);
 }
 
 /* How much of the next weights a thread fetches while it waits between two parts of a half: a new stream starts cold

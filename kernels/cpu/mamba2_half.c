@@ -117,14 +117,7 @@ int mamba2_half(const void *x, int64_t batch, int64_t width, int dtype, const vo
                 }
             }
         in = gemv_input(normed, batch, d_inner, d_inner, dtype, wide, &ldx);
-        int64_t n0, n1;
-        tile_share(width, t, n, &n0, &n1);
-        if (n0 < n1) {
-            gemv_part(in, batch, d_inner, ldx, dtype, out_w, NULL, F32, n0, n1, out, width);
-            for (int64_t b = 0; b < batch; b++)
-                for (int64_t i = b * width + n0; i < b * width + n1; i++)
-                    store1(out, i, load1(out, i, dtype) + load1(x, i, dtype), dtype);
-        }
+        gemv_residual_share(in, batch, d_inner, ldx, dtype, out_w, NULL, F32, width, x, out, t, n);
     }
     free(memory);
     return 0;

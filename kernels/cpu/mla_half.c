@@ -131,15 +131,8 @@ int mla_half(const void *x, int64_t batch, int64_t width, int dtype, const void 
         /* o: each thread its tiles' rows, then the residual in dtype */
         if (widen)
             for (int64_t i = 0; i < batch * heads * v_dim; i++) wide[i] = load1(values, i, dtype);
-        int64_t n0, n1;
-        tile_share(width, t, n, &n0, &n1);
-        if (n0 < n1) {
-            gemv_part(widen ? (const void *)wide : values, batch, heads * v_dim, heads * v_dim, dtype, wo, NULL, 0,
-                      n0, n1, out, width);
-            for (int64_t b = 0; b < batch; b++)
-                for (int64_t i = b * width + n0; i < b * width + n1; i++)
-                    store1(out, i, load1(out, i, dtype) + load1(x, i, dtype), dtype);
-        }
+        gemv_residual_share(widen ? (const void *)wide : values, batch, heads * v_dim, heads * v_dim, dtype, wo, NULL,
+                            0, width, x, out, t, n);
     }
     free(memory);
     return 0;
