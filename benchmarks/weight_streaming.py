@@ -1,7 +1,9 @@
 """How near the machine's memory read rate a decode step's weight reads run: the bare linear layers of one step of
 the `base` gqa model (every nn.Linear, as the model's layers call them: kernels/linear.py's CPU dispatch, the C GEMV
 at decode sizes) beside torch's own F.linear on the same weights, at batch 1 and 4, fp32 and bf16, in one run with the
-read rate measured (harness/roofline.py: past any cache, and for a working set of the weights' size). int8: the same
+read rate measured (harness/roofline.py: past any cache, and for a working set of the weights' size); and the
+same GEMVs called one after another from C (cpu_decode.dense_gemv_layers), as an engine's planned step calls its
+kernels, without the ~20 µs of Python a call the modules' forwards add. int8: the same
 model in bf16 with every linear layer, the head too, quantized per output channel (zoo.quantize), called as the model
 calls them (kernels/quantized_matmul.py: the C int8 GEMV at decode sizes) beside torch's `_weight_int8pack_mm`.
 
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 
 import zoo
 from harness import roofline
+from kernels import cpu_decode
 from zoo.quantize import QuantizedLinear
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16}  # int8: bf16 activations
@@ -43,10 +46,15 @@ def measure(model, name: str, batch: int, repeats: int, rates: roofline.MachineR
     torch_call = ((lambda layer, x: torch._weight_int8pack_mm(x, layer.q, layer.scales)) if quantized else
                   (lambda layer, x: F.linear(x, layer.weight)))
     torch_s = step_seconds(layers, inputs, torch_call, repeats)
+    # the same GEMVs called one after another from C, as a planned decode step calls its kernels: no Python between
+    from_c = None if quantized else step_seconds(
+        [[m.weight for m in layers]], [inputs], lambda weights, xs: cpu_decode.dense_gemv_layers(xs, weights), repeats)
     read, working_set = rates.stream_bytes_per_s, rates.stream_rate(weight_bytes)
     return {"dtype": name, "batch": batch, "weight_mb": weight_bytes / 1e6,
             "archzoo_gb_s": weight_bytes / archzoo / 1e9, "torch_gb_s": weight_bytes / torch_s / 1e9,
             "pct_read": weight_bytes / archzoo / read, "pct_working_set": weight_bytes / archzoo / working_set,
+            "from_c_gb_s": from_c and weight_bytes / from_c / 1e9,
+            "pct_read_from_c": from_c and weight_bytes / from_c / read,
             "read_gb_s": read / 1e9, "working_set_gb_s": working_set / 1e9}
 
 
@@ -67,12 +75,13 @@ def main() -> None:
         print(f"{name}: {rates.how}", flush=True)
         rows += [measure(model, name, int(b), args.repeats, rates) for b in args.batches.split(",")]
     print("| dtype | batch | weights (MB) | archzoo GB/s | torch GB/s (F.linear; int8: _weight_int8pack_mm) | "
-          "% of read rate (1 GiB) | "
-          "% of read rate for its working set |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "% of read rate (1 GiB) | % of read rate for its working set | archzoo from C GB/s (% of read rate) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['batch']} | {r['weight_mb']:.0f} | {r['archzoo_gb_s']:.1f} | {r['torch_gb_s']:.1f} | "
-              f"{r['pct_read']:.0%} ({r['read_gb_s']:.1f}) | {r['pct_working_set']:.0%} ({r['working_set_gb_s']:.1f}) |")
+        from_c = "—" if r["from_c_gb_s"] is None else f"{r['from_c_gb_s']:.1f} ({r['pct_read_from_c']:.0%})"
+        print(f"| {r['dtype']} | {r['batch']} | {r['weight_mb']:.0f} | {r['archzoo_gb_s']:.1f} | "
+              f"{r['torch_gb_s']:.1f} | {r['pct_read']:.0%} ({r['read_gb_s']:.1f}) | "
+              f"{r['pct_working_set']:.0%} ({r['working_set_gb_s']:.1f}) | {from_c} |")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,8 @@ def _library() -> ctypes.CDLL | None:
     lib.greedy_rows.argtypes = [ptr, i64, i64, i64, i32, ptr, ptr]
     lib.dense_gemv.restype = ctypes.c_int
     lib.dense_gemv.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, ptr, ptr, i64, i32]
+    lib.dense_gemv_layers.restype = ctypes.c_int
+    lib.dense_gemv_layers.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32]
     lib.int8_gemv.restype = ctypes.c_int
     lib.int8_gemv.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, ptr, i32, ptr, i64, i32]
     lib.rms_norm.restype = ctypes.c_int
@@ -430,6 +432,35 @@ def dense_gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """dense_gemv_eager as one op a compiled graph keeps (its dispatch costs ~8 µs a call more than the function)."""
     return dense_gemv_eager(x, weight, bias)
+
+
+def dense_gemv_layers(xs: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[F.linear(x, w) for x, w in zip(xs, weights)] on kernels/cpu/dense_gemv.c in one call from Python, the GEMVs
+    one after another in C as a planned decode step calls them: a step's bare linear layers without Python between
+    them (benchmarks/weight_streaming.py). Each x [m, K_i] and w [N_i, K_i] contiguous, all in one dtype (fp32, bf16)
+    with the same m."""
+    lib = _library()
+    dtype, m = xs[0].dtype, xs[0].shape[0]
+    if lib is None or dtype not in DENSE_DTYPES or len(xs) != len(weights) or any(
+            x.dtype != dtype or w.dtype != dtype or x.dim() != 2 or x.shape[0] != m or w.dim() != 2
+            or x.shape[1] != w.shape[1] or not x.is_contiguous() or not w.is_contiguous() for x, w in zip(xs, weights)):
+        raise ValueError("dense_gemv_layers: contiguous x [m, K_i] and w [N_i, K_i] in one dtype "
+                         f"({', '.join(map(str, DENSE_DTYPES))}) with the same m, and the compiled CPU kernels")
+    outs = [torch.empty(m, w.shape[0], dtype=dtype) for w in weights]
+
+    def array(values, kind):
+        return (kind * len(values))(*values)
+
+    status = lib.dense_gemv_layers(array([x.data_ptr() for x in xs], ctypes.c_void_p),
+                                   array([w.data_ptr() for w in weights], ctypes.c_void_p),
+                                   array([o.data_ptr() for o in outs], ctypes.c_void_p),
+                                   array([w.shape[1] for w in weights], ctypes.c_int64),
+                                   array([w.shape[0] for w in weights], ctypes.c_int64), len(xs), m,
+                                   DTYPE_CODES[dtype], torch.get_num_threads())
+    if status:
+        raise MemoryError("dense_gemv_layers: out of memory for a widened copy of x") if status == -2 else \
+            ValueError(f"dense_gemv_layers: dtype {dtype} is beyond the kernel")
+    return outs
 
 
 def dense_gemv_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

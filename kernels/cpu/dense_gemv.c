@@ -295,3 +295,15 @@ int int8_gemv(const void *x, int64_t m, int64_t k, int64_t ldx, int x_dtype, con
     free(wide);
     return 0;
 }
+
+/* dense_gemv over `layers` weights in turn, out[i] = x[i] W[i]^T (x[i] [m, k[i]] and out[i] [m, n[i]] contiguous, all
+ * in dtype), called one after another from C as a planned decode step calls its GEMVs: a step's bare linear layers
+ * with no Python between them (benchmarks/weight_streaming.py). Returns the first non-zero status, else 0. */
+int dense_gemv_layers(const void *const *x, const void *const *weight, void *const *out, const int64_t *k,
+                      const int64_t *n, int64_t layers, int64_t m, int dtype, int threads) {
+    for (int64_t i = 0; i < layers; i++) {
+        int status = dense_gemv(x[i], m, k[i], k[i], dtype, weight[i], n[i], NULL, out[i], n[i], threads);
+        if (status) return status;
+    }
+    return 0;
+}

@@ -62,6 +62,19 @@ def test_strided_and_batched_x(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_layers_in_one_call_equal_f_linear(dtype, rows):
+    """dense_gemv_layers (a step's bare layers called one after another in C) gives each layer's F.linear."""
+    shapes = [(64, 96), (13, 37), (130, 64), (7, 5)]  # (n, k): tails of tiles and of vectors too
+    pairs = [operands((rows,), k, n, dtype, False, seed=i)[:2] for i, (n, k) in enumerate(shapes)]
+    got = cpu_decode.dense_gemv_layers([x for x, _ in pairs], [w for _, w in pairs])
+    for out, (x, w) in zip(got, pairs):
+        assert_linear(out, x, w, None)
+    with pytest.raises(ValueError, match="the same m"):  # refused before any work
+        cpu_decode.dense_gemv_layers([pairs[0][0], torch.randn(rows + 1, 37).to(dtype)], [pairs[0][1], pairs[1][1]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_more_rows_than_a_pass_holds(dtype):
     """Past 16 rows the kernel passes over the weights again: still exact (Linear does not send such batches)."""
     x, weight, b = operands((40,), 100, 37, dtype, True)
