@@ -6,12 +6,12 @@ recurrent states updated in place in the engine's state slots).
 Each op here is C++ (kernels/cpu/ops.cpp) over the C kernels. The attention and feed-forward halves compute each
 output as the kernels and torch ops of the modules' path do, with the same roundings, so their results are
 bit-identical to that path (they keep their threads in one or two parallel regions: kernels/cpu/attention_half.c,
-kernels/cpu/ffn_half.c; Mamba-2's conv step is one C++ pass in torch's order, its SiLU torch's); MLA's half
-(kernels/cpu/mla_half.c, one region) folds its query through W_UK and its output through W_UV in C, summing in
-another order than the module's einsums; Mamba-2's gated RMSNorm is one C++ pass whose mean sums in order; Mamba's
-half is one region in C (kernels/cpu/mamba_half.c) with its own exps and dt_proj's sums in its own order: these
-three match their modules' path to rounding. The recurrent halves update their states in the slots' rows rather
-than in copies written back. The linear attention half's state step is one pass in C
+kernels/cpu/ffn_half.c). MLA's half (kernels/cpu/mla_half.c, one region) folds its query through W_UK and its
+output through W_UV in C, summing in another order than the module's einsums; the Mamba and Mamba-2 halves
+(kernels/cpu/mamba_half.c, mamba2_half.c, one region each) keep the modules' roundings but take their exps from
+glibc and vector_exp.h rather than SLEEF, Mamba's dt_proj sums in its own order and Mamba-2's gated RMSNorm's mean
+in order: these three match their modules' path to rounding. The recurrent halves update their states in the
+slots' rows rather than in copies written back. The linear attention half's state step is one pass in C
 (kernels/cpu/linear_attention_step.c), where the module's path copied the state five times, and sums in another
 order. The Python functions below compose the same steps, serving where the C++ glue does not build.
 
