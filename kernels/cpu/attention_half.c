@@ -18,8 +18,6 @@
 
 enum { WQ, WK, WV, WO };
 
-static int64_t aligned(int64_t bytes) { return (bytes + 63) / 64 * 64; }
-
 /* x [batch, width] (contiguous, dtype fp32 or bf16) + o(attention): weights[WQ..WO] [rows, width] in dtype, or
  * int8 with scales[i] (s_dtypes[i]) not NULL; weights[WK] and [WV] NULL for a layer that reads another layer's cache.
  * positions [batch]; inv_freq [head_dim / 2]; caches [slots, kv_heads, rows, head_dim] at element strides

@@ -12,8 +12,6 @@
 #include "gemv.h"
 #include "norm_rope.h"
 
-static int64_t aligned(int64_t bytes) { return (bytes + 63) / 64 * 64; }
-
 /* gate_out = RMSNorm(x) gate^T and up_out = RMSNorm(x) up^T: x [batch, width] contiguous in dtype (fp32 or bf16),
  * gate and up [hidden, width] in dtype or int8 times their scales (s_dtypes) where those are not NULL; the outputs
  * [batch, hidden] in dtype. down (or NULL): the next GEMV's weights [width, down_row_bytes], whose rows each thread

@@ -15,6 +15,9 @@ int gemv_widens(int dtype, int int8);
 void gemv_part(const void *x, int64_t m, int64_t k, int64_t ldx, int dtype, const void *weight, const void *scales,
                int s_dtype, int64_t n0, int64_t n1, void *out, int64_t ldo);
 
+/* bytes rounded up to whole 64-byte lines: the halves' workspaces are laid out in such pieces */
+static inline int64_t aligned(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
 /* a thread's share [n0, n1) of n output rows: whole 4-row tiles, as dense_gemv's static schedule splits them */
 static inline void tile_share(int64_t n, int t, int threads, int64_t *n0, int64_t *n1) {
     int64_t tiles = (n + 3) / 4;

@@ -18,8 +18,6 @@
 #include "norm_rope.h"
 #include "ssm_step.h"
 
-static int64_t aligned(int64_t bytes) { return (bytes + 63) / 64 * 64; }
-
 /* this thread's share of rows [first, first + n) of in_proj, in 4-row tiles, into proj (rows ld apart) */
 static void in_rows(const void *in, int64_t batch, int64_t width, int64_t ldx, int dtype, const void *w, int64_t first,
                     int64_t n, int t, int threads, void *proj, int64_t ld) {

@@ -20,8 +20,6 @@
 #include "ssm_step.h"
 #include "vector_exp.h"
 
-static int64_t aligned(int64_t bytes) { return (bytes + 63) / 64 * 64; }
-
 /* x [batch, width] (contiguous, fp32 or bf16) + out_proj(Mamba's step): in_w [2 d_inner, width], conv_w [d_inner,
  * d_conv], conv_b [d_inner] or NULL, x_w [rank + 2 dstate, d_inner], dt_w [d_inner, rank], dt_b [d_inner], A_log
  * [d_inner, dstate], D [d_inner], out_w [width, d_inner], all in dtype, contiguous. The conv state [slots, d_inner,

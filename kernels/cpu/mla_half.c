@@ -17,8 +17,6 @@
 #include "gemv.h"
 #include "norm_rope.h"
 
-static int64_t aligned(int64_t bytes) { return (bytes + 63) / 64 * 64; }
-
 /* out[r] = dtype(sum_n q[n] w[n][r]) over n < nope: one head's query folded through its W_UK [nope, rank] (rows
  * `ld` elements apart), every product summed in fp32 */
 static void fold(const void *q, const void *w, int64_t ld, int64_t nope, int64_t rank, int dtype, float *acc,
