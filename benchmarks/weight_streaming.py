@@ -3,7 +3,10 @@ the `base` gqa model (every nn.Linear, as the model's layers call them: kernels/
 at decode sizes) beside torch's own F.linear on the same weights, at batch 1 and 4, fp32 and bf16, in one run with the
 read rate measured (harness/roofline.py: past any cache, and for a working set of the weights' size); and the
 same GEMVs called one after another from C (cpu_decode.dense_gemv_layers), as an engine's planned step calls its
-kernels, without the ~20 µs of Python a call the modules' forwards add. int8: the same
+kernels, without the ~20 µs of Python a call the modules' forwards add; and the read kernel over those same weight
+tensors where they lie (cpu_decode.read_buffers): the rate that memory is read at, which a step's GEMVs can at best
+match, beside the floor's fresh 1 GiB buffer (on a VM the two can differ by a third: where a buffer's pages land
+decides its rate). int8: the same
 model in bf16 with every linear layer, the head too, quantized per output channel (zoo.quantize), called as the model
 calls them (kernels/quantized_matmul.py: the C int8 GEMV at decode sizes) beside torch's `_weight_int8pack_mm`.
 
@@ -49,13 +52,17 @@ def measure(model, name: str, batch: int, repeats: int, rates: roofline.MachineR
     # the same GEMVs called one after another from C, as a planned decode step calls its kernels: no Python between
     from_c = None if quantized else step_seconds(
         [[m.weight for m in layers]], [inputs], lambda weights, xs: cpu_decode.dense_gemv_layers(xs, weights), repeats)
+    # the same weight tensors read where they lie, with nothing else: the rate their memory gives
+    own = step_seconds([[m.q if quantized else m.weight for m in layers]], [None],
+                       lambda weights, _: cpu_decode.read_buffers(weights, torch.get_num_threads()), repeats)
     read, working_set = rates.stream_bytes_per_s, rates.stream_rate(weight_bytes)
     return {"dtype": name, "batch": batch, "weight_mb": weight_bytes / 1e6,
             "archzoo_gb_s": weight_bytes / archzoo / 1e9, "torch_gb_s": weight_bytes / torch_s / 1e9,
             "pct_read": weight_bytes / archzoo / read, "pct_working_set": weight_bytes / archzoo / working_set,
             "from_c_gb_s": from_c and weight_bytes / from_c / 1e9,
             "pct_read_from_c": from_c and weight_bytes / from_c / read,
-            "read_gb_s": read / 1e9, "working_set_gb_s": working_set / 1e9}
+            "read_gb_s": read / 1e9, "working_set_gb_s": working_set / 1e9, "own_gb_s": weight_bytes / own / 1e9,
+            "pct_own_from_c": from_c and own / from_c, "pct_own": own / archzoo}
 
 
 def main() -> None:
@@ -75,13 +82,15 @@ def main() -> None:
         print(f"{name}: {rates.how}", flush=True)
         rows += [measure(model, name, int(b), args.repeats, rates) for b in args.batches.split(",")]
     print("| dtype | batch | weights (MB) | archzoo GB/s | torch GB/s (F.linear; int8: _weight_int8pack_mm) | "
-          "% of read rate (1 GiB) | % of read rate for its working set | archzoo from C GB/s (% of read rate) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "% of read rate (1 GiB) | % of read rate for its working set | archzoo from C GB/s (% of read rate) | "
+          "the weights' own memory read at, GB/s (archzoo / from C as % of it) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         from_c = "—" if r["from_c_gb_s"] is None else f"{r['from_c_gb_s']:.1f} ({r['pct_read_from_c']:.0%})"
         print(f"| {r['dtype']} | {r['batch']} | {r['weight_mb']:.0f} | {r['archzoo_gb_s']:.1f} | "
               f"{r['torch_gb_s']:.1f} | {r['pct_read']:.0%} ({r['read_gb_s']:.1f}) | "
-              f"{r['pct_working_set']:.0%} ({r['working_set_gb_s']:.1f}) | {from_c} |")
+              f"{r['pct_working_set']:.0%} ({r['working_set_gb_s']:.1f}) | {from_c} | {r['own_gb_s']:.1f} "
+              f"({r['pct_own']:.0%} / {'—' if r['pct_own_from_c'] is None else format(r['pct_own_from_c'], '.0%')}) |")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ the CPU it runs on) and registered as torch custom ops, so `torch.compile` calls
 - the C++ glue of decode attention, the GEMVs and kernels/cpu_fused.py's ops (kernels/cpu/ops.cpp, built by torch's
   extension loader): the dispatcher calls the kernels above without entering Python; their Python glue serves where
   it does not build;
-- the streaming read that measures the machine's memory read rate (kernels/cpu/read_bandwidth.c; a plain call);
+- the streaming read that measures the machine's memory read rate, over one buffer or a list of tensors (a model's
+  weights where they lie) (kernels/cpu/read_bandwidth.c; plain calls);
 - greedy tokens and the non-finite check of a step's logits in one read (kernels/cpu/greedy_rows.c; a plain call).
 
 Layouts (k and v 4-D, last dim contiguous):
@@ -114,6 +115,8 @@ def _library() -> ctypes.CDLL | None:
     lib.selective_scan_backward.argtypes = [ptr] * 14 + [i32] * 5
     lib.read_bandwidth.restype = ctypes.c_uint64
     lib.read_bandwidth.argtypes = [ptr, i64, i32]
+    lib.read_buffers.restype = ctypes.c_uint64
+    lib.read_buffers.argtypes = [ptr, ptr, i64, i32]
     lib.greedy_rows.restype = ctypes.c_int
     lib.greedy_rows.argtypes = [ptr, i64, i64, i64, i32, ptr, ptr]
     lib.dense_gemv.restype = ctypes.c_int
@@ -393,7 +396,6 @@ def _(x, weight, scales, zeros, group_size):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-
 def read_bandwidth(buffer: torch.Tensor, threads: int) -> int:
     """Stream every 64-byte line of a contiguous CPU buffer once with `threads` threads (a multiple of 64 * threads
     bytes is read); returns the XOR of what was read, so no load can be skipped."""
@@ -402,6 +404,21 @@ def read_bandwidth(buffer: torch.Tensor, threads: int) -> int:
         raise RuntimeError("read_bandwidth needs the compiled CPU kernels and a contiguous CPU buffer")
     usable = buffer.nbytes // (64 * threads) * (64 * threads)
     return lib.read_bandwidth(ctypes.c_void_p(buffer.data_ptr()), usable, threads)
+
+
+def read_buffers(buffers: list[torch.Tensor], threads: int) -> int:
+    """Stream every whole 64-byte line of each contiguous, 64-byte aligned CPU tensor once, one after another in one
+    call with `threads` threads (each its share of each tensor, no wait between them): the rate the memory a
+    model's weights lie in is read at. Returns the XOR of what was read."""
+    lib = _library()
+    bad = [i for i, b in enumerate(buffers)
+           if b.device.type != "cpu" or not b.is_contiguous() or b.data_ptr() % 64]
+    if lib is None or bad:
+        raise ValueError("read_buffers needs the compiled CPU kernels and contiguous CPU tensors starting on a 64-byte "
+                         f"line; tensors {bad} are not" if bad else "read_buffers needs the compiled CPU kernels")
+    pointers = (ctypes.c_void_p * len(buffers))(*(b.data_ptr() for b in buffers))
+    sizes = (ctypes.c_int64 * len(buffers))(*(b.nbytes for b in buffers))
+    return lib.read_buffers(pointers, sizes, len(buffers), threads)
 
 
 def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
