@@ -6,7 +6,9 @@ without the plan, each block deciding and calling its own halves, time the mixer
 apart: the rate each streams its bytes at.
 
 A step over its floor is over it somewhere: a half that streams below the read rate, or time spent streaming
-nothing (Python, the engine). The last column names the part with the largest excess over its own bytes' floor.
+nothing (Python, the engine), or memory slower than the floor's: the last columns name the part with the largest
+excess over its own bytes' floor, and give the floor's read rate beside the rate the model's own parameters are read
+at where they lie (harness/roofline.py's tensors_read_rate; on a VM a buffer's rate depends on where its pages land).
 The cells default to `zoo compare`'s CPU default (its architectures, `small`, fp32, batch 1, 2, 4 x context 256,
 1024, 2048, a contiguous cache), probed at a held context (harness/decode_probe.py). Rows go to OUT/results.jsonl
 as each cell finishes (a re-run skips finished cells); a Markdown table is printed at the end.
@@ -110,6 +112,8 @@ def measure(model, cell: dict, rates: roofline.MachineRates, steps: int) -> dict
         for _ in range(steps):
             probe.step()
         runner.decode_plans = plans
+    # the rate the model's own memory is read at (its parameters and buffers where they lie), beside the floor's buffer
+    own = roofline.tensors_read_rate([*model.parameters(), *model.buffers()])
     total = sum(walls)
     spent = {"blocks": planned.get("blocks", 0.0), "guard": planned["guard"],
              "between": planned["hidden"] - planned.get("blocks", 0.0) - planned["guard"],
@@ -127,6 +131,7 @@ def measure(model, cell: dict, rates: roofline.MachineRates, steps: int) -> dict
                  for part in ("mixer", "ffn")})
     return {**cell, "step_ms_mean": 1000 * mean, "step_ms_p50": 1000 * statistics.median(walls),
             "floor_ms": 1000 * floor, "fraction_of_floor": mean / floor, "read_gb_s": rate / 1e9,
+            "weights_memory_gb_s": own / 1e9,
             "planned": spent["blocks"] > 0, **{f"{part}_ms": ms[part] for part in PARTS},
             **{f"{part}_mb": moved[part] / 1e6 for part in ("mixer", "ffn", "blocks", "head")},
             **{f"{part}_excess_ms": excess[part] for part in PARTS}, **{f"{p}_gb_s": v for p, v in gb_s.items()},
@@ -139,16 +144,22 @@ def rate(row: dict, part: str) -> str:
     return "-" if gb_s is None else f"{gb_s:.1f}"
 
 
+def own_rate(row: dict) -> str:
+    return "-" if "weights_memory_gb_s" not in row else f"{row['weights_memory_gb_s']:.1f}"  # rows of older runs
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| arch | dtype | batch | context | step ms | floor ms | step / floor | blocks ms (GB/s) | guard ms "
-             "| between ms | head ms (GB/s) | engine ms | unplanned mixer / ffn halves GB/s | largest excess |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| between ms | head ms (GB/s) | engine ms | unplanned mixer / ffn halves GB/s | largest excess "
+             "| floor's read rate / the weights' memory's, GB/s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         lines.append(f"| {r['arch']} | {r['dtype']} | {r['batch']} | {r['context']} | {r['step_ms_mean']:.2f} "
                      f"| {r['floor_ms']:.2f} | {r['fraction_of_floor']:.2f}x | {r['blocks_ms']:.2f} "
                      f"({rate(r, 'blocks')}) | {r['guard_ms']:.2f} | {r['between_ms']:.2f} | {r['head_ms']:.2f} "
                      f"({rate(r, 'head')}) | {r['engine_ms']:.2f} | {rate(r, 'mixer')} / {rate(r, 'ffn')} "
-                     f"| {r['largest_excess']} (+{r[r['largest_excess'] + '_excess_ms']:.2f} ms) |")
+                     f"| {r['largest_excess']} (+{r[r['largest_excess'] + '_excess_ms']:.2f} ms) "
+                     f"| {r['read_gb_s']:.1f} / {own_rate(r)} |")
     return "\n".join(lines)
 
 

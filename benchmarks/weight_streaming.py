@@ -6,7 +6,8 @@ same GEMVs called one after another from C (cpu_decode.dense_gemv_layers), as an
 kernels, without the ~20 µs of Python a call the modules' forwards add; and the read kernel over those same weight
 tensors where they lie (cpu_decode.read_buffers): the rate that memory is read at, which a step's GEMVs can at best
 match, beside the floor's fresh 1 GiB buffer (on a VM the two can differ by a third: where a buffer's pages land
-decides its rate). int8: the same
+decides its rate). The weights lie where an engine puts them (harness/engine/model_runner.py: 2 MiB pages where
+the kernel grants them). int8: the same
 model in bf16 with every linear layer, the head too, quantized per output channel (zoo.quantize), called as the model
 calls them (kernels/quantized_matmul.py: the C int8 GEMV at decode sizes) beside torch's `_weight_int8pack_mm`.
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 import zoo
 from harness import roofline
+from harness.engine.model_runner import place_weights
 from kernels import cpu_decode
 from zoo.quantize import QuantizedLinear
 
@@ -53,8 +55,7 @@ def measure(model, name: str, batch: int, repeats: int, rates: roofline.MachineR
     from_c = None if quantized else step_seconds(
         [[m.weight for m in layers]], [inputs], lambda weights, xs: cpu_decode.dense_gemv_layers(xs, weights), repeats)
     # the same weight tensors read where they lie, with nothing else: the rate their memory gives
-    own = step_seconds([[m.q if quantized else m.weight for m in layers]], [None],
-                       lambda weights, _: cpu_decode.read_buffers(weights, torch.get_num_threads()), repeats)
+    own = weight_bytes / roofline.tensors_read_rate([m.q if quantized else m.weight for m in layers], repeats)
     read, working_set = rates.stream_bytes_per_s, rates.stream_rate(weight_bytes)
     return {"dtype": name, "batch": batch, "weight_mb": weight_bytes / 1e6,
             "archzoo_gb_s": weight_bytes / archzoo / 1e9, "torch_gb_s": weight_bytes / torch_s / 1e9,
@@ -79,6 +80,8 @@ def main() -> None:
         rates = roofline.measure_machine(model)
         if name == "int8":
             model = zoo.quantize(model, zoo.QuantizeConfig("int8", head=True))
+        off = place_weights(model)  # where an engine's runner puts them: 2 MiB pages
+        print(f"{name}: weights {'in 2 MiB pages' if not off else 'where torch put them: ' + off}", flush=True)
         print(f"{name}: {rates.how}", flush=True)
         rows += [measure(model, name, int(b), args.repeats, rates) for b in args.batches.split(",")]
     print("| dtype | batch | weights (MB) | archzoo GB/s | torch GB/s (F.linear; int8: _weight_int8pack_mm) | "
@@ -87,10 +90,11 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         from_c = "—" if r["from_c_gb_s"] is None else f"{r['from_c_gb_s']:.1f} ({r['pct_read_from_c']:.0%})"
+        own_from_c = "—" if r["pct_own_from_c"] is None else f"{r['pct_own_from_c']:.0%}"
         print(f"| {r['dtype']} | {r['batch']} | {r['weight_mb']:.0f} | {r['archzoo_gb_s']:.1f} | "
               f"{r['torch_gb_s']:.1f} | {r['pct_read']:.0%} ({r['read_gb_s']:.1f}) | "
               f"{r['pct_working_set']:.0%} ({r['working_set_gb_s']:.1f}) | {from_c} | {r['own_gb_s']:.1f} "
-              f"({r['pct_own']:.0%} / {'—' if r['pct_own_from_c'] is None else format(r['pct_own_from_c'], '.0%')}) |")
+              f"({r['pct_own']:.0%} / {own_from_c}) |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """An analytic roofline per architecture: the bytes and FLOPs one decode step (or one prefill) must cost, from the
 model's cache declarations and parameters alone, and the machine's two measured ceilings that turn them into a
 floor on time (max of bytes / streaming rate and FLOPs / matmul rate)."""
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ from torch import nn
 import zoo
 from cache import specs_read
 from harness.metrics import measure_copy_bandwidth, sync
-from kernels import cpu_decode
+from kernels import cpu_decode, cpu_memory
 
 # FLOPs per state element per token for a recurrent ("state") layer: the update reads each element, decays it and
 # adds the new outer product (~2), and the readout contracts it with the query or C (~2).
@@ -266,9 +267,11 @@ READ_BYTES = 2**30  # the largest working set: past any cache this project's mac
 READ_SMALLEST = 2**20  # the smallest: L2-sized, where a tiny model's step lives
 
 
-def read_buffer(device: str = "cpu") -> torch.Tensor:
-    """READ_BYTES of ones: written once so every page is mapped before a pass is timed."""
-    return torch.ones(READ_BYTES, dtype=torch.uint8, device=device)
+def read_buffer() -> torch.Tensor:
+    """READ_BYTES of ones on the CPU, written once so every page is mapped before a pass is timed; in 2 MiB pages where
+    the kernel grants them (kernels/cpu_memory.py), as an engine's weights lie: a 4 KiB-page buffer's rate depends on
+    where its pages land (25-46 GB/s from one allocation to the next on the 2-core EPYC VM, 31-35 in 2 MiB pages)."""
+    return cpu_memory.huge_page_bytes(READ_BYTES).fill_(1)
 
 
 def read_pass(buffer: torch.Tensor) -> None:
@@ -301,6 +304,22 @@ def measure_read_rate(repeats: int = 3) -> float:
     """The read rate past any cache alone (bytes/s): what a benchmark checks at its start and end."""
     buffer = read_buffer()
     return READ_BYTES / best_time(lambda: read_pass(buffer), "cpu", repeats, budget_s=1.0)
+
+
+def tensors_read_rate(tensors, repeats: int = 5) -> float:
+    """The rate (bytes/s) the memory `tensors` lie in is read at: the read kernel over each in turn in one call
+    (cpu_decode.read_buffers, the engine's threads), the median of `repeats` passes after an untimed one. Not the
+    floor's: on a VM the rate memory reads at depends on where its pages land (a fresh 1 GiB buffer measured 25-46
+    GB/s from one allocation to the next, a model's long-lived weights 23-30 beside it), so this says how much of a
+    step's distance from its floor lies in its memory, not its kernels."""
+    tensors = list({t.data_ptr(): t for t in tensors}.values())  # a tied weight once
+    nbytes = sum(t.nbytes // 64 * 64 for t in tensors)
+    passes = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        cpu_decode.read_buffers(tensors, torch.get_num_threads())
+        passes.append(time.perf_counter() - start)
+    return nbytes / statistics.median(passes[1:])
 
 
 def disturbance(start_bytes_per_s: float, end_bytes_per_s: float, tolerance: float = 0.15) -> str:

@@ -6,7 +6,25 @@ from harness.engine.block_manager import BlockManager
 from harness.engine.cache_pool import CachePool
 from harness.engine.decode_graphs import DecodeGraphs, StepRows
 from harness.engine.sequence import Sequence
+from kernels import cpu_memory
 from zoo.decode_plan import DecodePlans
+from zoo.resources import memory_limit
+
+
+def place_weights(model) -> str:
+    """Move a CPU model's parameters and buffers into 2 MiB pages (kernels/cpu_memory.py), each tensor in place, where
+    the kernel grants such pages and the memory free holds a second copy while they move. Returns "" once they lie
+    there (or nothing was left to move: an engine built again over the same model), else why they stay."""
+    off = cpu_memory.huge_pages_off()
+    if off:
+        return off
+    tensors = cpu_memory.movable(model)
+    needed = cpu_memory.placed_bytes(tensors)
+    limit, source = memory_limit("cpu")
+    if needed > limit:
+        return f"moving the weights needs {needed:,} B beside them, more than {source} ({limit:,} B)"
+    cpu_memory.place_on_huge_pages(tensors)
+    return ""
 
 
 class ModelRunner:
@@ -15,6 +33,8 @@ class ModelRunner:
         """graph_mode: None runs the decode step as it comes; "capture" replays it from a CUDA graph per batch-size
         bucket, "static" runs the same padded step on the same buffers eagerly (harness/engine/decode_graphs.py)."""
         self.model = model
+        # a CPU decode step reads every weight each step, and reads them faster from 2 MiB pages: "" once they lie there
+        self.huge_pages_off = place_weights(model) if torch.device(device).type == "cpu" else "not a CPU model"
         self.pool = pool
         self.block_managers = block_managers
         self.device = device

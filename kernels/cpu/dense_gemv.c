@@ -18,14 +18,20 @@
  * alternating in one process, that streamed bf16 at 23.5-24.5 against 22.3-23.6 GB/s and fp32 at 25.2-32.4 against
  * 24.3-29.9 (one of six the other way); at two rows it lost in fp32 (22.6-25.7 against 24.8-30.4), at 16 by half,
  * and int8 at one row (12.1 against 17.1 GB/s), whose four vectors a line then make one chain of dependent adds.
- * One row of bf16 also walks each weight row whole rather than BLOCK_BYTES at a time: 24.9-26.8 against 23.3-24.4
- * GB/s, six rounds alternating (fp32: no difference, 26.8-29.0 against 27.0-29.4, so it keeps its blocks).
+ * One row of x walks each weight row whole rather than BLOCK_BYTES at a time, so a thread's stretch of W is read in
+ * address order, and prefetches ROW_PREFETCH_BYTES ahead of the line it reads (a tile or more ahead overshot): from
+ * 2 MiB pages (where an engine puts the weights, kernels/cpu_memory.py), `base` gqa's layers called in turn from C,
+ * one process, eight rounds, fp32 27.1-28.7 against 25.9-27.0 GB/s (read kernel 31.5-32.5) and 38.3-41.2 against
+ * 29.6-31.8 (read 47.7-48.6), bf16 30.5-38.1 against 25.8-31.1; from 4 KiB pages fp32 25.5-27.7 against 23.5-24.7,
+ * bf16 24.5-26.2 against 23.7-25.8 (1 and 4 KiB ahead: no better; none: 19.5-35.4, less in most rounds). Before,
+ * bf16 alone walked whole rows (24.9-26.8 against 23.3-24.4 GB/s in blocks) and fp32 saw no difference either way.
  * That one row adds alternate lines into two sums, not one: one sum waited on each add (4 cycles) and ran at a third
  * of L2's rate. Weights in cache, fp32, 1 row (EPYC): 512 x 512 31 -> 13 µs, 1408 x 512 88 -> 37; from memory no
  * change (20-22 GB/s either way). Four sums measured slower than two (24 and 61 µs).
- * The prefetches run 8 KiB ahead (at least one tile), not 32: on the EPYC, walking 16 `small` layers' weights in
- * one run, fp32 1 row 24.0 against 22.2-23.0 GB/s (read rate 30-32), bf16 25.5 against 24.6, fp32 4 rows 23.9
- * against 23.3; `base` layers' weights within 4% either way, never slower; no prefetch 16.6 and into L1 18.5.
+ * Rows of x walked together (and int8's one) prefetch 8 KiB ahead (at least one tile), not 32: on the EPYC, 4 KiB
+ * pages, walking 16 `small` layers' weights in one run, fp32 1 row 24.0 against 22.2-23.0 GB/s (read rate 30-32),
+ * bf16 25.5 against 24.6, fp32 4 rows 23.9 against 23.3; `base` layers' weights within 4% either way, never slower;
+ * no prefetch 16.6 and into L1 18.5 (those one-row figures walked blocks of rows, before the paragraph above).
  * Loads are unaligned-type loads, as fast as aligned ones on an aligned address: torch allocates 64-byte aligned, so
  * every row of W and of a contiguous x starts on a line when a row is whole lines (every model width). The last
  * k % (one line) columns are summed in scalar. GCC vector types hold LANES floats, one register on any target; the
@@ -57,6 +63,7 @@
 #define LINE 64
 #define BLOCK_BYTES 1024     /* a block of 16 x rows and 4 weight rows is at most 20 KiB: in L1 on any x86 since 2012 */
 #define PREFETCH_BYTES 8192 /* how far ahead in W the prefetches run, at least (whole tiles); see the top */
+#define ROW_PREFETCH_BYTES 2048 /* one row of x, W read in address order: how far ahead of each line; see the top */
 #define INLINE static inline __attribute__((always_inline))
 
 typedef float floats_v __attribute__((vector_size(4 * LANES)));
@@ -215,8 +222,10 @@ INLINE void tile(const struct gemv *g, int64_t n0, int64_t m0, int mp, int forma
     memset(sums, 0, mp * sizeof sums[0]); /* the rows used: all 16 is 4 KiB a tile, 12 -> 7.5 µs a 64 KiB call */
     int64_t step = LINE / w_bytes(format), whole = g->k - g->k % step;
     int64_t block = BLOCK_BYTES / (x_bytes(format) > w_bytes(format) ? x_bytes(format) : w_bytes(format));
-    if (mp == 1 && w_bytes(format) == 2) block = whole; /* one bf16 row: each weight row in one run, see the top */
-    int64_t tile_bytes = ROWS * g->k * w_bytes(format), ahead = tile_bytes * (1 + (PREFETCH_BYTES - 1) / tile_bytes);
+    int in_order = mp == 1 && format != BYTES; /* one row of x: each weight row in one run, see the top */
+    if (in_order) block = whole;
+    int64_t tile_bytes = ROWS * g->k * w_bytes(format);
+    int64_t ahead = in_order ? ROW_PREFETCH_BYTES : tile_bytes * (1 + (PREFETCH_BYTES - 1) / tile_bytes);
     for (int64_t k0 = 0; k0 < whole; k0 += block) {
         int64_t k1 = k0 + block < whole ? k0 + block : whole;
         for (int m = 0; m < mp; m += XROWS)
