@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from cache.quantized_rows import QuantizedRows
 from cache.retention import FULL, Retention
 from cache.spec import CacheBatch, CacheSpec
-from kernels import contiguous_decode_attention, mla_decode_attention, paged_decode_attention, write_paged_kv
+from kernels import (contiguous_decode_attention, cpu_memory, mla_decode_attention, paged_decode_attention,
+                     write_paged_kv)
 
 
 def visible_keys(key_positions: torch.Tensor, query_positions: torch.Tensor, retention: Retention,
@@ -95,7 +96,7 @@ class KVTensors:
         def zeros(dim: int, split: int | None = None):
             if self.quantized:
                 return QuantizedRows.zeros(*shape(dim), dtype=dtype, device=device, kv_format=kv_format, split=split)
-            return torch.zeros(*shape(dim), dtype=dtype, device=device)
+            return cpu_memory.zeros(*shape(dim), dtype=dtype, device=device)  # 2 MiB pages on a CPU
 
         self.k = zeros(spec.head_dim, spec.latent_split)
         self.v = zeros(spec.value_dim) if spec.kind == "kv" else None

@@ -16,6 +16,7 @@ dimension indexes, views and transposes as in the float tensor.
 """
 import torch
 
+from kernels import cpu_memory
 from kernels.row_scales import spread_scales
 
 # format: (element dtype, largest magnitude a row's max is scaled to)
@@ -32,8 +33,8 @@ class QuantizedRows:
     def zeros(cls, *shape: int, dtype: torch.dtype, device, kv_format: str = "int8",
               split: int | None = None) -> "QuantizedRows":
         element, _ = ROW_FORMATS[kv_format]
-        return cls(torch.zeros(*shape, dtype=element, device=device),
-                   torch.zeros(*shape[:-1], 1 if split is None else 2, dtype=dtype, device=device), dtype, split)
+        return cls(cpu_memory.zeros(*shape, dtype=element, device=device),
+                   cpu_memory.zeros(*shape[:-1], 1 if split is None else 2, dtype=dtype, device=device), dtype, split)
 
     @property
     def kv_format(self) -> str:

@@ -2,6 +2,7 @@
 import torch
 
 from cache.spec import CacheBatch, CacheSpec
+from kernels import cpu_memory
 
 
 class StateSlots:
@@ -15,7 +16,8 @@ class StateSlots:
 
     def __init__(self, spec: CacheSpec, max_batch: int, dtype, device):
         dtype = spec.state_dtype or dtype
-        self.tensors = {name: torch.zeros(max_batch, *shape, dtype=dtype, device=device) for name, shape in spec.state_shapes}
+        self.tensors = {name: cpu_memory.zeros(max_batch, *shape, dtype=dtype, device=device)  # 2 MiB pages on a CPU
+                        for name, shape in spec.state_shapes}
         # checkpointed steps, oldest first: (slots [B], first new position [B], {name: state after each token [B, T, ...]})
         self.steps: list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]] = []
 

@@ -1,17 +1,21 @@
 """CPU tensors in 2 MiB pages: a private anonymous mapping advised MADV_HUGEPAGE (Linux's transparent huge pages,
 granted in the kernel's "always" and "madvise" modes), seen by torch through torch.frombuffer; torch's own
-allocation where the platform has no such advice.
+allocation where the platform has no such advice. An engine's runner moves a CPU model's weights here
+(harness/engine/model_runner.py's place_weights) and its caches are allocated here (`zeros`).
 
-Why: a decode step reads its weights from memory once a step, and the rate memory is read at depends on its pages.
-On the 2-core EPYC VM, one process, the read kernel (kernels/cpu/read_bandwidth.c) over a `small` gqa model's
-fp32 weights where torch put them (4 KiB pages, long-lived): 24-29 GB/s; over the same weights copied into one
-2 MiB-page region: 36-46 (10 rounds each); the decode step fell 4.30 -> 3.80 ms (batch 1, context 256; the median of
-10 rounds of 15 steps), mamba's 6.32 -> 5.87, gqa's at batch 4 and context 1024 7.35 -> 6.66. A page walk every
-4 KiB, through a guest's and its host's tables, is what a 2 MiB page saves. The floor's read buffer
-(harness/roofline.py) lies in such pages too, so it prices the rate this memory gives, not a rate no step's memory
-could reach or one its memory beats.
+Why: a decode step reads its weights and caches from memory once a step, and the rate memory is read at depends on
+its pages. On the 2-core EPYC VM, one process, the read kernel (kernels/cpu/read_bandwidth.c) over a `small` gqa
+model's fp32 weights where torch put them (4 KiB pages, long-lived): 24-29 GB/s; over the same weights copied into
+one 2 MiB-page region: 36-46 (10 rounds each); the decode step fell 4.30 -> 3.80 ms (batch 1, context 256; the
+median of 10 rounds of 15 steps), mamba's 6.32 -> 5.87, gqa's at batch 4 and context 1024 7.35 -> 6.66. The caches
+there too, against the weights alone (old and new processes alternating, three rounds): mha at batch 1 and context
+2048 7.3-7.9 against 8.3-8.6 ms, gqa at batch 4 and 2048 8.1-8.3 against 8.7-8.9 (mla's small latent cache: no
+change). A page walk every 4 KiB, through a guest's and its host's tables, is what a 2 MiB page saves. The floor's
+read buffer (harness/roofline.py) lies in such pages too, so it prices the rate this memory gives, not a rate no
+step's memory could reach or one its memory beats.
 """
 import ctypes
+import math
 import mmap
 from pathlib import Path
 
@@ -56,6 +60,19 @@ def huge_page_bytes(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8) if region is None else torch.frombuffer(region, dtype=torch.uint8)
 
 
+def zeros(*shape: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.zeros(*shape, dtype=dtype, device=device), in 2 MiB pages on a CPU where the kernel grants them: the
+    engine's caches, which a decode step reads every step (less than one such page: torch's). A fresh mapping is zeros
+    already, and a page is mapped only when first written, so a pool sized for more rows than it holds costs the
+    memory of those it holds."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    wanted = torch.device(device).type == "cpu" and nbytes >= HUGE_PAGE and not huge_pages_off()  # less: no page gained
+    region = huge_page_region(nbytes) if wanted else None
+    if region is None:
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+
+
 def movable(model: nn.Module) -> list[torch.Tensor]:
     """The parameters and buffers of `model` that place_on_huge_pages moves: each CPU tensor (a tied one once) that is
     contiguous, not empty, the only tensor over its whole storage (a view, or a storage two tensors share, stays where
@@ -88,7 +105,7 @@ def place_on_huge_pages(tensors: list[torch.Tensor]) -> None:
         return
     offset = 0
     for t in tensors:
-        view = torch.frombuffer(region[offset:offset + t.nbytes], dtype=t.dtype).view(t.shape)
+        view = torch.frombuffer(region[offset:offset + t.nbytes], dtype=torch.uint8).view(t.dtype).view(t.shape)
         view.copy_(t)
         t.data = view
         offset += -(-t.nbytes // LINE) * LINE

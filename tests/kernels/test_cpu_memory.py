@@ -104,3 +104,18 @@ def test_the_kernel_mode_decides(monkeypatch, tmp_path):
     assert ("[never]" if advised else "no MADV_HUGEPAGE") in cpu_memory.huge_pages_off()
     mode.unlink()
     assert ("unreadable" if advised else "no MADV_HUGEPAGE") in cpu_memory.huge_pages_off()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+def test_cache_zeros_are_zeros_of_their_shape(dtype):
+    """The engine's caches: from a fresh 2 MiB-page mapping where at least one such page is asked for, else torch's."""
+    big, small = cpu_memory.zeros(3, 1024, 1024, dtype=dtype, device="cpu"), cpu_memory.zeros(5, 7, dtype=dtype,
+                                                                                                device="cpu")
+    for t, shape in ((big, (3, 1024, 1024)), (small, (5, 7))):
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        assert not t.view(torch.uint8).any()
+    assert small.untyped_storage().resizable()  # under a page: torch's own
+    if PLACES:
+        assert big.data_ptr() % cpu_memory.HUGE_PAGE == 0 and not big.untyped_storage().resizable()
+    big[1, 2, 3] = 1  # writable, and only there
+    assert big.float().count_nonzero() == 1
