@@ -13,13 +13,17 @@ from zoo.resources import memory_limit
 
 def place_weights(model) -> str:
     """Move a CPU model's parameters and buffers into 2 MiB pages (kernels/cpu_memory.py), each tensor in place, where
-    the kernel grants such pages and the memory free holds a second copy while they move. Returns "" once they lie
-    there (or nothing was left to move: an engine built again over the same model), else why they stay."""
+    the kernel grants such pages, they fill at least one, and the memory free holds a second copy while they move.
+    Returns "" once they lie there, else why they stay."""
     off = cpu_memory.huge_pages_off()
     if off:
         return off
     tensors = cpu_memory.movable(model)
     needed = cpu_memory.placed_bytes(tensors)
+    if not tensors:
+        return "nothing left to move (placed by an earlier engine, or every tensor a view or in shared memory)"
+    if needed < cpu_memory.HUGE_PAGE:  # nothing to gain: a step's weights this small stay in the caches
+        return f"the weights take {needed:,} B, less than one 2 MiB page"
     limit, source = memory_limit("cpu")
     if needed > limit:
         return f"moving the weights needs {needed:,} B beside them, more than {source} ({limit:,} B)"

@@ -17,6 +17,12 @@ from zoo import checkpoint
 PLACES = cpu_memory.huge_pages_off() == ""  # this kernel grants huge pages for the asking
 
 
+def model_past_a_page(seed: int):
+    """A "tiny" model made wide enough that its weights fill more than one 2 MiB page (smaller ones stay put)."""
+    torch.manual_seed(seed)
+    return zoo.build("gqa", preset="tiny", d_model=512).eval()
+
+
 def test_a_region_starts_on_a_huge_page_and_lives_while_viewed():
     if not PLACES:
         pytest.skip(f"no 2 MiB pages to ask for: {cpu_memory.huge_pages_off()}")
@@ -31,8 +37,7 @@ def test_a_region_starts_on_a_huge_page_and_lives_while_viewed():
 
 @torch.no_grad()
 def test_placing_keeps_every_tensor_object_and_value():
-    torch.manual_seed(0)
-    model = zoo.build("gqa", preset="tiny").eval()  # a tied head: one tensor, moved once
+    model = model_past_a_page(0)  # a tied head: one tensor, moved once
     tokens = torch.randint(0, model.config.vocab_size, (2, 9))
     before = model(tokens)
     tensors = {name: (t, t.detach().clone()) for name, t in [*model.named_parameters(), *model.named_buffers()]}
@@ -69,9 +74,8 @@ def test_what_cannot_move_safely_stays_where_it_is():
 
 
 def test_a_placed_model_saves_and_loads(tmp_path):
-    torch.manual_seed(1)
-    model = zoo.build("gqa", preset="tiny").eval()
-    place_weights(model)
+    model = model_past_a_page(1)
+    assert place_weights(model) == cpu_memory.huge_pages_off()
     checkpoint.save(model, tmp_path / "ckpt")
     loaded = checkpoint.load(tmp_path / "ckpt")
     for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
@@ -79,14 +83,17 @@ def test_a_placed_model_saves_and_loads(tmp_path):
 
 
 def test_an_engine_places_its_weights_or_says_why_not(monkeypatch):
-    torch.manual_seed(2)
-    model = zoo.build("gqa", preset="tiny").eval()
+    model = model_past_a_page(2)
     engine = Engine(model, max_batch=1, max_seq_len=32)
     assert engine.runner.huge_pages_off == cpu_memory.huge_pages_off()
+    if PLACES:  # a second engine over the same model finds nothing left to move
+        assert "nothing left to move" in Engine(model, max_batch=1, max_seq_len=32).runner.huge_pages_off
+    small = zoo.build("gqa", preset="tiny").eval()  # under one page: stays
+    assert ("less than one 2 MiB page" if PLACES else cpu_memory.huge_pages_off()) in place_weights(small)
     assert all(not p.untyped_storage().resizable() for p in model.parameters()) == PLACES
     out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0))[0]
     assert len(out.token_ids) == 4
-    other = zoo.build("gqa", preset="tiny").eval()
+    other = model_past_a_page(3)
     monkeypatch.setenv("ZOO_MEMORY_LIMIT", "1000")  # less than the copy the move makes: nothing moves
     pointers = [p.data_ptr() for p in other.parameters()]
     reason = place_weights(other)
