@@ -25,6 +25,9 @@
  * 29.6-31.8 (read 47.7-48.6), bf16 30.5-38.1 against 25.8-31.1; from 4 KiB pages fp32 25.5-27.7 against 23.5-24.7,
  * bf16 24.5-26.2 against 23.7-25.8 (1 and 4 KiB ahead: no better; none: 19.5-35.4, less in most rounds). Before,
  * bf16 alone walked whole rows (24.9-26.8 against 23.3-24.4 GB/s in blocks) and fp32 saw no difference either way.
+ * And it runs row after row (rows_in_order), not in 4-row tiles handed out by OpenMP's loop: same sums, and from
+ * 2 MiB pages, fp32, eight rounds, 43-49 against 35-43 GB/s where the read kernel reads 44-50, 31-32 against 29-31
+ * where it reads 32-33 (a plain row-by-row loop written apart reached the same).
  * That one row adds alternate lines into two sums, not one: one sum waited on each add (4 cycles) and ran at a third
  * of L2's rate. Weights in cache, fp32, 1 row (EPYC): 512 x 512 31 -> 13 µs, 1408 x 512 88 -> 37; from memory no
  * change (20-22 GB/s either way). Four sums measured slower than two (24 and 61 µs).
@@ -44,6 +47,7 @@
 #pragma GCC optimize("fp-contract=fast")
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #include "floats.h"
 #include "gemv.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -234,14 +238,56 @@ INLINE void tile(const struct gemv *g, int64_t n0, int64_t m0, int mp, int forma
     finish(g, w, x, sums, m0, mp, n0, whole, format);
 }
 
+/* One row of x: out[r] for rows [n0, n1) of W, one row after another in address order, each whole, alternate lines
+ * into two sums (a tile's by_row walk and finish, row by row: the same sums in the same order), prefetching
+ * ROW_PREFETCH_BYTES ahead; see the top. */
+INLINE void rows_in_order(const struct gemv *g, int64_t n0, int64_t n1, int format) {
+    int64_t step = LINE / w_bytes(format), whole = g->k - g->k % step;
+    int x_dtype = format == DOT ? BF16 : F32;
+    for (int64_t r = n0; r < n1; r++) {
+        const char *w = g->w + r * g->k * w_bytes(format);
+        floats_v a = {0}, b = {0};
+        int64_t i = 0;
+        for (; i + 2 * step <= whole; i += 2 * step) {
+            __builtin_prefetch(w + w_bytes(format) * i + ROW_PREFETCH_BYTES, 0, 1); /* to L2 */
+            __builtin_prefetch(w + w_bytes(format) * (i + step) + ROW_PREFETCH_BYTES, 0, 1);
+            for (int64_t j = i; j < i + step; j += vector_elements(format))
+                a = madd(a, load_w(w, j, format), g->x, j, format);
+            for (int64_t j = i + step; j < i + 2 * step; j += vector_elements(format))
+                b = madd(b, load_w(w, j, format), g->x, j, format);
+        }
+        for (; i < whole; i += step)
+            for (int64_t j = i; j < i + step; j += vector_elements(format))
+                a = madd(a, load_w(w, j, format), g->x, j, format);
+        a += b;
+        float y = sum_lanes(a);
+        for (int64_t c = whole; c < g->k; c++) y += load_w1(w, c, format) * load1(g->x, c, x_dtype);
+        if (g->bias) y += load1(g->bias, r, g->dtype);
+        store1(g->out, r, y, g->dtype);
+    }
+}
+
+static void rows_fp32(const struct gemv *g, int64_t n0, int64_t n1) { rows_in_order(g, n0, n1, PLAIN); }
+static void rows_bf16(const struct gemv *g, int64_t n0, int64_t n1) { rows_in_order(g, n0, n1, BF16_FORMAT); }
+
 static void tile_fp32(const struct gemv *g, int64_t n0, int64_t m0, int mp) { tile(g, n0, m0, mp, PLAIN); }
 static void tile_bf16(const struct gemv *g, int64_t n0, int64_t m0, int mp) { tile(g, n0, m0, mp, BF16_FORMAT); }
 static void tile_int8(const struct gemv *g, int64_t n0, int64_t m0, int mp) { tile(g, n0, m0, mp, BYTES); }
 
 typedef void (*tile_fn)(const struct gemv *, int64_t, int64_t, int);
 
-/* every tile of g (ROWS channels each) for every MAX_M rows of x at a time */
+/* every tile of g (ROWS channels each) for every MAX_M rows of x at a time; one row of fp32 or bf16 x, each thread
+ * its share of W's rows in order */
 static void run(const struct gemv *g, int64_t m, tile_fn tile_of, int threads) {
+    if (m == 1 && g->format != BYTES) {
+        #pragma omp parallel num_threads(threads)
+        {
+            int64_t n0, n1;
+            tile_share(g->n, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
+            (g->format == PLAIN ? rows_fp32 : rows_bf16)(g, n0, n1);
+        }
+        return;
+    }
     int64_t tiles = (g->n + ROWS - 1) / ROWS;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++)
@@ -258,6 +304,10 @@ void gemv_part(const void *x, int64_t m, int64_t k, int64_t ldx, int dtype, cons
     struct gemv g = {x, (const char *)weight + n0 * k * w_bytes(format), NULL,
                      scales ? (const char *)scales + n0 * s_bytes : NULL, (char *)out + n0 * out_bytes, k, n1 - n0,
                      ldx, ldo, format, dtype, s_dtype};
+    if (m == 1 && format != BYTES) {
+        (format == PLAIN ? rows_fp32 : rows_bf16)(&g, 0, g.n);
+        return;
+    }
     tile_fn tile_of = format == PLAIN ? tile_fp32 : format == BYTES ? tile_int8 : tile_bf16;
     for (int64_t n = 0; n < g.n; n += ROWS)
         for (int64_t m0 = 0; m0 < m; m0 += MAX_M) tile_of(&g, n, m0, m - m0 < MAX_M ? (int)(m - m0) : MAX_M);
