@@ -42,3 +42,16 @@ def test_a_list_refuses_what_it_cannot_read_whole_lines_of():
         cpu_decode.read_buffers([base, base[8:]], 2)
     with pytest.raises(ValueError, match=r"tensors \[0\] are not"):
         cpu_decode.read_buffers([torch.zeros(64, 64)[:, 0]], 2)
+
+
+def test_tensors_read_rate_reads_each_tensor_once(monkeypatch):
+    """roofline.tensors_read_rate (a model's weights where they lie): a tied weight read once, every pass timed over
+    the same list."""
+    from harness import roofline
+
+    seen = []
+    monkeypatch.setattr(cpu_decode, "read_buffers", lambda tensors, threads: seen.append([id(t) for t in tensors]))
+    tied, other = torch.zeros(64 * 100, dtype=torch.uint8), torch.zeros(64 * 50, dtype=torch.uint8)
+    rate = roofline.tensors_read_rate([tied, other, tied], repeats=3)
+    assert rate > 0 and len(seen) == 4  # one untimed pass, then three
+    assert all(ids == [id(tied), id(other)] for ids in seen)
