@@ -89,6 +89,8 @@ class Engine:
         `cuda_graphs_off` says why); True: on, or a ValueError saying why not; False: off. "static": the same padded
         step on the same buffers, run eagerly on any device (what the CPU tests check of capture's needs).
         Prefill, chunked prefill and speculative verification run eagerly; compile=True keeps graphs off.
+        On a CPU the runner moves the model's weights into 2 MiB pages, each tensor in place (kernels/cpu_memory.py),
+        and the caches are allocated there; `runner.huge_pages_off` says why not where it does not.
         """
         max_batch, max_seq_len, block_size, num_blocks, cache_budget_bytes, max_num_batched_tokens = check_options(
             model, max_batch, max_seq_len, kv_cache, block_size, num_blocks, cache_budget_bytes, compile, admission,
