@@ -16,7 +16,7 @@ from harness.compare_device import CPU_DEFAULTS, CUDA_DEFAULTS, is_cuda
 from harness.engine import Engine
 from harness.probe import cli as probe_cli
 from harness.prune import cli as prune_cli
-from harness import convert_cli
+from harness import convert_cli, roofline
 from harness.recall import cli as recall_cli
 from harness.results import settings_dict, write_atomic
 from harness.engine.sampling import SamplingParams
@@ -116,7 +116,7 @@ def cmd_compare(args) -> None:
     print(table)
     rated = [r for r in measured if r.get("stream_gb_s")]
     if rated:
-        print(rates_text(rated[-1]))
+        print(rates_text(rated))
     probed = [r for r in measured if r.get("measure") == "decode-probe"]
     if probed:
         print(f"decode-probe: {len(probed)} cells timed {probed[0]['new_tokens']} decode steps at their context over "
@@ -132,14 +132,26 @@ def cmd_compare(args) -> None:
     print(f"wrote {settings.out / 'results.jsonl'}, {settings.out / 'table.md'}, " + ", ".join(str(c) for c in charts))
 
 
-def rates_text(row: dict) -> str:
-    """The roofline's ceilings as a results row records them: the read rate that prices the floor, and torch's GEMV
-    rate beside it (a library's rate, never the floor)."""
+def rates_text(rows: list[dict]) -> str:
+    """The roofline's ceilings as the results rows record them: the read rate that prices the floor (each cell's own,
+    where its read rates were swept around its steps), and torch's GEMV rate beside it (a library's, never the
+    floor)."""
+    row = rows[-1]
     gemv = f"; torch's GEMV reaches {row['gemv_gb_s']:.1f} GB/s" if row.get("gemv_gb_s") else ""
-    read = row.get("read_gb_s") or row["stream_gb_s"]
-    return (f"roofline ceilings: memory read {read:.1f} GB/s (past any cache), {row['matmul_gflop_s']:.0f} GFLOP/s "
+    read = row.get("run_read_gb_s") or row.get("read_gb_s") or row["stream_gb_s"]
+    text = (f"roofline ceilings: memory read {read:.1f} GB/s (past any cache), {row['matmul_gflop_s']:.0f} GFLOP/s "
             f"matmul{gemv} ({row['rates_how']}); floor = max(step bytes / the read rate for a working set of that "
             f"size, step FLOPs / matmul)")
+    swept = [r for r in rows if r.get("read_before_gb_s")]
+    if not swept:
+        return text
+    moved = [r for r in swept if r["read_moved"]]
+    low, high = min(r["stream_gb_s"] for r in swept), max(r["stream_gb_s"] for r in swept)
+    return (f"{text}\neach cell's floor is priced at the read rates swept just before and after its steps (the higher): "
+            f"{low:.1f}-{high:.1f} GB/s for the steps' bytes across {len(swept)} cells; in {len(moved)} of them the "
+            f"rate moved more than {roofline.DISTURBANCE:.0%} across the steps"
+            + (": the machine changed under them" if moved else "") + "".join(f"\n- {r['arch']} context {r['context']} batch {r['batch']}: "
+                               f"{r['read_before_gb_s']:.1f} -> {r['read_after_gb_s']:.1f} GB/s" for r in moved))
 
 
 def skipped_text(rows: list[dict]) -> str:

@@ -319,17 +319,23 @@ def load_trained(trained: TrainedModel, settings: CompareSettings):
     return zoo.load(trained.folder, settings.device).to(dtype=DTYPES[settings.dtype])
 
 
-def measure_cell(model, cell: dict, rates: roofline.MachineRates, seed: int) -> dict:
+def measure_cell(model, cell: dict, rates: roofline.MachineRates, seed: int,
+                 read_buffer: torch.Tensor | None = None) -> dict:
     """Time the cell's decode steps as its measure says (generate: prefill `batch` prompts of `context` tokens
     together, decode `new_tokens` each; decode-probe: `new_tokens` steps at `context` without the prefill); times and
-    bytes, whether CUDA graphs ran, and the roofline floor of the median decode step beside it."""
+    bytes, whether CUDA graphs ran, and the roofline floor of the median decode step beside it. With a read buffer
+    (a CPU run's), the floor is priced at the read rates swept just before and after the steps (the higher), not the
+    run's: a VM's memory reads at rates that change from one minute to the next (31-35 GB/s, then 49-56 for a while,
+    on the 2-core EPYC), and a floor priced at another minute's rate says more about that minute than the step."""
     max_seq_len = cell["context"] + cell["new_tokens"]
     if cell["kv_policy"] != "none":
         model = zoo.evict(model, policy=cell["kv_policy"], budget=eviction_budget(cell["kv_budget"], cell["context"]))
     engine = Engine(model, max_batch=cell["batch"], max_seq_len=max_seq_len, kv_cache=cell["kv_cache"],
                     block_size=cell["block_size"], kv_dtype=cell["kv_dtype"], cuda_graphs=GRAPHS[cell["graphs"]])
     timed = timed_generate if cell["measure"] == "generate" else timed_probe
+    before = cell_read_rates(read_buffer)
     times, step_s = timed(engine, cell, model.config.vocab_size, seed)
+    around = None if before is None else (before, cell_read_rates(read_buffer))
     experts_read = zoo.decode_experts_read(engine.model)  # MoE: distinct experts each timed step read, per layer
     return {
         **cell,
@@ -339,7 +345,7 @@ def measure_cell(model, cell: dict, rates: roofline.MachineRates, seed: int) -> 
         "measured_cache_bytes": engine.cache_bytes_allocated,
         "cache_bytes_per_token": zoo.cache_bytes(model, seq_len=1, kv_format=cell["kv_dtype"]),
         **times,
-        **floor_fields(model, cell, step_s, rates, experts_read),
+        **floor_fields(model, cell, step_s, rates, experts_read, around),
         **routing_fields(engine.model, cell["batch"], experts_read),
         "cuda_graphs": engine.cuda_graphs,
         "cuda_graphs_off": engine.cuda_graphs_off,
@@ -431,13 +437,22 @@ def routing_fields(model, batch: int, experts_read: dict[int, float]) -> dict:
 
 
 def floor_fields(model, cell: dict, step_s: float, rates: roofline.MachineRates,
-                 experts_read: dict[int, float] | None = None) -> dict:
+                 experts_read: dict[int, float] | None = None,
+                 around: tuple[roofline.ReadRates, roofline.ReadRates] | None = None) -> dict:
     """The roofline beside the measurement: the decode step's floor at the cell's batch and mean context (an MoE
     layer's weight bytes those of the experts its timed steps read), and one prompt's prefill floor (the engine
     prefills prompts of 512 tokens or more one after another, so the mean TTFT at batch b waits for about (b + 1) / 2
-    of them; shorter ones share a forward)."""
+    of them; shorter ones share a forward). `around`: the read sweeps just before and after the cell's steps, which
+    price its floors in place of the run's (the faster of the two at each size), both recorded."""
     step = roofline.decode_step_cost(model, cell["batch"], floor_context(cell), kv_format=cell["kv_dtype"],
                                      experts_read=experts_read or None)
+    run_read = rates.stream_bytes_per_s
+    reads = {}
+    if around is not None:
+        before, after = around
+        rates = rates.priced_at(before.higher(after))
+        reads = {"read_before_gb_s": before.at(step.bytes) / 1e9, "read_after_gb_s": after.at(step.bytes) / 1e9,
+                 "read_moved": roofline.moved(before.at(step.bytes), after.at(step.bytes))}
     floor_s = roofline.floor_seconds(step, rates)
     prefill = roofline.prefill_cost(model, 1, cell["context"], kv_format=cell["kv_dtype"])
     return {
@@ -453,7 +468,23 @@ def floor_fields(model, cell: dict, step_s: float, rates: roofline.MachineRates,
         "prefill_floor_ms": 1000 * roofline.floor_seconds(prefill, rates),
         **rates.row_fields(),
         "stream_gb_s": rates.stream_rate(step.bytes) / 1e9,  # the read rate for this step's bytes: its floor's
+        "run_read_gb_s": run_read / 1e9,  # the run's start-of-run rate past any cache, beside the cell's
+        **reads,
     }
+
+
+CELL_READ_REPEATS = 3  # passes a size in a cell's sweeps: two sweeps of ~2 GiB cost ~0.5 s a cell at 31 GB/s
+
+
+def read_gauge(settings: CompareSettings) -> torch.Tensor | None:
+    """The buffer a CPU run's cells sweep their read rates over, held for the run (a fresh one's pages cost a fill
+    each time); None on CUDA, where the run's copy rate prices every cell."""
+    return None if is_cuda(settings.device) else roofline.read_buffer()
+
+
+def cell_read_rates(buffer: torch.Tensor | None) -> roofline.ReadRates | None:
+    """A read sweep over `buffer` at every size the run's sweep has (None without a buffer)."""
+    return None if buffer is None else roofline.measure_read_rates(CELL_READ_REPEATS, buffer=buffer)
 
 
 def measure_rates(settings: CompareSettings) -> roofline.MachineRates:
@@ -490,6 +521,7 @@ def measure_cells(cells: list[dict], settings: CompareSettings, trained: dict[st
     """Each cell's row as it finishes (the local loop and each Ray task's); on_cell(cell) is told before it runs.
     A model is built (or loaded), quantized and scored once per run of consecutive cells of it."""
     validation = validation_set(trained) if trained else None
+    buffer = read_gauge(settings) if rates is not None else None
     current, model, reference, quality = None, None, {}, {}
     for cell in cells:
         on_cell(cell)
@@ -505,7 +537,7 @@ def measure_cells(cells: list[dict], settings: CompareSettings, trained: dict[st
         elif skipped := skip_reason(model, cell, settings.device):
             yield {**cell, "skipped": skipped}  # recorded, so a re-run on this device skips it too
         else:
-            yield {**measure_cell(model, cell, rates, settings.seed), **quality}
+            yield {**measure_cell(model, cell, rates, settings.seed, read_buffer=buffer), **quality}
 
 
 def measure_model_cells(cells: list[dict], settings: CompareSettings, trained: dict[str, TrainedModel]

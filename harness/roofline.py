@@ -3,7 +3,7 @@ model's cache declarations and parameters alone, and the machine's two measured 
 floor on time (max of bytes / streaming rate and FLOPs / matmul rate)."""
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,13 @@ class ReadRates:
         within = [i for i, size in enumerate(self.sizes) if size <= nbytes]
         return max(self.rates[within[-1] if within else 0:])
 
+    def higher(self, other: "ReadRates") -> "ReadRates":
+        """Size by size, the faster of two sweeps over the same sizes (a cell's floor from the sweeps just before and
+        after its steps: the memory could read at either rate while they ran)."""
+        if self.sizes != other.sizes:
+            raise ValueError(f"read sweeps over different sizes: {self.sizes} and {other.sizes}")
+        return ReadRates(self.sizes, tuple(map(max, self.rates, other.rates)), self.how)
+
 
 @dataclass(frozen=True)
 class MachineRates:
@@ -71,6 +78,11 @@ class MachineRates:
     def stream_rate(self, nbytes: int) -> float:
         """The read rate that prices a step streaming `nbytes`."""
         return self.stream_bytes_per_s if self.read_rates is None else self.read_rates.at(nbytes)
+
+    def priced_at(self, read_rates: ReadRates) -> "MachineRates":
+        """These ceilings with the read rates of `read_rates` (a sweep taken again, around one cell's steps); the
+        matmul, GEMV and copy rates stay the run's."""
+        return replace(self, stream_bytes_per_s=read_rates.rates[-1], read_rates=read_rates)
 
     def row_fields(self) -> dict:
         optional = {"gemv_gb_s": self.gemv_bytes_per_s, "copy_gb_s": self.copy_bytes_per_s}
@@ -283,10 +295,13 @@ def read_pass(buffer: torch.Tensor) -> None:
         buffer.view(torch.int64).sum()
 
 
-def measure_read_rates(repeats: int = 5, budget_s: float = 1.0) -> ReadRates:
+def measure_read_rates(repeats: int = 5, budget_s: float = 1.0, buffer: torch.Tensor | None = None) -> ReadRates:
     """The CPU's read rate at working sets of READ_SMALLEST to READ_BYTES (powers of two), each the best of up to
-    `repeats` passes after a warm-up pass."""
-    buffer = read_buffer()
+    `repeats` passes after a warm-up pass, over `buffer` (READ_BYTES; default: a fresh read_buffer())."""
+    if buffer is None:
+        buffer = read_buffer()
+    elif buffer.nbytes != READ_BYTES:
+        raise ValueError(f"a read sweep needs a buffer of {READ_BYTES} bytes (read_buffer()), got {buffer.nbytes}")
     sizes = []
     size = READ_SMALLEST
     while size <= READ_BYTES:
@@ -322,11 +337,24 @@ def tensors_read_rate(tensors, repeats: int = 5) -> float:
     return nbytes / statistics.median(passes[1:])
 
 
-def disturbance(start_bytes_per_s: float, end_bytes_per_s: float, tolerance: float = 0.15) -> str:
+DISTURBANCE = 0.15  # two read rates this far apart: the machine changed between them
+
+
+def rate_change(first_bytes_per_s: float, second_bytes_per_s: float) -> float:
+    """How far apart two read rates are, as a share of the higher."""
+    return abs(second_bytes_per_s - first_bytes_per_s) / max(first_bytes_per_s, second_bytes_per_s)
+
+
+def moved(first_bytes_per_s: float, second_bytes_per_s: float, tolerance: float = DISTURBANCE) -> bool:
+    """Whether the read rate moved more than `tolerance` between two readings (before and after a cell's steps)."""
+    return rate_change(first_bytes_per_s, second_bytes_per_s) > tolerance
+
+
+def disturbance(start_bytes_per_s: float, end_bytes_per_s: float, tolerance: float = DISTURBANCE) -> str:
     """The read rate at a run's start and end, and whether they differ by more than `tolerance`: a machine busy with
     other work part of the time makes a run's figures noise (OpenMP GEMMs slow 10-100x when a core is taken)."""
-    change = abs(end_bytes_per_s - start_bytes_per_s) / max(start_bytes_per_s, end_bytes_per_s)
     line = f"read rate at start {start_bytes_per_s / 1e9:.1f} GB/s, at end {end_bytes_per_s / 1e9:.1f} GB/s"
+    change = rate_change(start_bytes_per_s, end_bytes_per_s)
     if change > tolerance:
         return f"{line}: DISTURBED (they differ by {change:.0%} > {tolerance:.0%}); treat this run's figures as noise"
     return f"{line}: steady (within {tolerance:.0%})"

@@ -34,14 +34,24 @@ def local_ray():
 @pytest.fixture(scope="session")
 def share_machine_measurements():
     """share(patch): compare's measurements of the machine (measure_rates, ~2.3 s a run on 2 cores: a read sweep to
-    1 GiB, a matmul, the GEMVs; and the read rate it takes again after the cells for its disturbance line, ~0.7 s)
-    made for real once a session (the rates per device, dtype, preset and seed) and handed to every later compare run
-    patched with `patch`."""
+    1 GiB, a matmul, the GEMVs; the read rate it takes again after the cells for its disturbance line, ~0.7 s; and a
+    CPU cell's read sweeps before and after its steps, ~0.25 s each, over a 1 GiB buffer held for the run) made for
+    real once a session (the rates per device, dtype, preset and seed) and handed to every later compare run patched
+    with `patch`."""
     measured = {}
 
     def share(patch: pytest.MonkeyPatch) -> None:
         from harness import compare, roofline
         real_rates, real_read_rate = compare.measure_rates, roofline.measure_read_rate
+        real_sweep = compare.cell_read_rates
+
+        def read_gauge(settings):  # a stand-in for the run's buffer (None on CUDA), not 1 GiB held for a session
+            return None if compare.is_cuda(settings.device) else torch.empty(0)
+
+        def cell_read_rates(buffer):
+            if buffer is not None and "sweep" not in measured:
+                measured["sweep"] = real_sweep(roofline.read_buffer())
+            return None if buffer is None else measured["sweep"]
 
         def measure_rates(settings):
             key = (settings.device, settings.dtype, settings.preset, settings.seed)  # what measure_rates builds from
@@ -55,6 +65,8 @@ def share_machine_measurements():
             return measured["read rate"]
 
         patch.setattr(compare, "measure_rates", measure_rates)
+        patch.setattr(compare, "read_gauge", read_gauge)
+        patch.setattr(compare, "cell_read_rates", cell_read_rates)
         patch.setattr(roofline, "measure_read_rate", measure_read_rate)
 
     return share

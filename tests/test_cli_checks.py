@@ -349,7 +349,7 @@ def test_compare_runs_the_cell_of_a_damaged_row_again(tmp_path, monkeypatch):
     measured = []
     monkeypatch.setattr(compare, "measure_rates", lambda settings: None)
     monkeypatch.setattr(compare, "build_model", lambda arch, settings: None)
-    monkeypatch.setattr(compare, "measure_cell", lambda model, cell, rates, seed: measured.append(cell) or
+    monkeypatch.setattr(compare, "measure_cell", lambda model, cell, rates, seed, **_: measured.append(cell) or
                         {**cell, "ttft_ms": 3.0})
     with pytest.warns(UserWarning, match=r"results.jsonl:2: skipped a damaged row \(not JSON"):
         rows = compare.run_compare(settings, show_progress=False)

@@ -33,12 +33,39 @@ def test_rows_have_measured_and_analytic_bytes(tmp_path):
         rates = roofline.MachineRates(row["stream_gb_s"] * 1e9, row["matmul_gflop_s"] * 1e9, "float32", "cpu", "")
         step = roofline.decode_step_cost(model, row["batch"], row["context"])
         assert row["floor_ms"] == pytest.approx(1000 * roofline.floor_seconds(step, rates))
-        assert row["gemv_gb_s"] > 0 and row["read_gb_s"] > 0
-    # one machine measurement per run: every row carries the same rates
-    assert len({(r["read_gb_s"], r["gemv_gb_s"], r["matmul_gflop_s"]) for r in rows}) == 1
+        assert row["gemv_gb_s"] > 0 and row["read_gb_s"] > 0 and row["run_read_gb_s"] > 0
+        # a CPU cell's floor: the faster of the read sweeps just before and after its steps, both recorded
+        assert row["stream_gb_s"] == pytest.approx(max(row["read_before_gb_s"], row["read_after_gb_s"]))
+        assert row["read_moved"] == (abs(row["read_before_gb_s"] - row["read_after_gb_s"])
+                                     > 0.15 * row["stream_gb_s"])
+    # one measurement of the library's and the matmul's rates per run: every row carries the same
+    assert len({(r["run_read_gb_s"], r["gemv_gb_s"], r["matmul_gflop_s"]) for r in rows}) == 1
+    # the read sweeps are each cell's own: no two cells' sweeps read identically to the last bit
+    assert len({(r["read_before_gb_s"], r["read_after_gb_s"]) for r in rows}) == len(rows)
     mha = next(r for r in rows if r["arch"] == "mha")
     mqa = next(r for r in rows if r["arch"] == "mqa" and r["context"] == mha["context"] and r["batch"] == mha["batch"])
     assert mha["analytic_cache_bytes"] == 4 * mqa["analytic_cache_bytes"]  # tiny: 4 heads vs 1 KV head
+
+
+@pytest.mark.usefixtures("machine_rates_once")
+def test_each_cpu_cell_is_priced_at_the_read_sweeps_around_its_steps(tmp_path, monkeypatch):
+    """Not the run's start-of-run rate: the faster of the sweeps just before and after the cell's steps, each cell its
+    own, and a cell whose sweeps differ by more than 15% is marked as run across a change."""
+    sizes = tuple(2**k for k in range(20, 31))  # measure_read_rates' sizes: 1 MiB to 1 GiB
+    sweeps = iter([10e9, 40e9, 20e9, 21e9])  # cell 1: before, after; cell 2: before, after (bytes/s at every size)
+    monkeypatch.setattr(compare, "cell_read_rates",
+                        lambda buffer: roofline.ReadRates(sizes, (next(sweeps),) * len(sizes)))
+    settings = CompareSettings(archs=["gqa"], preset="tiny", contexts=[16], batches=[1, 2], new_tokens=3, out=tmp_path)
+    rows = run_compare(settings, show_progress=False)
+    assert [(r["read_before_gb_s"], r["read_after_gb_s"], r["read_moved"]) for r in rows] == [
+        (10.0, 40.0, True), (20.0, 21.0, False)]
+    for row, rate in zip(rows, (40e9, 21e9)):
+        step = roofline.decode_step_cost(zoo.build("gqa", preset="tiny"), row["batch"], row["floor_context"])
+        assert row["stream_gb_s"] == pytest.approx(rate / 1e9) and row["read_gb_s"] == pytest.approx(rate / 1e9)
+        floor = roofline.floor_seconds(step, roofline.MachineRates(rate, row["matmul_gflop_s"] * 1e9, "float32",
+                                                                     "cpu", ""))
+        assert row["floor_ms"] == pytest.approx(1000 * floor)
+        assert row["run_read_gb_s"] != pytest.approx(rate / 1e9)  # the run's own sweep: a real machine's rate
 
 
 @pytest.mark.usefixtures("machine_rates_once")
@@ -46,11 +73,11 @@ def test_interrupted_run_resumes_without_redoing_cells(tmp_path, monkeypatch):
     real = compare.measure_cell
     calls = []
 
-    def dies_on_third(model, cell, peak, seed):
+    def dies_on_third(model, cell, peak, seed, **kwargs):
         if len(calls) == 2:
             raise KeyboardInterrupt
         calls.append(cell)
-        return real(model, cell, peak, seed)
+        return real(model, cell, peak, seed, **kwargs)
 
     monkeypatch.setattr(compare, "measure_cell", dies_on_third)
     with pytest.raises(KeyboardInterrupt):
@@ -58,7 +85,7 @@ def test_interrupted_run_resumes_without_redoing_cells(tmp_path, monkeypatch):
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 2
 
     redone = []
-    monkeypatch.setattr(compare, "measure_cell", lambda *a: redone.append(a[1]) or real(*a))
+    monkeypatch.setattr(compare, "measure_cell", lambda *a, **k: redone.append(a[1]) or real(*a, **k))
     rows = run_compare(tiny_settings(tmp_path), show_progress=False)
     assert len(rows) == 8 and len(redone) == 6
     assert not any(c in calls for c in redone)

@@ -199,3 +199,26 @@ def test_disturbance_says_when_the_read_rate_moved():
     assert "steady" in roofline.disturbance(30e9, 28e9)
     assert "DISTURBED" in roofline.disturbance(30e9, 20e9)
     assert "DISTURBED" in roofline.disturbance(20e9, 30e9)
+
+
+def test_a_cell_is_priced_at_the_faster_of_the_sweeps_around_it():
+    """Size by size the higher of two sweeps; the run's matmul and GEMV rates stay; sweeps of other sizes are refused;
+    two readings more than 15% apart have moved."""
+    before = roofline.ReadRates(sizes=(2**20, 2**21, 2**22), rates=(80e9, 30e9, 31e9))
+    after = roofline.ReadRates(sizes=(2**20, 2**21, 2**22), rates=(70e9, 52e9, 29e9))
+    both = before.higher(after)
+    assert both.rates == (80e9, 52e9, 31e9)
+    run = MachineRates(25e9, 1e12, "float32", "cpu", "run", read_rates=before, gemv_bytes_per_s=5e9)
+    cell = run.priced_at(both)
+    assert cell.stream_bytes_per_s == 31e9 and cell.read_rates is both
+    assert (cell.matmul_flops_per_s, cell.gemv_bytes_per_s, cell.how) == (1e12, 5e9, "run")
+    cost = roofline.StepCost(weight_bytes=3 * 2**20, cache_read_bytes=0, cache_write_bytes=0, flops=1)
+    assert roofline.floor_seconds(cost, cell) == 3 * 2**20 / 52e9  # after's 2 MiB rate: the faster one
+    with pytest.raises(ValueError, match="different sizes"):
+        before.higher(roofline.ReadRates(sizes=(2**20,), rates=(1e9,)))
+    assert roofline.moved(30e9, 36e9) and roofline.moved(36e9, 30e9) and not roofline.moved(30e9, 34e9)
+
+
+def test_a_read_sweep_refuses_a_buffer_of_another_size():
+    with pytest.raises(ValueError, match=f"{roofline.READ_BYTES} bytes"):
+        roofline.measure_read_rates(buffer=torch.zeros(1024, dtype=torch.uint8))
