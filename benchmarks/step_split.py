@@ -1,7 +1,8 @@
 """Where an eager CPU decode step's time goes beyond its roofline floor: each cell's step split into its blocks (the
 engine's plan of them, zoo/decode_plan.py: one C++ call over every block's fused halves, kernels/cpu_blocks.py), the
 plan's guard, the model's code around them (the embedding, the final norm, the step's rows), the head, and the
-engine's step around the model; beside the floor at the machine's read rate, measured in the same process. Steps
+engine's step around the model; beside the floor at the machine's read rate, swept just before and after the cell's
+steps (the faster, as zoo compare prices a cell: a VM's memory reads at rates that change within a minute). Steps
 without the plan, each block deciding and calling its own halves, time the mixer halves and the feed-forward halves
 apart: the rate each streams its bytes at.
 
@@ -95,11 +96,13 @@ def part_bytes(model, cost: roofline.StepCost) -> dict[str, int]:
             "ffn": max(cost.weight_bytes - mixer - head - norm, 0)}
 
 
-def measure(model, cell: dict, rates: roofline.MachineRates, steps: int) -> dict:
+def measure(model, cell: dict, rates: roofline.MachineRates, steps: int, buffer: torch.Tensor) -> dict:
     probe = decode_probe(model, cell["batch"], cell["context"], "contiguous")
     runner = probe.engine.runner
     plans = runner.decode_plans
     cost = roofline.decode_step_cost(model, cell["batch"], cell["context"])
+    # the floor at the read rates swept just before and after the steps (the faster), as zoo compare prices a cell
+    before = roofline.measure_read_rates(3, buffer=buffer, also=(min(cost.bytes, roofline.READ_BYTES),))
     for _ in range(5):  # untimed: the first steps' allocations, the plan's decisions
         probe.step()
     with timed_parts(model, plans) as (seconds, calls):
@@ -112,6 +115,8 @@ def measure(model, cell: dict, rates: roofline.MachineRates, steps: int) -> dict
         for _ in range(steps):
             probe.step()
         runner.decode_plans = plans
+    after = roofline.measure_read_rates(3, buffer=buffer, also=(min(cost.bytes, roofline.READ_BYTES),))
+    rates = rates.priced_at(before.higher(after))
     # the rate the model's own memory is read at (its parameters and buffers where they lie), beside the floor's buffer
     own = roofline.tensors_read_rate([*model.parameters(), *model.buffers()])
     total = sum(walls)
@@ -131,7 +136,8 @@ def measure(model, cell: dict, rates: roofline.MachineRates, steps: int) -> dict
                  for part in ("mixer", "ffn")})
     return {**cell, "step_ms_mean": 1000 * mean, "step_ms_p50": 1000 * statistics.median(walls),
             "floor_ms": 1000 * floor, "fraction_of_floor": mean / floor, "read_gb_s": rate / 1e9,
-            "weights_memory_gb_s": own / 1e9,
+            "weights_memory_gb_s": own / 1e9, "read_before_gb_s": before.at(cost.bytes) / 1e9,
+            "read_after_gb_s": after.at(cost.bytes) / 1e9,
             "planned": spent["blocks"] > 0, **{f"{part}_ms": ms[part] for part in PARTS},
             **{f"{part}_mb": moved[part] / 1e6 for part in ("mixer", "ffn", "blocks", "head")},
             **{f"{part}_excess_ms": excess[part] for part in PARTS}, **{f"{p}_gb_s": v for p, v in gb_s.items()},
@@ -175,7 +181,7 @@ def main(argv=None) -> int:
     store = ResultStore(Path(args.out) / "results.jsonl", CELL_KEY)
     cells = [{"arch": a, "preset": args.preset, "batch": b, "context": c, "dtype": d}
              for d in args.dtypes for a in args.archs for b in args.batches for c in args.contexts]
-    rates = {}
+    rates, buffer = {}, roofline.read_buffer()  # the buffer each cell's read sweeps run over
     for i, cell in enumerate(cells, 1):
         if store.done(cell):
             continue
@@ -184,7 +190,7 @@ def main(argv=None) -> int:
         if cell["dtype"] not in rates:  # once a dtype, as zoo compare measures once a run
             rates[cell["dtype"]] = roofline.measure_machine(model)
         with torch.no_grad():
-            row = measure(model, cell, rates[cell["dtype"]], args.steps)
+            row = measure(model, cell, rates[cell["dtype"]], args.steps, buffer)
         store.append(row)
         print(f"[{i}/{len(cells)}] {cell['arch']} {cell['dtype']} batch {cell['batch']} context {cell['context']}: "
               f"{row['step_ms_mean']:.2f} ms, {row['fraction_of_floor']:.2f}x its floor; most over: "

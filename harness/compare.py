@@ -333,9 +333,11 @@ def measure_cell(model, cell: dict, rates: roofline.MachineRates, seed: int,
     engine = Engine(model, max_batch=cell["batch"], max_seq_len=max_seq_len, kv_cache=cell["kv_cache"],
                     block_size=cell["block_size"], kv_dtype=cell["kv_dtype"], cuda_graphs=GRAPHS[cell["graphs"]])
     timed = timed_generate if cell["measure"] == "generate" else timed_probe
-    before = cell_read_rates(read_buffer)
+    step_bytes = min(roofline.decode_step_cost(model, cell["batch"], floor_context(cell),
+                                               kv_format=cell["kv_dtype"]).bytes, roofline.READ_BYTES)
+    before = cell_read_rates(read_buffer, step_bytes)
     times, step_s = timed(engine, cell, model.config.vocab_size, seed)
-    around = None if before is None else (before, cell_read_rates(read_buffer))
+    around = None if before is None else (before, cell_read_rates(read_buffer, step_bytes))
     experts_read = zoo.decode_experts_read(engine.model)  # MoE: distinct experts each timed step read, per layer
     return {
         **cell,
@@ -482,9 +484,11 @@ def read_gauge(settings: CompareSettings) -> torch.Tensor | None:
     return None if is_cuda(settings.device) else roofline.read_buffer()
 
 
-def cell_read_rates(buffer: torch.Tensor | None) -> roofline.ReadRates | None:
-    """A read sweep over `buffer` at every size the run's sweep has (None without a buffer)."""
-    return None if buffer is None else roofline.measure_read_rates(CELL_READ_REPEATS, buffer=buffer)
+def cell_read_rates(buffer: torch.Tensor | None, step_bytes: int) -> roofline.ReadRates | None:
+    """A read sweep over `buffer` at every size the run's sweep has and at the step's own bytes (an MoE step's are
+    fewer where its steps read fewer experts: priced at the sizes below them) (None without a buffer)."""
+    return None if buffer is None else roofline.measure_read_rates(CELL_READ_REPEATS, buffer=buffer,
+                                                                   also=(step_bytes,))
 
 
 def measure_rates(settings: CompareSettings) -> roofline.MachineRates:

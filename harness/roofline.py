@@ -295,18 +295,23 @@ def read_pass(buffer: torch.Tensor) -> None:
         buffer.view(torch.int64).sum()
 
 
-def measure_read_rates(repeats: int = 5, budget_s: float = 1.0, buffer: torch.Tensor | None = None) -> ReadRates:
-    """The CPU's read rate at working sets of READ_SMALLEST to READ_BYTES (powers of two), each the best of up to
-    `repeats` passes after a warm-up pass, over `buffer` (READ_BYTES; default: a fresh read_buffer())."""
+def measure_read_rates(repeats: int = 5, budget_s: float = 1.0, buffer: torch.Tensor | None = None,
+                       also: tuple[int, ...] = ()) -> ReadRates:
+    """The CPU's read rate at working sets of READ_SMALLEST to READ_BYTES (powers of two) and at the sizes in `also`
+    (a step's own bytes: exact where a power of two on either side of it would be too slow or too fast), each the best
+    of up to `repeats` passes after a warm-up pass, over `buffer` (READ_BYTES; default: a fresh read_buffer())."""
     if buffer is None:
         buffer = read_buffer()
     elif buffer.nbytes != READ_BYTES:
         raise ValueError(f"a read sweep needs a buffer of {READ_BYTES} bytes (read_buffer()), got {buffer.nbytes}")
-    sizes = []
+    if bad := [size for size in also if not 64 <= size <= READ_BYTES]:
+        raise ValueError(f"read sweep sizes must be 64 to {READ_BYTES} bytes, got {bad}")
+    sizes = {size // 64 * 64 for size in also}  # whole lines: the read kernel reads 64-byte lines
     size = READ_SMALLEST
     while size <= READ_BYTES:
-        sizes.append(size)
+        sizes.add(size)
         size *= 2
+    sizes = sorted(sizes)
     rates = tuple(size / best_time(lambda: read_pass(buffer[:size]), "cpu", repeats, budget_s) for size in sizes)
     kernel = "archzoo's streaming read kernel" if cpu_decode.cpu_kernels_available() else "torch's sum (no C kernel)"
     how = (f"{kernel}, {torch.get_num_threads()} threads, best of {repeats} passes: "

@@ -48,9 +48,9 @@ def share_machine_measurements():
         def read_gauge(settings):  # a stand-in for the run's buffer (None on CUDA), not 1 GiB held for a session
             return None if compare.is_cuda(settings.device) else torch.empty(0)
 
-        def cell_read_rates(buffer):
+        def cell_read_rates(buffer, step_bytes):
             if buffer is not None and "sweep" not in measured:
-                measured["sweep"] = real_sweep(roofline.read_buffer())
+                measured["sweep"] = real_sweep(roofline.read_buffer(), step_bytes)  # later cells: the same sizes
             return None if buffer is None else measured["sweep"]
 
         def measure_rates(settings):

@@ -54,7 +54,7 @@ def test_each_cpu_cell_is_priced_at_the_read_sweeps_around_its_steps(tmp_path, m
     sizes = tuple(2**k for k in range(20, 31))  # measure_read_rates' sizes: 1 MiB to 1 GiB
     sweeps = iter([10e9, 40e9, 20e9, 21e9])  # cell 1: before, after; cell 2: before, after (bytes/s at every size)
     monkeypatch.setattr(compare, "cell_read_rates",
-                        lambda buffer: roofline.ReadRates(sizes, (next(sweeps),) * len(sizes)))
+                        lambda buffer, step_bytes: roofline.ReadRates(sizes, (next(sweeps),) * len(sizes)))
     settings = CompareSettings(archs=["gqa"], preset="tiny", contexts=[16], batches=[1, 2], new_tokens=3, out=tmp_path)
     rows = run_compare(settings, show_progress=False)
     assert [(r["read_before_gb_s"], r["read_after_gb_s"], r["read_moved"]) for r in rows] == [

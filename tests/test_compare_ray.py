@@ -12,7 +12,8 @@ from harness.results import ResultStore
 # Left out of the comparison: what a clock or the machine's measured rates decide (the floor is priced by them).
 TIMED = {"ttft_ms", "tpot_ms", "itl_p99_ms", "step_ms_p50", "decode_tok_s", "output_tok_s", "wall_s",
          "floor_ms", "bound", "fraction_of_floor", "mbu", "mfu", "prefill_floor_ms",
-         "stream_gb_s", "read_gb_s", "matmul_gflop_s", "gemv_gb_s", "copy_gb_s", "rates_how"}
+         "stream_gb_s", "read_gb_s", "matmul_gflop_s", "gemv_gb_s", "copy_gb_s", "rates_how",
+         "run_read_gb_s", "read_before_gb_s", "read_after_gb_s", "read_moved"}
 
 
 def tiny_settings(out, **kw) -> CompareSettings:

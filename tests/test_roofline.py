@@ -219,6 +219,17 @@ def test_a_cell_is_priced_at_the_faster_of_the_sweeps_around_it():
     assert roofline.moved(30e9, 36e9) and roofline.moved(36e9, 30e9) and not roofline.moved(30e9, 34e9)
 
 
-def test_a_read_sweep_refuses_a_buffer_of_another_size():
+def test_a_read_sweep_refuses_a_buffer_or_size_it_cannot_read():
     with pytest.raises(ValueError, match=f"{roofline.READ_BYTES} bytes"):
         roofline.measure_read_rates(buffer=torch.zeros(1024, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"64 to \d+ bytes, got \[0\]"):
+        roofline.measure_read_rates(also=(0,))
+
+
+def test_a_read_sweep_also_reads_at_a_steps_own_size():
+    """Beside the powers of two, the step's bytes in whole lines: a 93 MB step priced at its own size's rate, not at
+    64 MiB's (which a 32 MiB L3 can still speed up)."""
+    sweep = roofline.measure_read_rates(repeats=1, also=(93_000_005,))
+    assert 93_000_000 in sweep.sizes and sweep.sizes == tuple(sorted(sweep.sizes))
+    assert sweep.at(93_000_005) == max(sweep.rates[sweep.sizes.index(93_000_000):])
+    assert {2**20, 2**26, 2**27, 2**30} <= set(sweep.sizes)

@@ -5,6 +5,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from harness import roofline
 from kernels import cpu_blocks, cpu_kernels_available
@@ -26,6 +27,11 @@ def argv(tmp_path, *extra):
 @pytest.mark.skipif(not cpu_kernels_available(), reason="the C kernels did not build here (a warning said why)")
 def test_rows_whose_parts_add_up_and_resume(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(roofline, "measure_machine", lambda model: RATES)
+    # each cell's floor at the faster of the sweeps just before and after its steps: 20 then 30 GB/s here
+    sweeps = iter([20e9, 30e9] * 2)
+    monkeypatch.setattr(roofline, "read_buffer", lambda: torch.empty(0))
+    monkeypatch.setattr(roofline, "measure_read_rates",
+                        lambda repeats, buffer, also: roofline.ReadRates((2**30,), (next(sweeps),)))
     served, op = dict(cpu_blocks.SERVED), cpu_blocks.decode_blocks_op
     assert bench.main(argv(tmp_path)) == 0
     assert cpu_blocks.SERVED == served and cpu_blocks.decode_blocks_op is op  # the timers are gone
@@ -36,6 +42,7 @@ def test_rows_whose_parts_add_up_and_resume(tmp_path, capsys, monkeypatch):
         assert parts == pytest.approx(row["step_ms_mean"], rel=1e-6)
         assert row["floor_ms"] == pytest.approx((row["blocks_mb"] + row["head_mb"]) / 30e3 * 1e3, rel=0.05)
         assert row["fraction_of_floor"] == pytest.approx(row["step_ms_mean"] / row["floor_ms"])
+        assert (row["read_before_gb_s"], row["read_after_gb_s"], row["read_gb_s"]) == (20, 30, 30)
         assert row["largest_excess"] in bench.PARTS
     assert rows["gqa"]["planned"] and rows["gqa"]["blocks_ms"] > 0 and rows["gqa"]["blocks_gb_s"] > 0
     assert rows["gqa"]["mixer_gb_s"] > 0 and rows["gqa"]["ffn_gb_s"] > 0  # the halves timed without the plan
