@@ -147,11 +147,12 @@ def rates_text(rows: list[dict]) -> str:
         return text
     moved = [r for r in swept if r["read_moved"]]
     low, high = min(r["stream_gb_s"] for r in swept), max(r["stream_gb_s"] for r in swept)
-    return (f"{text}\neach cell's floor is priced at the read rates swept just before and after its steps (the higher): "
-            f"{low:.1f}-{high:.1f} GB/s for the steps' bytes across {len(swept)} cells; in {len(moved)} of them the "
-            f"rate moved more than {roofline.DISTURBANCE:.0%} across the steps"
-            + (": the machine changed under them" if moved else "") + "".join(f"\n- {r['arch']} context {r['context']} batch {r['batch']}: "
-                               f"{r['read_before_gb_s']:.1f} -> {r['read_after_gb_s']:.1f} GB/s" for r in moved))
+    lines = [f"\n- {r['arch']} context {r['context']} batch {r['batch']}: {r['read_before_gb_s']:.1f} -> "
+             f"{r['read_after_gb_s']:.1f} GB/s" for r in moved]
+    return (f"{text}\neach cell's floor is priced at the read rates swept just before and after its steps (the "
+            f"higher): {low:.1f}-{high:.1f} GB/s for the steps' bytes across {len(swept)} cells; in {len(moved)} of "
+            f"them the rate moved more than {roofline.DISTURBANCE:.0%} across the steps"
+            + (": the machine changed under them" if moved else "") + "".join(lines))
 
 
 def skipped_text(rows: list[dict]) -> str:

@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from . import cpu_decode
-from .cpu_fused import fused_path, rms_norm_eager, rotary_eager, swiglu_gemv_eager
+from .cpu_fused import fused_path, rms_norm, rms_norm_eager, rotary_eager, swiglu_gemv_eager
 from .linear import GEMV_ROWS, Linear
 from .linear_attention import linear_attention_step_ref
 
@@ -319,9 +319,11 @@ mamba_block = served(mamba_block_op, mamba_block_eager)
 # A half as the modules decide it (their decode_half) and as decode_blocks takes it: per kind, its read-only tensors,
 # the states it writes, its floats and its ints, counted here in the order of each op's arguments (ops.cpp keeps the
 # same table). A kind that attends over cached rows finds its step's rows and lengths through its cache.
-KINDS = ("ffn", "attention", "mla", "linear_attention", "mamba2", "mamba")  # decode_blocks' codes: the index
+# "norm" is no half of a block: the model's final RMSNorm after the last block, so a step's plan ends where its head
+# begins (called on its own, the norm measured ~90 µs of a `small` step, its Python run on caches the weights evicted).
+KINDS = ("ffn", "attention", "mla", "linear_attention", "mamba2", "mamba", "norm")  # decode_blocks' codes: the index
 SIZES = {"ffn": (7, 0, 1, 0), "attention": (10, 2, 2, 0), "mla": (7, 1, 3, 3), "linear_attention": (5, 2, 2, 0),
-         "mamba2": (9, 2, 2, 1), "mamba": (10, 2, 1, 0)}  # (weights, states, floats, ints)
+         "mamba2": (9, 2, 2, 1), "mamba": (10, 2, 1, 0), "norm": (1, 0, 1, 0)}  # (weights, states, floats, ints)
 
 
 @dataclass(frozen=True, eq=False)
@@ -358,13 +360,16 @@ def half_arguments(half: Half, x: torch.Tensor, positions: torch.Tensor, slots: 
         return (x, w[0], f[0], *w[1:5], *s, slots, f[1])
     if half.kind == "mamba2":
         return (x, w[0], f[0], *w[1:7], w[7], f[1], w[8], *s, slots, i[0])
+    if half.kind == "norm":
+        return (x, w[0], f[0])
     return (x, w[0], f[0], *w[1:10], *s, slots)  # mamba
 
 
 EAGER = {"ffn": ffn_block_eager, "attention": attention_block_eager, "mla": mla_block_eager,
-         "linear_attention": linear_attention_block_eager, "mamba2": mamba2_block_eager, "mamba": mamba_block_eager}
+         "linear_attention": linear_attention_block_eager, "mamba2": mamba2_block_eager, "mamba": mamba_block_eager,
+         "norm": rms_norm_eager}
 SERVED = {"ffn": ffn_block, "attention": attention_block, "mla": mla_block,
-          "linear_attention": linear_attention_block, "mamba2": mamba2_block, "mamba": mamba_block}
+          "linear_attention": linear_attention_block, "mamba2": mamba2_block, "mamba": mamba_block, "norm": rms_norm}
 
 
 def run_half(half: Half, x: torch.Tensor, positions: torch.Tensor | None, batch) -> torch.Tensor:

@@ -149,6 +149,30 @@ def test_other_caches_or_a_step_that_is_not_a_plain_decode_take_no_stale_plan():
         assert DecodePlans().plan(model, x, planned.engine.pool.layers, batch) is None
 
 
+def test_the_plan_ends_with_the_final_rms_norm_and_its_guard_covers_it():
+    """The model's final RMSNorm runs as the plan's last entry; a hook on it runs the norm module after the blocks (a
+    LayerNorm, which the kernels do not take, too); each step's logits equal an engine's without plans."""
+    torch.manual_seed(0)
+    model = zoo.build("gqa", preset="tiny").eval()
+    planned, plain = engine_pair(model)
+    assert torch.equal(step(planned), step(plain))
+    plan = next(iter(plans_of(planned).values()))
+    weights, _, floats, ints = plan.lists
+    assert plan.normed and weights[-1] is model.norm.weight and floats[-1] == model.norm.eps
+    assert ints[-2:] == [cpu_blocks.KINDS.index("norm"), -1]
+    normed = []
+    handle = model.norm.register_forward_hook(lambda module, args, out: normed.append(out))
+    assert torch.equal(step(planned), step(plain))
+    assert len(normed) == 2 and not used(planned)  # both engines ran the norm's forward, and its hook
+    handle.remove()
+    assert torch.equal(step(planned), step(plain)) and used(planned)
+    layer_norm = zoo.build("gqa", preset="tiny", norm="layernorm").eval()
+    planned, plain = engine_pair(layer_norm)
+    for _ in range(2):
+        assert torch.equal(step(planned), step(plain))
+    assert not any(plan.normed for plan in plans_of(planned).values())  # its blocks' norms are LayerNorms too
+
+
 def test_a_model_with_a_block_that_has_no_half_runs_its_blocks():
     torch.manual_seed(0)
     model = zoo.build("moe", preset="tiny").eval()

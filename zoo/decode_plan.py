@@ -1,6 +1,6 @@
-"""An eager CPU decode step's blocks in one call: the halves every block decided (kernels/cpu_blocks.py's Half), laid
-out once and run by one C++ op (archzoo::decode_blocks) step after step, as long as nothing they were decided from
-has changed.
+"""An eager CPU decode step's blocks in one call: the halves every block decided (kernels/cpu_blocks.py's Half) and
+the model's final RMSNorm, laid out once and run by one C++ op (archzoo::decode_blocks) step after step, as long as
+nothing they were decided from has changed.
 
 Deciding a half is Python: ~50 checks and reads of modules, parameters and caches, two half decisions a block. Run
 between weight streams that have evicted the interpreter's data from the CPU's caches, the decisions and the two op
@@ -8,16 +8,16 @@ calls of every block measured ~0.9-1.2 ms of a 4.6-6 ms `small` gqa step (fp32, 
 benchmarks/step_split.py), the largest part of the step beyond its floor. A plan decides once per batch size and
 dtype, like the engine's CUDA graphs, which are captured once per batch-size bucket.
 
-Unlike a captured graph, a plan checks before every step that what it was decided from still holds (its guard, a
-few C-level passes over flat lists): the caches it was built over; the engine-step facts (a one-token decode step, no
-checkpoints, padding or tree, no gradient recorded, no global module hook, Triton not forced, the C++ glue built);
-no forward hook on any module of the blocks; each module's children, parameters and buffers the same objects, and
-no attribute added to it (a module replaced, as zoo.quantize does, a parameter set, a method replaced on an
+Unlike a captured graph, a plan checks before every step that what it was decided from still holds (its guard, a few
+C-level passes over flat lists): the caches it was built over; the engine-step facts (a one-token decode step, no
+checkpoints, padding or tree, no gradient recorded, no global module hook, Triton not forced, the C++ glue built); no
+forward hook on any module of the blocks or the final norm; each such module's children, parameters and buffers the same
+objects, and no attribute added to it (a module replaced, as zoo.quantize does, a parameter set, a method replaced on an
 instance); every attribute of every cache the same object; the data pointer of every parameter and buffer, so a
-parameter's data swapped (`module.to(dtype)`, `p.data = ...`) is seen; and each module class's forward and
-decode_half. Any change and the plan is decided again. Values written in place (a weight copied into, a checkpoint
-loaded) need nothing: the plan reads them where they lie. Not seen: a plain attribute a module already had set to a
-new value (its eps, its scale): set those before an engine's first step, or build a new engine.
+parameter's data swapped (`module.to(dtype)`, `p.data = ...`) is seen; and each module class's forward and decode_half.
+Any change and the plan is decided again. Values written in place (a weight copied into, a checkpoint loaded) need
+nothing: the plan reads them where they lie. Not seen: a plain attribute a module already had set to a new value (its
+eps, its scale): set those before an engine's first step, or build a new engine.
 """
 import operator
 from dataclasses import dataclass
@@ -26,7 +26,10 @@ from itertools import chain
 import torch
 from torch.nn.modules import module as module_hooks
 
+from attention.norm import RMSNorm
 from kernels import cpu_blocks, cpu_decode
+from kernels.cpu_fused import fused_path
+from kernels.linear import rows_of
 from kernels.dispatch import triton_forced
 
 CLASS_METHODS = ("forward", "decode_half")
@@ -61,15 +64,16 @@ class Guard:
     functions: list
 
     @classmethod
-    def of(cls, blocks: torch.nn.Module, caches: list) -> "Guard":
-        modules = list(blocks.modules())
+    def of(cls, roots: list[torch.nn.Module], caches: list) -> "Guard":
+        modules = list({id(m): m for root in roots for m in root.modules()}.values())
         objects = {id(c): c for c in caches if c is not None}.values()
         hooks = [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
         owned = [d for m in modules for d in (m._modules, m._parameters, m._buffers)]
         owned += [vars(c) for c in objects] + [d for c in objects for d in vars(c).values() if isinstance(d, dict)]
         sized = [vars(m) for m in modules] + owned
         pairs = [(d, key) for d in owned for key in d]
-        tensors = [t for t in chain(blocks.parameters(), blocks.buffers())]
+        tensors = list({id(t): t for m in modules for t in chain(m._parameters.values(), m._buffers.values())
+                        if t is not None}.values())
         classes = list({type(obj): None for obj in (*modules, *objects)})
         methods = [(c, name) for c in classes for name in CLASS_METHODS]
         return cls(tuple(caches), hooks, any(hooks), sized, list(map(len, sized)), [d for d, _ in pairs],
@@ -87,10 +91,12 @@ class Guard:
 @dataclass(eq=False)
 class DecodePlan:
     """Every block's halves of one batch size's decode step, laid out for decode_blocks (None: some block has no
-    fused half, and the blocks run as they decide), and the guard they were decided under."""
+    fused half, and the blocks run as they decide), and the guard they were decided under; `normed`: the model's
+    final RMSNorm is the plan's last entry (a LayerNorm, or an RMSNorm the kernels do not take, runs after it)."""
     guard: Guard
     lists: tuple | None  # flatten_halves' (weights, states, floats, ints); None: no plan
     row_caches: list  # one cache per row rule: decode_rows is called once a step for each
+    normed: bool = False
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
         found = [cache.decode_rows(batch) for cache in self.row_caches]
@@ -99,9 +105,10 @@ class DecodePlan:
 
 
 def decide(model, x: torch.Tensor, caches: list, batch) -> DecodePlan:
-    """The plan of model's blocks for this step's shape: each block's halves (Block.decode_halves), or none."""
-    guard = Guard.of(model.blocks, caches)
-    if guard.hooked:  # a hook on any module of the blocks (a block's own too) is run where the modules run
+    """The plan of model's blocks for this step's shape: each block's halves (Block.decode_halves), then the final
+    norm where it is an RMSNorm the fused kernels take; or none."""
+    guard = Guard.of([model.blocks, model.norm], caches)
+    if guard.hooked:  # a hook on any module of the blocks or the norm is run where the modules run
         return DecodePlan(guard, None, [])
     halves = []
     for block, cache in zip(model.blocks, caches):
@@ -109,8 +116,12 @@ def decide(model, x: torch.Tensor, caches: list, batch) -> DecodePlan:
         if pair is None:
             return DecodePlan(guard, None, [])
         halves += pair
+    norm = model.norm
+    normed = type(norm) is RMSNorm and fused_path(x, rows_of(x), norm.weight) and norm.weight.shape == x.shape[-1:]
+    if normed:
+        halves.append(cpu_blocks.Half("norm", (norm.weight,), floats=(float(norm.eps),)))
     weights, states, floats, ints, row_caches = cpu_blocks.flatten_halves(halves)
-    return DecodePlan(guard, (weights, states, floats, ints), row_caches)
+    return DecodePlan(guard, (weights, states, floats, ints), row_caches, normed)
 
 
 class DecodePlans:

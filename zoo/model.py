@@ -116,7 +116,8 @@ class DecoderLM(nn.Module):
         plans = None if batch is None or torch.compiler.is_compiling() else batch.decode_plans
         plan = plans.plan(self, x, caches, batch) if plans is not None else None
         if plan is not None:
-            return self.norm(plan.run(x, positions, batch))
+            x = plan.run(x, positions, batch)
+            return x if plan.normed else self.norm(x)
         for i, block in enumerate(self.blocks):
             x = block(x, positions, caches[i], batch)
         return self.norm(x)

@@ -611,20 +611,21 @@ at::Tensor decode_blocks(const at::Tensor &x_in, const c10::List<std::optional<a
                          at::TensorList states, at::ArrayRef<double> floats, at::IntArrayRef ints,
                          const at::Tensor &positions, const at::Tensor &slots, at::TensorList rows,
                          at::TensorList lengths) {
-    static const int64_t sizes[6][4] = {{7, 0, 1, 0}, {10, 2, 2, 0}, {7, 1, 3, 3}, {5, 2, 2, 0}, {9, 2, 2, 1},
-                                        {10, 2, 1, 0}};  // ffn, attention, mla, linear_attention, mamba2, mamba
+    static const int64_t sizes[7][4] = {{7, 0, 1, 0}, {10, 2, 2, 0}, {7, 1, 3, 3}, {5, 2, 2, 0}, {9, 2, 2, 1},
+                                        {10, 2, 1, 0}, {1, 0, 1, 0}};  // ffn, attention, mla, linear_attention,
+                                                                       // mamba2, mamba, the final norm
     TORCH_CHECK_VALUE(rows.size() == lengths.size(), "decode_blocks: ", rows.size(), " row tensors but ",
                       lengths.size(), " lengths");
     at::Tensor x = x_in;
     size_t w = 0, s = 0, f = 0, i = 0;
     while (i < ints.size()) {
-        TORCH_CHECK_VALUE(i + 2 <= ints.size() && ints[i] >= 0 && ints[i] < 6, "decode_blocks: a half's kind code ",
-                          ints[i], " at ints[", i, "] is none of 0-5");
+        TORCH_CHECK_VALUE(i + 2 <= ints.size() && ints[i] >= 0 && ints[i] < 7, "decode_blocks: a half's kind code ",
+                          ints[i], " at ints[", i, "] is none of 0-6");
         int64_t kind = ints[i], group = ints[i + 1];
         const int64_t *n = sizes[kind];
         TORCH_CHECK_VALUE(w + n[0] <= weights.size() && s + n[1] <= states.size() && f + n[2] <= floats.size() &&
                           i + 2 + n[3] <= ints.size() && group < static_cast<int64_t>(rows.size()) &&
-                          (group >= 0 || kind == 0 || kind >= 3),
+                          (group >= 0 || kind == 0 || kind >= 3),  // the attending kinds find rows
                           "decode_blocks: the lists end inside half ", i, " (kind ", kind, ", row group ", group, ")");
         auto opt = [&](size_t k) { return weights.get(w + k); };
         auto need = [&](size_t k) {
@@ -655,9 +656,12 @@ at::Tensor decode_blocks(const at::Tensor &x_in, const c10::List<std::optional<a
             x = mamba2_block(x, need(0), fl[0], need(1), need(2), opt(3), need(4), need(5), need(6), need(7), fl[1],
                              need(8), states[s], states[s + 1], slots, in[0]);
             break;
-        default:
+        case 5:
             x = mamba_block(x, need(0), fl[0], need(1), need(2), opt(3), need(4), need(5), need(6), need(7),
                             need(8), need(9), states[s], states[s + 1], slots);
+            break;
+        default:
+            x = rms_norm(x, need(0), fl[0]);
         }
         w += n[0], s += n[1], f += n[2], i += 2 + n[3];
     }
