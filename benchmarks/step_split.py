@@ -1,7 +1,8 @@
 """Where an eager CPU decode step's time goes beyond its roofline floor: each cell's step split into its blocks (the
-engine's plan of them, zoo/decode_plan.py: one C++ call over every block's fused halves, kernels/cpu_blocks.py), the
-plan's guard, the model's code around them (the embedding, the final norm, the step's rows), the head, and the
-engine's step around the model; beside the floor at the machine's read rate, swept just before and after the cell's
+engine's plan of them, zoo/decode_plan.py: one C++ call over every block's fused halves, kernels/cpu_blocks.py, and
+the final norm and the head where the plan ends at them), the plan's guard, the model's code around them (the
+embedding, the step's rows; the final norm and the head where the plan does not run them), and the engine's step
+around the model; beside the floor at the machine's read rate, swept just before and after the cell's
 steps (the faster, as zoo compare prices a cell: a VM's memory reads at rates that change within a minute). Steps
 without the plan, each block deciding and calling its own halves, time the mixer halves and the feed-forward halves
 apart: the rate each streams its bytes at.
@@ -36,7 +37,7 @@ from kernels import cpu_blocks
 from roofline import DTYPES, ints, names, validate  # the same axes, checked the same way
 
 CELL_KEY = ("arch", "preset", "batch", "context", "dtype")
-PARTS = ("blocks", "guard", "between", "head", "engine")  # a planned step's, in order
+PARTS = ("blocks", "guard", "between", "engine")  # a planned step's, in order
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,8 +56,9 @@ def parser() -> argparse.ArgumentParser:
 @contextlib.contextmanager
 def timed_parts(model, plans):
     """Seconds and calls by part while inside: the plan's op (blocks), the plans' lookup and guard, each kind of
-    cpu_blocks' halves (mixer, ffn: a step without plans calls them), and the model's forward and hidden_states
-    (instance attributes, which nn.Module.__call__ and forward find before the class's)."""
+    cpu_blocks' block halves (mixer, ffn: a step without plans calls them), and the model's forward (an instance
+    attribute, which nn.Module.__call__ finds before the class's; the plan's guard covers the blocks, the final norm
+    and the head, not the model itself)."""
     seconds, calls = collections.Counter(), collections.Counter()
 
     def timer(part, function):
@@ -72,28 +74,32 @@ def timed_parts(model, plans):
     served, op = dict(cpu_blocks.SERVED), cpu_blocks.decode_blocks_op
     try:
         for kind, function in served.items():
-            cpu_blocks.SERVED[kind] = timer("ffn" if kind == "ffn" else "mixer", function)
+            if kind not in ("norm", "head"):  # the model's final norm and head are no block halves
+                cpu_blocks.SERVED[kind] = timer("ffn" if kind == "ffn" else "mixer", function)
         cpu_blocks.decode_blocks_op = timer("blocks", op)
         plans.plan = timer("guard", plans.plan)
-        model.forward, model.hidden_states = timer("forward", model.forward), timer("hidden", model.hidden_states)
+        model.forward = timer("forward", model.forward)
         yield seconds, calls
     finally:
         cpu_blocks.SERVED.update(served)
         cpu_blocks.decode_blocks_op = op
-        del plans.plan, model.forward, model.hidden_states
+        del plans.plan, model.forward
 
 
-def part_bytes(model, cost: roofline.StepCost) -> dict[str, int]:
+def part_bytes(model, cost: roofline.StepCost, ends_at: str) -> dict[str, int]:
     """The bytes each part must stream a step, as the floor counts them: the mixer halves their weights, their norms'
-    and the step's cache reads and writes; the head its weight; the final norm `between`; the feed-forward halves the
-    rest of the step's weights (an MoE layer's routed experts only)."""
+    and the step's cache reads and writes; the feed-forward halves the rest of the blocks' weights (an MoE layer's
+    routed experts only); the blocks both, and the final norm and the head where the plan ends at them (`ends_at`,
+    zoo/decode_plan.py's), `between` them otherwise."""
     def nbytes(module) -> int:
         return 0 if module is None else sum(t.nbytes for t in (*module.parameters(), *module.buffers()))
 
     mixer = sum(nbytes(b.mixer) + nbytes(b.mixer_norm) for b in model.blocks)
     head, norm = model.head.weight.nbytes, nbytes(model.norm)
-    return {"mixer": mixer + cost.cache_read_bytes + cost.cache_write_bytes, "head": head, "between": norm,
-            "ffn": max(cost.weight_bytes - mixer - head - norm, 0)}
+    ffn = max(cost.weight_bytes - mixer - head - norm, 0)
+    mixer += cost.cache_read_bytes + cost.cache_write_bytes
+    planned = {"blocks": 0, "norm": norm, "head": norm + head}[ends_at]
+    return {"mixer": mixer, "ffn": ffn, "blocks": mixer + ffn + planned, "between": norm + head - planned}
 
 
 def measure(model, cell: dict, rates: roofline.MachineRates, steps: int, buffer: torch.Tensor) -> dict:
@@ -121,25 +127,24 @@ def measure(model, cell: dict, rates: roofline.MachineRates, steps: int, buffer:
     own = roofline.tensors_read_rate([*model.parameters(), *model.buffers()])
     total = sum(walls)
     spent = {"blocks": planned.get("blocks", 0.0), "guard": planned["guard"],
-             "between": planned["hidden"] - planned.get("blocks", 0.0) - planned["guard"],
-             "head": planned["forward"] - planned["hidden"], "engine": total - planned["forward"]}
+             "between": planned["forward"] - planned.get("blocks", 0.0) - planned["guard"],
+             "engine": total - planned["forward"]}
     rate = rates.stream_rate(cost.bytes)
-    moved = part_bytes(model, cost)
-    moved["blocks"] = moved["mixer"] + moved["ffn"]
+    ends_at = max((plan.ends_at for plan in plans.plans.values() if plan.lists is not None), default="blocks")
+    moved = part_bytes(model, cost, ends_at if spent["blocks"] > 0 else "blocks")
     ms = {part: 1000 * spent[part] / steps for part in PARTS}
     excess = {part: ms[part] - 1000 * moved.get(part, 0) / rate for part in PARTS}
     floor = roofline.floor_seconds(cost, rates)
     mean = total / steps
-    gb_s = {part: moved[part] * steps / spent[part] / 1e9 if spent[part] > 0 else None
-            for part in ("blocks", "head")}
+    gb_s = {"blocks": moved["blocks"] * steps / spent["blocks"] / 1e9 if spent["blocks"] > 0 else None}
     gb_s.update({part: moved[part] * steps / seconds[part] / 1e9 if seconds[part] > 0 else None
                  for part in ("mixer", "ffn")})
     return {**cell, "step_ms_mean": 1000 * mean, "step_ms_p50": 1000 * statistics.median(walls),
             "floor_ms": 1000 * floor, "fraction_of_floor": mean / floor, "read_gb_s": rate / 1e9,
             "weights_memory_gb_s": own / 1e9, "read_before_gb_s": before.at(cost.bytes) / 1e9,
             "read_after_gb_s": after.at(cost.bytes) / 1e9,
-            "planned": spent["blocks"] > 0, **{f"{part}_ms": ms[part] for part in PARTS},
-            **{f"{part}_mb": moved[part] / 1e6 for part in ("mixer", "ffn", "blocks", "head")},
+            "planned": spent["blocks"] > 0, "plan_ends_at": ends_at, **{f"{part}_ms": ms[part] for part in PARTS},
+            **{f"{part}_mb": moved[part] / 1e6 for part in ("mixer", "ffn", "blocks", "between")},
             **{f"{part}_excess_ms": excess[part] for part in PARTS}, **{f"{p}_gb_s": v for p, v in gb_s.items()},
             **{f"unplanned_{part}_ms": 1000 * seconds[part] / steps for part in ("mixer", "ffn")},
             "largest_excess": max(PARTS, key=excess.get), "steps": steps, "threads": torch.get_num_threads()}
@@ -155,15 +160,15 @@ def own_rate(row: dict) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| arch | dtype | batch | context | step ms | floor ms | step / floor | blocks ms (GB/s) | guard ms "
-             "| between ms | head ms (GB/s) | engine ms | unplanned mixer / ffn halves GB/s | largest excess "
-             "| floor's read rate / the weights' memory's, GB/s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = ["| arch | dtype | batch | context | step ms | floor ms | step / floor | plan ends at "
+             "| blocks ms (GB/s) | guard ms | between ms | engine ms | unplanned mixer / ffn halves GB/s "
+             "| largest excess | floor's read rate / the weights' memory's, GB/s |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         lines.append(f"| {r['arch']} | {r['dtype']} | {r['batch']} | {r['context']} | {r['step_ms_mean']:.2f} "
-                     f"| {r['floor_ms']:.2f} | {r['fraction_of_floor']:.2f}x | {r['blocks_ms']:.2f} "
-                     f"({rate(r, 'blocks')}) | {r['guard_ms']:.2f} | {r['between_ms']:.2f} | {r['head_ms']:.2f} "
-                     f"({rate(r, 'head')}) | {r['engine_ms']:.2f} | {rate(r, 'mixer')} / {rate(r, 'ffn')} "
+                     f"| {r['floor_ms']:.2f} | {r['fraction_of_floor']:.2f}x | {r.get('plan_ends_at', '-')} "
+                     f"| {r['blocks_ms']:.2f} ({rate(r, 'blocks')}) | {r['guard_ms']:.2f} | {r['between_ms']:.2f} "
+                     f"| {r['engine_ms']:.2f} | {rate(r, 'mixer')} / {rate(r, 'ffn')} "
                      f"| {r['largest_excess']} (+{r[r['largest_excess'] + '_excess_ms']:.2f} ms) "
                      f"| {r['read_gb_s']:.1f} / {own_rate(r)} |")
     return "\n".join(lines)

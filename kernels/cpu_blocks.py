@@ -134,12 +134,12 @@ def _(x, norm, eps, gate, up, down, gate_scales=None, up_scales=None, down_scale
 _LIBRARY = torch.library.Library("archzoo", "FRAGMENT")
 
 
-def cache_writing_op(name: str, arguments: str, eager):
+def cache_writing_op(name: str, arguments: str, eager, fake=lambda x, *args: torch.empty_like(x)):
     """archzoo::name(arguments) -> Tensor, whose kernel is the Python function `eager` until the C++ glue registers
-    its CPU one; a graph being traced sees a tensor like the first argument, x."""
+    its CPU one; a graph being traced sees `fake`'s tensor (default: one like the first argument, x)."""
     _LIBRARY.define(f"{name}({arguments}) -> Tensor")
     _LIBRARY.impl(name, eager, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"archzoo::{name}", lambda x, *args: torch.empty_like(x))
+    torch.library.register_fake(f"archzoo::{name}", fake)
     return getattr(torch.ops.archzoo, name).default
 
 
@@ -319,11 +319,13 @@ mamba_block = served(mamba_block_op, mamba_block_eager)
 # A half as the modules decide it (their decode_half) and as decode_blocks takes it: per kind, its read-only tensors,
 # the states it writes, its floats and its ints, counted here in the order of each op's arguments (ops.cpp keeps the
 # same table). A kind that attends over cached rows finds its step's rows and lengths through its cache.
-# "norm" is no half of a block: the model's final RMSNorm after the last block, so a step's plan ends where its head
-# begins (called on its own, the norm measured ~90 µs of a `small` step, its Python run on caches the weights evicted).
-KINDS = ("ffn", "attention", "mla", "linear_attention", "mamba2", "mamba", "norm")  # decode_blocks' codes: the index
+# "norm" and "head" are no halves of a block: the model's final RMSNorm and its head (the C GEMV, with its bias), so a
+# step's plan can end at its logits (each called on its own measured 60-180 µs of a `small` step: its module's Python
+# and the op's dispatch, run on caches the weights had evicted).
+KINDS = ("ffn", "attention", "mla", "linear_attention", "mamba2", "mamba", "norm", "head")  # decode_blocks' codes
 SIZES = {"ffn": (7, 0, 1, 0), "attention": (10, 2, 2, 0), "mla": (7, 1, 3, 3), "linear_attention": (5, 2, 2, 0),
-         "mamba2": (9, 2, 2, 1), "mamba": (10, 2, 1, 0), "norm": (1, 0, 1, 0)}  # (weights, states, floats, ints)
+         "mamba2": (9, 2, 2, 1), "mamba": (10, 2, 1, 0), "norm": (1, 0, 1, 0),
+         "head": (2, 0, 0, 0)}  # (weights, states, floats, ints)
 
 
 @dataclass(frozen=True, eq=False)
@@ -362,14 +364,17 @@ def half_arguments(half: Half, x: torch.Tensor, positions: torch.Tensor, slots: 
         return (x, w[0], f[0], *w[1:7], w[7], f[1], w[8], *s, slots, i[0])
     if half.kind == "norm":
         return (x, w[0], f[0])
+    if half.kind == "head":
+        return (x, w[0], w[1])
     return (x, w[0], f[0], *w[1:10], *s, slots)  # mamba
 
 
 EAGER = {"ffn": ffn_block_eager, "attention": attention_block_eager, "mla": mla_block_eager,
          "linear_attention": linear_attention_block_eager, "mamba2": mamba2_block_eager, "mamba": mamba_block_eager,
-         "norm": rms_norm_eager}
+         "norm": rms_norm_eager, "head": cpu_decode.dense_gemv_eager}
 SERVED = {"ffn": ffn_block, "attention": attention_block, "mla": mla_block,
-          "linear_attention": linear_attention_block, "mamba2": mamba2_block, "mamba": mamba_block, "norm": rms_norm}
+          "linear_attention": linear_attention_block, "mamba2": mamba2_block, "mamba": mamba_block, "norm": rms_norm,
+          "head": served(cpu_decode.dense_gemv, cpu_decode.dense_gemv_eager)}
 
 
 def run_half(half: Half, x: torch.Tensor, positions: torch.Tensor | None, batch) -> torch.Tensor:
@@ -414,6 +419,20 @@ def decode_blocks_eager(x: torch.Tensor, weights: list, states: list, floats: li
     return x
 
 
+def last_kind(ints: list[int]) -> str | None:
+    """The kind of the last half flatten_halves laid out in `ints` (None: none)."""
+    i, kind = 0, None
+    while i < len(ints):
+        kind = KINDS[ints[i]]
+        i += 2 + SIZES[kind][3]
+    return kind
+
+
+def decode_blocks_fake(x, weights, states, floats, ints, *args):
+    """What a traced decode_blocks returns: x's shape, or logits' where the plan ends at the head."""
+    return x.new_empty(*x.shape[:-1], weights[-2].shape[0]) if last_kind(ints) == "head" else torch.empty_like(x)
+
+
 decode_blocks_op = cache_writing_op(
     "decode_blocks", "Tensor x, Tensor?[] weights, Tensor(a!)[] states, float[] floats, int[] ints, "
-    "Tensor positions, Tensor slots, Tensor[] rows, Tensor[] lengths", decode_blocks_eager)
+    "Tensor positions, Tensor slots, Tensor[] rows, Tensor[] lengths", decode_blocks_eager, decode_blocks_fake)

@@ -7,6 +7,7 @@ import torch
 
 import zoo
 from attention.attention import Attention
+from kernels.linear import Linear
 from harness.decode_probe import decode_probe
 from kernels import cpu_blocks, cpu_kernels_available
 from zoo.decode_plan import DecodePlans
@@ -149,28 +150,52 @@ def test_other_caches_or_a_step_that_is_not_a_plain_decode_take_no_stale_plan():
         assert DecodePlans().plan(model, x, planned.engine.pool.layers, batch) is None
 
 
-def test_the_plan_ends_with_the_final_rms_norm_and_its_guard_covers_it():
-    """The model's final RMSNorm runs as the plan's last entry; a hook on it runs the norm module after the blocks (a
-    LayerNorm, which the kernels do not take, too); each step's logits equal an engine's without plans."""
+def test_the_plan_ends_with_the_final_norm_and_the_head_and_its_guard_covers_them():
+    """The model's final RMSNorm and its head run as the plan's last entries (the plan returns logits); a hook on
+    either runs the modules after the blocks, as a head replaced by one the plan does not take runs after the norm
+    (and a LayerNorm, which the kernels do not take); each step's logits equal an engine's without plans."""
     torch.manual_seed(0)
     model = zoo.build("gqa", preset="tiny").eval()
     planned, plain = engine_pair(model)
     assert torch.equal(step(planned), step(plain))
     plan = next(iter(plans_of(planned).values()))
     weights, _, floats, ints = plan.lists
-    assert plan.normed and weights[-1] is model.norm.weight and floats[-1] == model.norm.eps
-    assert ints[-2:] == [cpu_blocks.KINDS.index("norm"), -1]
-    normed = []
-    handle = model.norm.register_forward_hook(lambda module, args, out: normed.append(out))
+    assert plan.ends_at == "head" and weights[-3:] == [model.norm.weight, model.head.weight, None]
+    assert floats[-1] == model.norm.eps
+    assert ints[-4:] == [cpu_blocks.KINDS.index("norm"), -1, cpu_blocks.KINDS.index("head"), -1]
+    for module in (model.norm, model.head):
+        ran = []
+        handle = module.register_forward_hook(lambda module, args, out: ran.append(out))
+        assert torch.equal(step(planned), step(plain))
+        assert len(ran) == 2 and not used(planned)  # both engines ran the module's forward, and its hook
+        handle.remove()
+        assert torch.equal(step(planned), step(plain)) and used(planned)
+    calls = []
+    model.head.forward = lambda x: calls.append(1) or Linear.forward(model.head, x)  # on the instance: it runs
     assert torch.equal(step(planned), step(plain))
-    assert len(normed) == 2 and not used(planned)  # both engines ran the norm's forward, and its hook
-    handle.remove()
+    assert len(calls) == 2 and {plan.ends_at for plan in plans_of(planned).values()} == {"norm"}
+    del model.head.forward
     assert torch.equal(step(planned), step(plain)) and used(planned)
+    head = torch.nn.Linear(model.config.d_model, model.config.vocab_size, bias=False)  # torch's: run after the plan
+    head.weight = model.head.weight
+    model.head = head
+    torch.testing.assert_close(step(planned), step(plain))  # torch's GEMM: its sums may follow x's alignment
+    assert used(planned)
+    assert {plan.ends_at for plan in plans_of(planned).values()} == {"norm"}
     layer_norm = zoo.build("gqa", preset="tiny", norm="layernorm").eval()
     planned, plain = engine_pair(layer_norm)
     for _ in range(2):
         assert torch.equal(step(planned), step(plain))
-    assert not any(plan.normed for plan in plans_of(planned).values())  # its blocks' norms are LayerNorms too
+    assert {plan.ends_at for plan in plans_of(planned).values()} <= {"blocks"}  # its blocks' norms: LayerNorms too
+
+
+def test_a_traced_plan_has_the_shape_of_its_end():
+    """decode_blocks' fake (what torch.compile sees): logits where the plan ends at the head, x's shape otherwise."""
+    x = torch.zeros(2, 1, 8, device="meta")
+    head = torch.zeros(50, 8, device="meta")
+    ints = [cpu_blocks.KINDS.index("norm"), -1, cpu_blocks.KINDS.index("head"), -1]
+    assert cpu_blocks.decode_blocks_fake(x, [None, head, None], [], [1e-5], ints).shape == (2, 1, 50)
+    assert cpu_blocks.decode_blocks_fake(x, [None], [], [1e-5], ints[:2]).shape == (2, 1, 8)
 
 
 def test_a_model_with_a_block_that_has_no_half_runs_its_blocks():

@@ -40,11 +40,12 @@ def test_rows_whose_parts_add_up_and_resume(tmp_path, capsys, monkeypatch):
     for row in rows.values():
         parts = sum(row[f"{part}_ms"] for part in bench.PARTS)
         assert parts == pytest.approx(row["step_ms_mean"], rel=1e-6)
-        assert row["floor_ms"] == pytest.approx((row["blocks_mb"] + row["head_mb"]) / 30e3 * 1e3, rel=0.05)
+        assert row["floor_ms"] == pytest.approx((row["blocks_mb"] + row["between_mb"]) / 30e3 * 1e3, rel=0.05)
         assert row["fraction_of_floor"] == pytest.approx(row["step_ms_mean"] / row["floor_ms"])
         assert (row["read_before_gb_s"], row["read_after_gb_s"], row["read_gb_s"]) == (20, 30, 30)
         assert row["largest_excess"] in bench.PARTS
     assert rows["gqa"]["planned"] and rows["gqa"]["blocks_ms"] > 0 and rows["gqa"]["blocks_gb_s"] > 0
+    assert rows["gqa"]["plan_ends_at"] == "head" and rows["gqa"]["between_mb"] == 0  # the norm and head: in the plan
     assert rows["gqa"]["mixer_gb_s"] > 0 and rows["gqa"]["ffn_gb_s"] > 0  # the halves timed without the plan
     assert not rows["moe"]["planned"] and rows["moe"]["blocks_ms"] == 0  # its feed-forward has no half
     assert rows["moe"]["mixer_gb_s"] > 0 and rows["moe"]["ffn_gb_s"] is None

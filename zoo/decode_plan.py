@@ -1,5 +1,5 @@
-"""An eager CPU decode step's blocks in one call: the halves every block decided (kernels/cpu_blocks.py's Half) and
-the model's final RMSNorm, laid out once and run by one C++ op (archzoo::decode_blocks) step after step, as long as
+"""An eager CPU decode step's blocks in one call: the halves every block decided (kernels/cpu_blocks.py's Half), the
+model's final RMSNorm and its head, laid out once and run by one C++ op (archzoo::decode_blocks) step after step, as long as
 nothing they were decided from has changed.
 
 Deciding a half is Python: ~50 checks and reads of modules, parameters and caches, two half decisions a block. Run
@@ -11,7 +11,7 @@ dtype, like the engine's CUDA graphs, which are captured once per batch-size buc
 Unlike a captured graph, a plan checks before every step that what it was decided from still holds (its guard, a few
 C-level passes over flat lists): the caches it was built over; the engine-step facts (a one-token decode step, no
 checkpoints, padding or tree, no gradient recorded, no global module hook, Triton not forced, the C++ glue built); no
-forward hook on any module of the blocks or the final norm; each such module's children, parameters and buffers the same
+forward hook on any module of the blocks, the final norm or the head; each such module's children, parameters and buffers the same
 objects, and no attribute added to it (a module replaced, as zoo.quantize does, a parameter set, a method replaced on an
 instance); every attribute of every cache the same object; the data pointer of every parameter and buffer, so a
 parameter's data swapped (`module.to(dtype)`, `p.data = ...`) is seen; and each module class's forward and decode_half.
@@ -29,7 +29,7 @@ from torch.nn.modules import module as module_hooks
 from attention.norm import RMSNorm
 from kernels import cpu_blocks, cpu_decode
 from kernels.cpu_fused import fused_path
-from kernels.linear import rows_of
+from kernels.linear import Linear, dense_gemv_path, rows_of
 from kernels.dispatch import triton_forced
 
 CLASS_METHODS = ("forward", "decode_half")
@@ -64,11 +64,13 @@ class Guard:
     functions: list
 
     @classmethod
-    def of(cls, roots: list[torch.nn.Module], caches: list) -> "Guard":
+    def of(cls, model: torch.nn.Module, roots: list[torch.nn.Module], caches: list) -> "Guard":
+        """The guard of a plan over `roots` (modules of `model`) and `caches`; the model's own children too (a root
+        replaced there)."""
         modules = list({id(m): m for root in roots for m in root.modules()}.values())
         objects = {id(c): c for c in caches if c is not None}.values()
         hooks = [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
-        owned = [d for m in modules for d in (m._modules, m._parameters, m._buffers)]
+        owned = [model._modules] + [d for m in modules for d in (m._modules, m._parameters, m._buffers)]
         owned += [vars(c) for c in objects] + [d for c in objects for d in vars(c).values() if isinstance(d, dict)]
         sized = [vars(m) for m in modules] + owned
         pairs = [(d, key) for d in owned for key in d]
@@ -91,12 +93,13 @@ class Guard:
 @dataclass(eq=False)
 class DecodePlan:
     """Every block's halves of one batch size's decode step, laid out for decode_blocks (None: some block has no
-    fused half, and the blocks run as they decide), and the guard they were decided under; `normed`: the model's
-    final RMSNorm is the plan's last entry (a LayerNorm, or an RMSNorm the kernels do not take, runs after it)."""
+    fused half, and the blocks run as they decide), and the guard they were decided under. `ends_at`: what the plan
+    returns, the last block's x ("blocks": the model's final norm is a LayerNorm, or an RMSNorm the kernels do not
+    take), the final RMSNorm's ("norm": the head is not on the C GEMV at this shape) or the head's logits ("head")."""
     guard: Guard
     lists: tuple | None  # flatten_halves' (weights, states, floats, ints); None: no plan
     row_caches: list  # one cache per row rule: decode_rows is called once a step for each
-    normed: bool = False
+    ends_at: str = "blocks"
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
         found = [cache.decode_rows(batch) for cache in self.row_caches]
@@ -106,9 +109,10 @@ class DecodePlan:
 
 def decide(model, x: torch.Tensor, caches: list, batch) -> DecodePlan:
     """The plan of model's blocks for this step's shape: each block's halves (Block.decode_halves), then the final
-    norm where it is an RMSNorm the fused kernels take; or none."""
-    guard = Guard.of([model.blocks, model.norm], caches)
-    if guard.hooked:  # a hook on any module of the blocks or the norm is run where the modules run
+    norm where it is an RMSNorm the fused kernels take, then the head where its Linear would take the C GEMV (as
+    kernels/linear.py decides: the same sums); or none."""
+    guard = Guard.of(model, [model.blocks, model.norm, model.head], caches)
+    if guard.hooked:  # a hook on any module of the blocks, the norm or the head is run where the modules run
         return DecodePlan(guard, None, [])
     halves = []
     for block, cache in zip(model.blocks, caches):
@@ -116,12 +120,17 @@ def decide(model, x: torch.Tensor, caches: list, batch) -> DecodePlan:
         if pair is None:
             return DecodePlan(guard, None, [])
         halves += pair
-    norm = model.norm
-    normed = type(norm) is RMSNorm and fused_path(x, rows_of(x), norm.weight) and norm.weight.shape == x.shape[-1:]
-    if normed:
+    norm, head, ends_at = model.norm, model.head, "blocks"
+    # each its class's own forward (not one replaced on the instance, which a plan would not run)
+    if (type(norm) is RMSNorm and "forward" not in vars(norm) and fused_path(x, rows_of(x), norm.weight)
+            and norm.weight.shape == x.shape[-1:]):
         halves.append(cpu_blocks.Half("norm", (norm.weight,), floats=(float(norm.eps),)))
+        ends_at = "norm"
+        if type(head) is Linear and "forward" not in vars(head) and dense_gemv_path(x, head.weight, head.bias):
+            halves.append(cpu_blocks.Half("head", (head.weight, head.bias)))
+            ends_at = "head"
     weights, states, floats, ints, row_caches = cpu_blocks.flatten_halves(halves)
-    return DecodePlan(guard, (weights, states, floats, ints), row_caches, normed)
+    return DecodePlan(guard, (weights, states, floats, ints), row_caches, ends_at)
 
 
 class DecodePlans:

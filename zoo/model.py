@@ -99,7 +99,20 @@ class DecoderLM(nn.Module):
 
         Without caches this is the full causal forward; the engine passes one cache per layer and a CacheBatch.
         """
-        x = self.hidden_states(tokens, positions, caches, batch)
+        if caches is None:
+            check_tokens(tokens, self.config)
+            caches = self.handoff_caches()
+        x = self.embed(tokens)
+        # an engine's eager CPU decode step may run every block, the final norm and the head in one call, decided
+        # once (zoo/decode_plan.py)
+        plans = None if batch is None or torch.compiler.is_compiling() else batch.decode_plans
+        plan = plans.plan(self, x, caches, batch) if plans is not None else None
+        if plan is not None:  # one token a row: last_only changes nothing
+            x = plan.run(x, positions, batch)
+            if plan.ends_at == "head":
+                return x
+            return self.head(x if plan.ends_at == "norm" else self.norm(x))
+        x = self.final_hidden(x, positions, caches, batch)
         if last_only:  # each row's last real token (a padded batch's rows end at their lengths)
             x = x.gather(1, batch.last_tokens()[:, None, None].expand(-1, 1, x.shape[-1])) if batch and batch.padded \
                 else x[:, -1:]
@@ -111,13 +124,10 @@ class DecoderLM(nn.Module):
         if caches is None:
             check_tokens(tokens, self.config)
             caches = self.handoff_caches()
-        x = self.embed(tokens)
-        # an engine's eager CPU decode step may run every block in one call, decided once (zoo/decode_plan.py)
-        plans = None if batch is None or torch.compiler.is_compiling() else batch.decode_plans
-        plan = plans.plan(self, x, caches, batch) if plans is not None else None
-        if plan is not None:
-            x = plan.run(x, positions, batch)
-            return x if plan.normed else self.norm(x)
+        return self.final_hidden(self.embed(tokens), positions, caches, batch)
+
+    def final_hidden(self, x: torch.Tensor, positions, caches: list, batch) -> torch.Tensor:
+        """The embedded tokens x through every block and the final norm."""
         for i, block in enumerate(self.blocks):
             x = block(x, positions, caches[i], batch)
         return self.norm(x)

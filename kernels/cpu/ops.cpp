@@ -611,16 +611,16 @@ at::Tensor decode_blocks(const at::Tensor &x_in, const c10::List<std::optional<a
                          at::TensorList states, at::ArrayRef<double> floats, at::IntArrayRef ints,
                          const at::Tensor &positions, const at::Tensor &slots, at::TensorList rows,
                          at::TensorList lengths) {
-    static const int64_t sizes[7][4] = {{7, 0, 1, 0}, {10, 2, 2, 0}, {7, 1, 3, 3}, {5, 2, 2, 0}, {9, 2, 2, 1},
-                                        {10, 2, 1, 0}, {1, 0, 1, 0}};  // ffn, attention, mla, linear_attention,
-                                                                       // mamba2, mamba, the final norm
+    static const int64_t sizes[8][4] = {{7, 0, 1, 0}, {10, 2, 2, 0}, {7, 1, 3, 3}, {5, 2, 2, 0}, {9, 2, 2, 1},
+                                        {10, 2, 1, 0}, {1, 0, 1, 0}, {2, 0, 0, 0}};
+    // ffn, attention, mla, linear_attention, mamba2, mamba; the model's final norm and its head
     TORCH_CHECK_VALUE(rows.size() == lengths.size(), "decode_blocks: ", rows.size(), " row tensors but ",
                       lengths.size(), " lengths");
     at::Tensor x = x_in;
     size_t w = 0, s = 0, f = 0, i = 0;
     while (i < ints.size()) {
-        TORCH_CHECK_VALUE(i + 2 <= ints.size() && ints[i] >= 0 && ints[i] < 7, "decode_blocks: a half's kind code ",
-                          ints[i], " at ints[", i, "] is none of 0-6");
+        TORCH_CHECK_VALUE(i + 2 <= ints.size() && ints[i] >= 0 && ints[i] < 8, "decode_blocks: a half's kind code ",
+                          ints[i], " at ints[", i, "] is none of 0-7");
         int64_t kind = ints[i], group = ints[i + 1];
         const int64_t *n = sizes[kind];
         TORCH_CHECK_VALUE(w + n[0] <= weights.size() && s + n[1] <= states.size() && f + n[2] <= floats.size() &&
@@ -660,8 +660,11 @@ at::Tensor decode_blocks(const at::Tensor &x_in, const c10::List<std::optional<a
             x = mamba_block(x, need(0), fl[0], need(1), need(2), opt(3), need(4), need(5), need(6), need(7),
                             need(8), need(9), states[s], states[s + 1], slots);
             break;
-        default:
+        case 6:
             x = rms_norm(x, need(0), fl[0]);
+            break;
+        default:
+            x = dense_gemv(x, need(0), opt(1));
         }
         w += n[0], s += n[1], f += n[2], i += 2 + n[3];
     }
