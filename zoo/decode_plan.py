@@ -1,23 +1,23 @@
 """An eager CPU decode step's blocks in one call: the halves every block decided (kernels/cpu_blocks.py's Half), the
-model's final RMSNorm and its head, laid out once and run by one C++ op (archzoo::decode_blocks) step after step, as long as
-nothing they were decided from has changed.
+model's final RMSNorm and its head, laid out once and run by one C++ op (archzoo::decode_blocks) step after step, as
+long as nothing they were decided from has changed.
 
 Deciding a half is Python: ~50 checks and reads of modules, parameters and caches, two half decisions a block. Run
 between weight streams that have evicted the interpreter's data from the CPU's caches, the decisions and the two op
 calls of every block measured ~0.9-1.2 ms of a 4.6-6 ms `small` gqa step (fp32, batch 1, 2-core EPYC;
-benchmarks/step_split.py), the largest part of the step beyond its floor. A plan decides once per batch size and
-dtype, like the engine's CUDA graphs, which are captured once per batch-size bucket.
+benchmarks/step_split.py), the largest part of the step beyond its floor. A plan decides once per batch size and dtype,
+like the engine's CUDA graphs, which are captured once per batch-size bucket.
 
 Unlike a captured graph, a plan checks before every step that what it was decided from still holds (its guard, a few
 C-level passes over flat lists): the caches it was built over; the engine-step facts (a one-token decode step, no
 checkpoints, padding or tree, no gradient recorded, no global module hook, Triton not forced, the C++ glue built); no
-forward hook on any module of the blocks, the final norm or the head; each such module's children, parameters and buffers the same
-objects, and no attribute added to it (a module replaced, as zoo.quantize does, a parameter set, a method replaced on an
-instance); every attribute of every cache the same object; the data pointer of every parameter and buffer, so a
-parameter's data swapped (`module.to(dtype)`, `p.data = ...`) is seen; and each module class's forward and decode_half.
-Any change and the plan is decided again. Values written in place (a weight copied into, a checkpoint loaded) need
-nothing: the plan reads them where they lie. Not seen: a plain attribute a module already had set to a new value (its
-eps, its scale): set those before an engine's first step, or build a new engine.
+forward hook on any module of the blocks, the final norm or the head; each such module's children, parameters and
+buffers the same objects, and no attribute added to it (a module replaced, as zoo.quantize does, a parameter set, a
+method replaced on an instance); every attribute of every cache the same object; the data pointer of every parameter and
+buffer, so a parameter's data swapped (`module.to(dtype)`, `p.data = ...`) is seen; and each module class's forward and
+decode_half. Any change and the plan is decided again. Values written in place (a weight copied into, a checkpoint
+loaded) need nothing: the plan reads them where they lie. Not seen: a plain attribute a module already had set to a new
+value (its eps, its scale): set those before an engine's first step, or build a new engine.
 """
 import operator
 from dataclasses import dataclass
