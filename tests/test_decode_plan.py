@@ -250,3 +250,36 @@ def test_bad_layouts_are_refused():
         cpu_blocks.decode_blocks_op(x, [None] * 3, [], [1e-5], [0, -1], empty, empty, [], [])
     with pytest.raises(ValueError, match="left after the last half"):
         cpu_blocks.decode_blocks_op(x, [torch.zeros(8)], [], [], [], empty, empty, [], [])
+
+
+@pytest.mark.parametrize("arch", ["gqa", "mla", "mamba", "mamba2", "hybrid-1in6"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_ops_outputs_do_not_depend_on_the_thread_count(arch, batch):
+    """The halves split each GEMV's rows among the threads (kernels/cpu/gemv.h): whatever the split, every output and
+    every written state must be the one-thread op's, bit for bit (each row's sums are gemv_part's whoever computes it;
+    these contexts are too short for decode attention to split its keys by thread count). `small`: 128 tiles of 4
+    rows a projection, several per thread."""
+    torch.manual_seed(0)
+    model = zoo.build(arch, preset="small").eval()
+    probe = decode_probe(model, batch, 40, "contiguous", 16, compile=False, cuda_graphs=False)
+    step(probe)
+    plan = next(iter(plans_of(probe).values()))
+    rows = probe.engine.runner.cache_batch(probe.seqs, [[s.num_cached] for s in probe.seqs],
+                                           [s.num_cached + 1 for s in probe.seqs], step="decode")
+    weights, states, floats, ints = plan.lists
+    found = [cache.decode_rows(rows) for cache in plan.row_caches]
+    x = torch.randn(batch, 1, model.config.d_model)
+    threads, results = torch.get_num_threads(), []
+    try:
+        for count in (1, 5, 5, 5):
+            torch.set_num_threads(count)
+            copies = [s.clone() for s in states]
+            with torch.no_grad():
+                out = cpu_blocks.decode_blocks_op(x, weights, copies, floats, ints, rows.positions, rows.slots,
+                                                  [r for r, _ in found], [n for _, n in found])
+            results.append((out, copies))
+    finally:
+        torch.set_num_threads(threads)
+    for out, copies in results[1:]:
+        assert torch.equal(out, results[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(copies, results[0][1]))
