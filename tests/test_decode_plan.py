@@ -207,25 +207,33 @@ def test_a_model_with_a_block_that_has_no_half_runs_its_blocks():
     assert plans_of(planned) and not used(planned)
 
 
+def planned_call(arch: str, preset: str, batch: int):
+    """A `preset` model's first plan at `batch` rows of 40 cached tokens, and a call of decode_blocks' form over it:
+    call(fn) runs fn (the op or its Python reference) on a random x and its own copy of the states; (out, copies)."""
+    torch.manual_seed(0)
+    model = zoo.build(arch, preset=preset).eval()
+    probe = decode_probe(model, batch, 40, "contiguous", 16, compile=False, cuda_graphs=False)
+    step(probe)
+    plan = next(iter(plans_of(probe).values()))
+    rows = probe.engine.runner.cache_batch(probe.seqs, [[s.num_cached] for s in probe.seqs],
+                                           [s.num_cached + 1 for s in probe.seqs], step="decode")
+    weights, states, floats, ints = plan.lists
+    found = [cache.decode_rows(rows) for cache in plan.row_caches]
+    x = torch.randn(batch, 1, model.config.d_model)
+
+    def call(fn):
+        copies = [s.clone() for s in states]
+        with torch.no_grad():
+            return fn(x, weights, copies, floats, ints, rows.positions, rows.slots, [r for r, _ in found],
+                      [n for _, n in found]), copies
+    return call, states
+
+
 @pytest.mark.parametrize("arch", ["hybrid-1in6", "mla", "swa"])
 def test_decode_blocks_op_equals_its_python_reference(arch):
     """One plan's lists through the C++ op and through decode_blocks_eager, each on its own copy of the states."""
-    torch.manual_seed(0)
-    model = zoo.build(arch, preset="tiny").eval()
-    probe = decode_probe(model, 2, 40, "contiguous", 16, compile=False, cuda_graphs=False)
-    step(probe)
-    plan = next(iter(plans_of(probe).values()))
-    batch = probe.engine.runner.cache_batch(probe.seqs, [[s.num_cached] for s in probe.seqs],
-                                            [s.num_cached + 1 for s in probe.seqs], step="decode")
-    weights, states, floats, ints = plan.lists
-    found = [cache.decode_rows(batch) for cache in plan.row_caches]
-    x = torch.randn(2, 1, model.config.d_model)
-    results = []
-    with torch.no_grad():
-        for fn in (cpu_blocks.decode_blocks_op, cpu_blocks.decode_blocks_eager):
-            copies = [s.clone() for s in states]
-            results.append((fn(x, weights, copies, floats, ints, batch.positions, batch.slots,
-                               [r for r, _ in found], [n for _, n in found]), copies))
+    call, states = planned_call(arch, "tiny", 2)
+    results = [call(fn) for fn in (cpu_blocks.decode_blocks_op, cpu_blocks.decode_blocks_eager)]
     # MLA's folds sum in another order in C (kernels/cpu/mla_half.c), so x after a layer, and the cache row the next
     # layer writes from it, match to rounding
     close = arch == "mla"
@@ -259,25 +267,12 @@ def test_the_ops_outputs_do_not_depend_on_the_thread_count(arch, batch):
     every written state must be the one-thread op's, bit for bit (each row's sums are gemv_part's whoever computes it;
     these contexts are too short for decode attention to split its keys by thread count). `small`: 128 tiles of 4
     rows a projection, several per thread."""
-    torch.manual_seed(0)
-    model = zoo.build(arch, preset="small").eval()
-    probe = decode_probe(model, batch, 40, "contiguous", 16, compile=False, cuda_graphs=False)
-    step(probe)
-    plan = next(iter(plans_of(probe).values()))
-    rows = probe.engine.runner.cache_batch(probe.seqs, [[s.num_cached] for s in probe.seqs],
-                                           [s.num_cached + 1 for s in probe.seqs], step="decode")
-    weights, states, floats, ints = plan.lists
-    found = [cache.decode_rows(rows) for cache in plan.row_caches]
-    x = torch.randn(batch, 1, model.config.d_model)
+    call, _ = planned_call(arch, "small", batch)
     threads, results = torch.get_num_threads(), []
     try:
         for count in (1, 5, 5, 5):
             torch.set_num_threads(count)
-            copies = [s.clone() for s in states]
-            with torch.no_grad():
-                out = cpu_blocks.decode_blocks_op(x, weights, copies, floats, ints, rows.positions, rows.slots,
-                                                  [r for r, _ in found], [n for _, n in found])
-            results.append((out, copies))
+            results.append(call(cpu_blocks.decode_blocks_op))
     finally:
         torch.set_num_threads(threads)
     for out, copies in results[1:]:
