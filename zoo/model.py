@@ -99,9 +99,7 @@ class DecoderLM(nn.Module):
 
         Without caches this is the full causal forward; the engine passes one cache per layer and a CacheBatch.
         """
-        if caches is None:
-            check_tokens(tokens, self.config)
-            caches = self.handoff_caches()
+        caches = self.caches_or_handoff(tokens, caches)
         x = self.embed(tokens)
         # an engine's eager CPU decode step may run every block, the final norm and the head in one call, decided
         # once (zoo/decode_plan.py)
@@ -121,10 +119,14 @@ class DecoderLM(nn.Module):
     def hidden_states(self, tokens: torch.Tensor, positions=None, caches=None, batch=None) -> torch.Tensor:
         """The final-norm hidden states [B, T, d_model]: the forward without the head (a trainer that needs
         logits at a few positions applies the head only there)."""
-        if caches is None:
-            check_tokens(tokens, self.config)
-            caches = self.handoff_caches()
-        return self.final_hidden(self.embed(tokens), positions, caches, batch)
+        return self.final_hidden(self.embed(tokens), positions, self.caches_or_handoff(tokens, caches), batch)
+
+    def caches_or_handoff(self, tokens: torch.Tensor, caches: list | None) -> list:
+        """The engine's caches, or for an uncached forward (its tokens checked first) the hand-offs of shared keys."""
+        if caches is not None:
+            return caches
+        check_tokens(tokens, self.config)
+        return self.handoff_caches()
 
     def final_hidden(self, x: torch.Tensor, positions, caches: list, batch) -> torch.Tensor:
         """The embedded tokens x through every block and the final norm."""
