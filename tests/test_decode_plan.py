@@ -263,8 +263,8 @@ def test_bad_layouts_are_refused():
 @pytest.mark.parametrize("arch", ["gqa", "mla", "mamba", "mamba2", "hybrid-1in6"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_the_ops_outputs_do_not_depend_on_the_thread_count(arch, batch):
-    """The halves split each GEMV's rows among the threads (kernels/cpu/gemv.h): whatever the split, every output and
-    every written state must be the one-thread op's, bit for bit (each row's sums are gemv_part's whoever computes it;
+    """The halves hand each GEMV's rows to the threads as they are done (kernels/cpu/claims.h): whichever thread takes
+    a row, every output and written state must be the one-thread op's, bit for bit (a row's sums are gemv_part's;
     these contexts are too short for decode attention to split its keys by thread count). `small`: 128 tiles of 4
     rows a projection, several per thread."""
     call, _ = planned_call(arch, "small", batch)

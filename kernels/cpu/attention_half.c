@@ -62,6 +62,10 @@ int attention_half(const void *x, int64_t batch, int64_t width, int dtype, const
         free(memory);
         return -1;
     }
+    /* q's heads, then k's and v's, and o's rows: each thread claims them as it is done (claims.h) */
+    Share unit_shares[threads], o_shares[threads];
+    shares_init(unit_shares, heads + (writes ? 2 * kv_heads : 0), 1, threads);
+    shares_init(o_shares, width, 4, threads);
 #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -76,9 +80,8 @@ int attention_half(const void *x, int64_t batch, int64_t width, int dtype, const
             for (int64_t i = 0; i < batch * width; i++) h_wide[i] = load1(h, i, dtype);
         for (int64_t b = 0; b < batch; b++)
             rotary_angles((float)positions[b], inv_freq, half, dtype, cosines + b * half, sines + b * half);
-        /* units: q's heads, then k's and v's; a thread takes a contiguous run of them */
-        int64_t units = heads + (writes ? 2 * kv_heads : 0);
-        for (int64_t u = units * t / n; u < units * (t + 1) / n; u++) {
+        int64_t u, u_end;
+        while (claim(unit_shares, t, threads, 1, 1, &u, &u_end)) {
             int kind = u < heads ? WQ : u < heads + kv_heads ? WK : WV;
             int64_t head = kind == WQ ? u : kind == WK ? u - heads : u - heads - kv_heads;
             int64_t ld = kind == WQ ? q_width : kv_width;
@@ -110,11 +113,11 @@ int attention_half(const void *x, int64_t batch, int64_t width, int dtype, const
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < batch * heads; bh++)
             attention_merge(&plan, (int)(bh / heads), (int)(bh % heads), att, q_width, head_dim);
-        /* o: each thread its tiles' rows, then the residual in dtype */
+        /* o: rows claimed as each thread is done (claims.h), then the residual in dtype */
         if (widen[WO])
             for (int64_t i = 0; i < batch * q_width; i++) att_wide[i] = load1(att, i, dtype);
         gemv_residual_share(widen[WO] ? (const void *)att_wide : att, batch, q_width, q_width, dtype, weights[WO],
-                            scales[WO], s_dtypes[WO], width, x, out, t, n);
+                            scales[WO], s_dtypes[WO], width, x, out, o_shares, t, threads);
     }
     free(memory);
     return 0;

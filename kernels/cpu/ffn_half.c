@@ -1,7 +1,7 @@
 /* A feed-forward half of a decode block, x + down(silu(gate h) * up h) with h = RMSNorm(x), in two OpenMP parallel
  * regions around torch's silu and product (kernels/cpu/ops.cpp's ffn_block; kernels/cpu_blocks.py says when it
- * runs): each thread normalises x itself and takes the same rows of gate and up, and then its rows of down with
- * the residual added. Each output is computed as the composed half computes it, bit for bit; the composed half ran
+ * runs): each thread normalises x itself and claims rows of gate and up as it is done (claims.h; with two threads
+ * one streams gate and the other up), and then rows of down with the residual added. Each output is computed as the composed half computes it, bit for bit; the composed half ran
  * three regions with the norm and the residual serial between them. The silu stays torch's (its exp is SLEEF's),
  * so the half's rounding is the module's. */
 #include <omp.h>
@@ -27,6 +27,10 @@ int ffn_gate_up(const void *x, int64_t batch, int64_t width, int dtype, const vo
     int64_t wide_bytes = aligned(sizeof(float) * batch * width);
     char *memory = aligned_alloc(64, threads * (h_bytes + wide_bytes));
     if (!memory) return -2;
+    /* gate's rows then up's, each on whole 4-row tiles: with two threads, one streams gate and the other up */
+    int64_t padded = (hidden + 3) / 4 * 4;
+    Share shares[threads];
+    shares_init(shares, 2 * padded, 4, threads);
 #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -35,13 +39,14 @@ int ffn_gate_up(const void *x, int64_t batch, int64_t width, int dtype, const vo
         rms_norm(x, batch, width, width, dtype, norm, eps, h);
         if (widen_gate || widen_up)
             for (int64_t i = 0; i < batch * width; i++) wide[i] = load1(h, i, dtype);
-        int64_t n0, n1;
-        tile_share(hidden, t, n, &n0, &n1);
-        if (n0 < n1) {
-            gemv_part(widen_gate ? (const void *)wide : h, batch, width, width, dtype, gate, gate_scales, s_dtypes[0],
-                      n0, n1, gate_out, hidden);
-            gemv_part(widen_up ? (const void *)wide : h, batch, width, width, dtype, up, up_scales, s_dtypes[1], n0,
-                      n1, up_out, hidden);
+        int64_t size = claim_items(width * (gate_scales ? 1 : dtype == F32 ? 4 : 2), 4), a, b;
+        while (claim(shares, t, threads, size, 4, &a, &b)) {
+            if (a < padded)
+                gemv_part(widen_gate ? (const void *)wide : h, batch, width, width, dtype, gate, gate_scales,
+                          s_dtypes[0], a, b < hidden ? b : hidden, gate_out, hidden);
+            if (b > padded)
+                gemv_part(widen_up ? (const void *)wide : h, batch, width, width, dtype, up, up_scales, s_dtypes[1],
+                          a > padded ? a - padded : 0, b - padded < hidden ? b - padded : hidden, up_out, hidden);
         }
         if (down) prefetch_share(down, width, down_row_bytes, t, n); /* down's rows, while torch's SiLU runs */
     }
@@ -61,9 +66,11 @@ int gemv_residual(const void *x, int64_t batch, int64_t k, int dtype, const void
         if (!(wide = malloc(sizeof(float) * batch * k))) return -2;
         for (int64_t i = 0; i < batch * k; i++) wide[i] = load1(x, i, dtype);
     }
+    Share shares[threads];
+    shares_init(shares, n, 4, threads);
 #pragma omp parallel num_threads(threads)
     gemv_residual_share(widen ? (const void *)wide : x, batch, k, k, dtype, w, scales, s_dtype, n, residual, out,
-                        omp_get_thread_num(), omp_get_num_threads());
+                        shares, omp_get_thread_num(), threads);
     free(wide);
     return 0;
 }

@@ -4,6 +4,7 @@
 #define ARCHZOO_GEMV_H
 #include <stdint.h>
 
+#include "claims.h"
 #include "floats.h"
 
 /* Whether gemv_part reads x as an fp32 copy (1: int8 weights, or bf16 ones without AVX512-BF16) or as it is (0). */
@@ -26,19 +27,20 @@ static inline void tile_share(int64_t n, int t, int threads, int64_t *n0, int64_
     *n1 = *n1 < n ? *n1 : n;
 }
 
-/* out = residual + x W^T over this thread's share (tile_share) of W's n rows, as gemv_part takes x, W and scales:
- * out and residual [m, n] contiguous in dtype, each sum rounded to dtype as torch's add rounds it. Every half's last
- * step (its output projection and the residual). */
+/* out = residual + x W^T over the rows of W's n this thread claims from `shares` (claims.h; shares_init(shares, n,
+ * 4, threads) before the region), as gemv_part takes x, W and scales: out and residual [m, n] contiguous in dtype,
+ * each sum rounded to dtype as torch's add rounds it. Every half's last step (its output projection and the
+ * residual). */
 static inline void gemv_residual_share(const void *x, int64_t m, int64_t k, int64_t ldx, int dtype, const void *w,
                                        const void *scales, int s_dtype, int64_t n, const void *residual, void *out,
-                                       int t, int threads) {
-    int64_t n0, n1;
-    tile_share(n, t, threads, &n0, &n1);
-    if (n0 >= n1) return;
-    gemv_part(x, m, k, ldx, dtype, w, scales, s_dtype, n0, n1, out, n);
-    for (int64_t b = 0; b < m; b++)
-        for (int64_t i = b * n + n0; i < b * n + n1; i++)
-            store1(out, i, load1(out, i, dtype) + load1(residual, i, dtype), dtype);
+                                       Share *shares, int t, int threads) {
+    int64_t size = claim_items(k * (scales ? 1 : dtype == F32 ? 4 : 2), 4), n0, n1;
+    while (claim(shares, t, threads, size, 4, &n0, &n1)) {
+        gemv_part(x, m, k, ldx, dtype, w, scales, s_dtype, n0, n1, out, n);
+        for (int64_t b = 0; b < m; b++)
+            for (int64_t i = b * n + n0; i < b * n + n1; i++)
+                store1(out, i, load1(out, i, dtype) + load1(residual, i, dtype), dtype);
+    }
 }
 
 /* How much of the next weights a thread fetches while it waits between two parts of a half: a new stream starts cold

@@ -55,6 +55,8 @@ int mamba2_half(const void *x, int64_t batch, int64_t width, int dtype, const vo
     if (!memory) return -2;
     char *proj = memory, *act = proj + proj_bytes;
     float *gated = (float *)(act + act_bytes);
+    Share o_shares[threads]; /* out_proj's rows, claimed as they are done (claims.h) */
+    shares_init(o_shares, width, 4, threads);
 #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -115,7 +117,8 @@ int mamba2_half(const void *x, int64_t batch, int64_t width, int dtype, const vo
                 }
             }
         in = gemv_input(normed, batch, d_inner, d_inner, dtype, wide, &ldx);
-        gemv_residual_share(in, batch, d_inner, ldx, dtype, out_w, NULL, F32, width, x, out, t, n);
+        gemv_residual_share(in, batch, d_inner, ldx, dtype, out_w, NULL, F32, width, x, out, o_shares, t,
+                            threads);
     }
     free(memory);
     return 0;

@@ -46,6 +46,8 @@ int mamba_half(const void *x, int64_t batch, int64_t width, int dtype, const voi
     if (!memory) return -2;
     char *proj = memory, *xc = proj + proj_bytes, *dt = xc + inner_bytes, *y = dt + inner_bytes;
     char *steps = y + inner_bytes;
+    Share o_shares[threads]; /* out_proj's rows, claimed as they are done (claims.h) */
+    shares_init(o_shares, width, 4, threads);
 #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -102,7 +104,8 @@ int mamba_half(const void *x, int64_t batch, int64_t width, int dtype, const voi
         prefetch_share(out_w, width, d_inner * elem, t, n);
 #pragma omp barrier
         in = gemv_input(y, batch, d_inner, d_inner, dtype, wide, &ldx);
-        gemv_residual_share(in, batch, d_inner, ldx, dtype, out_w, NULL, F32, width, x, out, t, n);
+        gemv_residual_share(in, batch, d_inner, ldx, dtype, out_w, NULL, F32, width, x, out, o_shares, t,
+                            threads);
     }
     free(memory);
     return 0;

@@ -72,6 +72,8 @@ int mla_half(const void *x, int64_t batch, int64_t width, int dtype, const void 
         free(memory);
         return -1;
     }
+    Share o_shares[threads]; /* out_proj's rows, claimed as they are done (claims.h) */
+    shares_init(o_shares, width, 4, threads);
 #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -126,11 +128,11 @@ int mla_half(const void *x, int64_t batch, int64_t width, int dtype, const void 
             gemv_part(widen ? (const void *)(wide + head * rank) : att + head * rank * elem, batch, rank, heads * rank,
                       dtype, (const char *)wkv_b + (head * (nope + v_dim) + nope) * rank * elem, NULL, 0, 0, v_dim,
                       values + head * v_dim * elem, heads * v_dim);
-        /* o: each thread its tiles' rows, then the residual in dtype */
+        /* o: rows claimed as each thread is done (claims.h), then the residual in dtype */
         if (widen)
             for (int64_t i = 0; i < batch * heads * v_dim; i++) wide[i] = load1(values, i, dtype);
         gemv_residual_share(widen ? (const void *)wide : values, batch, heads * v_dim, heads * v_dim, dtype, wo, NULL,
-                            0, width, x, out, t, n);
+                            0, width, x, out, o_shares, t, threads);
     }
     free(memory);
     return 0;
