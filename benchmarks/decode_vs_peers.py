@@ -13,8 +13,8 @@ Decode rate for every side = batch * (N - 1) / (time(N new tokens) - time(1 new 
 kind of greedy loop (llama.cpp's: eval the prompt, then one token at a time, argmax of the last logits), so prefill
 is excluded the same way everywhere; llama.cpp's own perf counters are not used. Sides alternate within each
 repeat; each figure is the median of --repeats runs. MBU = (weight bytes a step reads, as stored + KV read at the
-mean context) / step time / the machine's read rate: the highest of harness.roofline.measure_machine's before the
-sides run (its `how` is printed) and measure_read_rate's after each round of them.
+mean context) / step time / the machine's read rate for a working set of those bytes (harness.roofline's sweep, as
+zoo compare prices a step): the highest of the sweeps taken before the sides and after each round of them.
 Greedy tokens: transformers against archzoo by vLLM's rule (benchmarks/hf_agreement.py); llama.cpp against archzoo
 in the same dtype (Q8_0 and archzoo int8 against archzoo fp32): the number of leading tokens equal.
 
@@ -27,6 +27,7 @@ in the same dtype (Q8_0 and archzoo int8 against archzoo fp32): the number of le
 Without llama-cpp-python (or gguf) the llama.cpp rows are skipped with the reason; the others are still measured.
 """
 import argparse
+import functools
 import importlib
 import statistics
 import sys
@@ -42,7 +43,7 @@ import torch
 import harness
 import zoo
 from decode_vs_hf import decode_rate, hf_twin
-from harness.roofline import measure_machine, measure_read_rate
+from harness.roofline import ReadRates, measure_machine, measure_read_rates, read_buffer
 from hf_agreement import agreement, time_hf, time_zoo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -209,28 +210,33 @@ def gguf_decode_bytes(path: Path) -> int:
     return sum(tensors.values()) - (tensors["token_embd.weight"] if "output.weight" in tensors else 0)
 
 
-def measure(sides: list[Side], prompts: torch.Tensor, run: PeerRun) -> list[float]:
-    """Every side's median decode rate, the sides alternating within each repeat; returns the machine's read rate
-    (measure_read_rate) after each repeat's round."""
+SWEEP_REPEATS = 3  # passes a size in each read sweep: ~0.5 s a sweep at 31 GB/s
+
+
+def measure(sides: list[Side], prompts: torch.Tensor, run: PeerRun) -> list[ReadRates]:
+    """Every side's median decode rate, the sides alternating within each repeat; returns the read sweeps taken
+    before the sides and after each repeat's round, each over the working-set sizes and every side's step bytes."""
     for side in sides:
         side.timer(prompts, 4)  # warm-up (and compile) outside the timed runs
-    rates, reads = {id(side): [] for side in sides}, []
+    buffer, step_bytes = read_buffer(), tuple(sorted({side.step_bytes for side in sides}))
+    sweeps = [measure_read_rates(SWEEP_REPEATS, buffer=buffer, also=step_bytes)]
+    rates = {id(side): [] for side in sides}
     for _ in range(run.repeats):
         for side in sides:
             decode_rate(side.timer, prompts, run.new_tokens, rates[id(side)])
-        reads.append(measure_read_rate())
+        sweeps.append(measure_read_rates(SWEEP_REPEATS, buffer=buffer, also=step_bytes))
     for side in sides:
         side.rate = statistics.median(rates[id(side)])
-    return reads
+    return sweeps
 
 
-def table(sides: list[Side], read_rate: float) -> str:
+def table(sides: list[Side], read_rates: ReadRates) -> str:
     llama = {s.dtype: s.rate for s in sides if s.name == "llama.cpp"}
     lines = ["| dtype | side | KV cache | decode tok/s | / llama.cpp | MB per step | MBU | greedy tokens |",
              "|---|---|---|---:|---:|---:|---:|---|"]
     for s in sorted(sides, key=lambda s: list(TORCH_DTYPES).index(s.dtype)):  # stable: archzoo first in a dtype
         ratio = f"{s.rate / llama[s.dtype]:.2f}x" if s.dtype in llama else "—"
-        mbu = harness.metrics.mbu(s.step_bytes, 0, 1 / s.rate, read_rate)
+        mbu = harness.metrics.mbu(s.step_bytes, 0, 1 / s.rate, read_rates.at(s.step_bytes))
         lines.append(f"| {s.dtype} | {s.name} | {s.kv} | {s.rate:.1f} | {ratio} | {s.step_bytes / 1e6:.1f} | "
                      f"{mbu:.0%} | {s.greedy} |")
     return "\n".join(lines)
@@ -260,15 +266,19 @@ def run_peers(run: PeerRun) -> str:
             print(f"llama.cpp rows skipped: {llama_cpp}")
         else:
             sides += [llama_side(llama_cpp, model, d, Path(folder), prompts, run, reference) for d in run.dtypes]
-        reads = measure(sides, prompts, run)
-    # the machine's rate moves within a run (31-35 GB/s, then 48-56 for a while, on the 2-core EPYC VM): the floor is
-    # the highest rate read before the sides and after each round of them, so no side's MBU is inflated by a slow
-    # moment (priced at the rates before and after alone, an f32 side that ran in a fast spell measured MBU 116%)
-    read_rate = max(rates.stream_bytes_per_s, *reads)
-    print(f"MBU against {read_rate / 1e9:.1f} GB/s, the highest of the read rates before the sides "
-          f"({rates.stream_bytes_per_s / 1e9:.1f}) and after each round of them "
-          f"({', '.join(f'{r / 1e9:.1f}' for r in reads)})")
-    text = table(sides, read_rate)
+        sweeps = measure(sides, prompts, run)
+    # the machine's rate moves within a run (31-35 GB/s, then 48-56 for a while, on the 2-core EPYC VM): each side is
+    # priced at the highest rate its bytes were read at, before the sides and after each round of them, so no side's
+    # MBU is inflated by a slow moment (priced at the rates before and after alone, an f32 side that ran in a fast
+    # spell measured MBU 116%); and at its own bytes' rate, as zoo compare prices a step, so a working set a large
+    # cache holds part of is not priced at the memory's rate alone (the 2-core Xeon's 480 MiB L3: 204 MB of bf16
+    # weights read at 42-54 GB/s where 1 GiB reads at 31)
+    read_rates = functools.reduce(ReadRates.higher, sweeps)
+    rate_of = {f"{s.dtype} ({s.step_bytes / 1e6:.0f} MB)": read_rates.at(s.step_bytes) for s in sides}
+    print(f"MBU against the highest read rate of each side's step bytes over {len(sweeps)} sweeps (before the sides "
+          f"and after each round of them): {', '.join(f'{k} {v / 1e9:.1f} GB/s' for k, v in rate_of.items())}; "
+          f"1 GiB read at {', '.join(f'{sweep.rates[-1] / 1e9:.1f}' for sweep in sweeps)} GB/s")
+    text = table(sides, read_rates)
     print(text, flush=True)
     return text
 
