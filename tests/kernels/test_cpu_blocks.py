@@ -224,6 +224,25 @@ def test_the_feed_forward_half_splits_rows_off_its_gemv_tiles(dtype):
         cpu_blocks.ffn_block_op(x, norm, 1e-5, *[w.to(dtype) for w in ffn[:2]], ffn[2][:, :-1].to(dtype))
 
 
+@pytest.mark.parametrize("threads", [3, 5])
+def test_rows_handed_out_as_threads_finish_end_off_a_tile(threads):
+    """Each GEMV's rows are claimed as the threads finish (kernels/cpu/claims.h), a thread that is done taking pieces
+    from the back of another's share: with down's 22 rows (the last share ends off a 4-row tile) and gate's and up's
+    30, at 3 and 5 threads on 2 cores (so shares are taken from the back), the half equals the composed one."""
+    if not cpu_decode.glue_available():
+        pytest.skip("the C++ glue did not build here (a warning said why)")
+    g = torch.Generator().manual_seed(5)
+    x, norm = torch.randn(2, 1, 22, generator=g), torch.randn(22, generator=g)
+    ffn = [torch.randn(shape, generator=g) for shape in ((30, 22), (30, 22), (22, 30))]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = cpu_blocks.ffn_block_op(x, norm, 1e-5, *ffn)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, cpu_blocks.ffn_block_eager(x, norm, 1e-5, *ffn))
+
+
 def test_bad_input_is_refused_before_any_write():
     if not cpu_decode.glue_available():
         pytest.skip("the C++ glue did not build here (a warning said why)")
