@@ -1,9 +1,11 @@
 /* A feed-forward half of a decode block, x + down(silu(gate h) * up h) with h = RMSNorm(x), in two OpenMP parallel
  * regions around torch's silu and product (kernels/cpu/ops.cpp's ffn_block; kernels/cpu_blocks.py says when it
  * runs): each thread normalises x itself and claims rows of gate and up as it is done (claims.h; with two threads
- * one streams gate and the other up), and then rows of down with the residual added. Each output is computed as the composed half computes it, bit for bit; the composed half ran
- * three regions with the norm and the residual serial between them. The silu stays torch's (its exp is SLEEF's),
- * so the half's rounding is the module's. */
+ * one streams gate and the other up), and then rows of down with the residual added. Each output is computed as
+ * the composed half computes it, bit for bit; the composed half ran three regions with the norm and the residual
+ * serial between them. The silu stays torch's, so the half's rounding is the module's (torch's vectorised loop and
+ * its scalar tail round silu differently; a silu run from inside the region over each thread's stretch, bit for bit
+ * the same, made the step no faster). */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
