@@ -120,7 +120,9 @@ def _library() -> ctypes.CDLL | None:
     lib.greedy_rows.restype = ctypes.c_int
     lib.greedy_rows.argtypes = [ptr, i64, i64, i64, i32, ptr, ptr]
     lib.dense_gemv.restype = ctypes.c_int
-    lib.dense_gemv.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, ptr, ptr, i64, i32]
+    lib.dense_gemv.argtypes = [ptr, i64, i64, i64, i32, ptr, i64, ptr, ptr, i64, i64, i32]
+    lib.row_prefetch_bytes.restype = i64
+    lib.row_prefetch_bytes.argtypes = [i64]
     lib.dense_gemv_layers.restype = ctypes.c_int
     lib.dense_gemv_layers.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32]
     lib.int8_gemv.restype = ctypes.c_int
@@ -480,6 +482,13 @@ def dense_gemv_layers(xs: list[torch.Tensor], weights: list[torch.Tensor]) -> li
     return outs
 
 
+def row_prefetch_bytes(step_bytes: int) -> int:
+    """How far ahead (bytes) the C GEMV prefetches a weight row for one row of x, in a step that streams step_bytes of
+    weights (-1: not known, as for an op called on its own): further where they fit in half the CPU's last-level
+    cache (kernels/cpu/dense_gemv.c). A planned decode step's op (decode_blocks) asks it from its weights' bytes."""
+    return _library().row_prefetch_bytes(step_bytes)
+
+
 def dense_gemv_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias) for decode-sized x [..., K] (each weight byte is read once for up to 16 rows) on
     kernels/cpu/dense_gemv.c: fp32, or bf16 with fp32 sums rounded once."""
@@ -492,7 +501,7 @@ def dense_gemv_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     out = torch.empty(rows.shape[0], n, dtype=x.dtype)
     status = _library().dense_gemv(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), DTYPE_CODES[x.dtype],
                                    weight.data_ptr(), n, None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                   out.stride(0), torch.get_num_threads())
+                                   out.stride(0), row_prefetch_bytes(-1), torch.get_num_threads())
     if status:
         raise (MemoryError("dense_gemv: out of memory for the fp32 copy of x") if status == -2 else
                ValueError(f"dense_gemv: dtype {x.dtype} is beyond the CPU kernel (fp32, bf16)"))
@@ -533,7 +542,7 @@ def _glue_registered() -> bool:
                                  (lib.dense_gemv, lib.int8_gemv, lib.quantized_gemv, lib.decode_attention,
                                   lib.rms_norm, lib.rotary, lib.linear_attention_step, lib.attention_half,
                                   lib.mla_half, lib.ffn_gate_up, lib.gemv_residual, lib.mamba_half,
-                                  lib.mamba2_half)))
+                                  lib.mamba2_half, lib.row_prefetch_bytes)))
     return True
 
 

@@ -23,13 +23,14 @@ enum { WQ, WK, WV, WO };
  * positions [batch]; inv_freq [head_dim / 2]; caches [slots, kv_heads, rows, head_dim] at element strides
  * cache_strides (k's slot, head, row, then v's), of cache_rows rows; this step's key and value go to row rows[b] of
  * slot slots[b] (checked by the caller), and sequence b attends to its slot's first lengths[b] rows in `splits` key
- * splits. out [batch, width] in dtype. Returns 0, -1 for sizes beyond the kernels, -2 out of memory. */
+ * splits. out [batch, width] in dtype; row_ahead: gemv_part's. Returns 0, -1 for sizes beyond the kernels, -2 out
+ * of memory. */
 int attention_half(const void *x, int64_t batch, int64_t width, int dtype, const void *norm, float eps,
                    const void *const *weights, const void *const *scales, const int *s_dtypes, int64_t heads,
                    int64_t kv_heads, int64_t head_dim, const int64_t *positions, const float *inv_freq,
                    void *k_cache, void *v_cache, const int64_t *cache_strides, int64_t cache_rows,
                    const int64_t *slots, const int64_t *rows, const int32_t *lengths, float scale, int splits,
-                   void *out, int threads) {
+                   void *out, int64_t row_ahead, int threads) {
     if ((dtype != F32 && dtype != BF16) || head_dim % 2 || head_dim / 2 > MAX_HALF || batch < 1)
         return -1;
     int64_t elem = dtype == F32 ? 4 : 2, half = head_dim / 2, q_width = heads * head_dim;
@@ -87,7 +88,7 @@ int attention_half(const void *x, int64_t batch, int64_t width, int dtype, const
             int64_t ld = kind == WQ ? q_width : kv_width;
             char *raw = kind == WQ ? q_raw : kind == WK ? k_raw : v_raw;
             gemv_part(widen[kind] ? (const void *)h_wide : h, batch, width, width, dtype, weights[kind], scales[kind],
-                      s_dtypes[kind], head * head_dim, (head + 1) * head_dim, raw, ld);
+                      s_dtypes[kind], head * head_dim, (head + 1) * head_dim, raw, ld, row_ahead);
             for (int64_t b = 0; b < batch; b++) {
                 char *row = raw + (b * ld + head * head_dim) * elem;
                 if (kind == WQ) {
@@ -117,7 +118,7 @@ int attention_half(const void *x, int64_t batch, int64_t width, int dtype, const
         if (widen[WO])
             for (int64_t i = 0; i < batch * q_width; i++) att_wide[i] = load1(att, i, dtype);
         gemv_residual_share(widen[WO] ? (const void *)att_wide : att, batch, q_width, q_width, dtype, weights[WO],
-                            scales[WO], s_dtypes[WO], width, x, out, o_shares, t, threads);
+                            scales[WO], s_dtypes[WO], width, x, out, row_ahead, o_shares, t, threads);
     }
     free(memory);
     return 0;

@@ -19,7 +19,7 @@
  * 24.3-29.9 (one of six the other way); at two rows it lost in fp32 (22.6-25.7 against 24.8-30.4), at 16 by half,
  * and int8 at one row (12.1 against 17.1 GB/s), whose four vectors a line then make one chain of dependent adds.
  * One row of x walks each weight row whole rather than BLOCK_BYTES at a time, so a thread's stretch of W is read in
- * address order, and prefetches ROW_PREFETCH_BYTES ahead of the line it reads (a tile or more ahead overshot): from
+ * address order, and prefetches MEMORY_ROW_AHEAD bytes ahead of the line it reads (a tile or more ahead overshot): from
  * 2 MiB pages (where an engine puts the weights, kernels/cpu_memory.py), `base` gqa's layers called in turn from C,
  * one process, eight rounds, fp32 27.1-28.7 against 25.9-27.0 GB/s (read kernel 31.5-32.5) and 38.3-41.2 against
  * 29.6-31.8 (read 47.7-48.6), bf16 30.5-38.1 against 25.8-31.1; from 4 KiB pages fp32 25.5-27.7 against 23.5-24.7,
@@ -28,6 +28,14 @@
  * And it runs row after row (rows_in_order), not in 4-row tiles handed out by OpenMP's loop: same sums, and from
  * 2 MiB pages, fp32, eight rounds, 43-49 against 35-43 GB/s where the read kernel reads 44-50, 31-32 against 29-31
  * where it reads 32-33 (a plain row-by-row loop written apart reached the same).
+ * How far ahead pays depends on where the weights lie. The figures above are from memory (the EPYC's 32 MiB L3 holds
+ * no model's step): MEMORY_ROW_AHEAD. Where a step's weights fit in half the last-level cache (row_prefetch_bytes;
+ * a 2-core Xeon VM that reports a 480 MiB L3 holds a `small` model's 91 MB in fp32 and `base`'s 200 MB in bf16),
+ * CACHED_ROW_AHEAD: the decode step, batch 1, both in one process alternating, twelve rounds (context 256): small
+ * fp32 gqa 2.50 -> 2.20 ms, mamba2 3.81 -> 3.25, mla 2.76 -> 2.54 (context 1024: linear 3.59 -> 3.07, mamba 4.75 ->
+ * 4.06), every round faster; base bf16 gqa 8.37 -> 8.00 (4 KiB 7.82, 16 KiB 7.92); but base fp32 (400 MB, most of it
+ * from memory) 15.2 -> 15.9, slower in every round, as 4 KiB (16.4). Rows of x walked in tiles (batch 2 and more)
+ * gained nothing from further (8-32 KiB within 1.5%).
  * That one row adds alternate lines into two sums, not one: one sum waited on each add (4 cycles) and ran at a third
  * of L2's rate. Weights in cache, fp32, 1 row (EPYC): 512 x 512 31 -> 13 µs, 1408 x 512 88 -> 37; from memory no
  * change (20-22 GB/s either way). Four sums measured slower than two (24 and 61 µs).
@@ -47,6 +55,7 @@
 #pragma GCC optimize("fp-contract=fast")
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <omp.h>
 #include "floats.h"
 #include "gemv.h"
@@ -67,7 +76,8 @@
 #define LINE 64
 #define BLOCK_BYTES 1024     /* a block of 16 x rows and 4 weight rows is at most 20 KiB: in L1 on any x86 since 2012 */
 #define PREFETCH_BYTES 8192 /* how far ahead in W the prefetches run, at least (whole tiles); see the top */
-#define ROW_PREFETCH_BYTES 2048 /* one row of x, W read in address order: how far ahead of each line; see the top */
+#define MEMORY_ROW_AHEAD 2048 /* one row of x, W read in address order: how far ahead of each line; see the top */
+#define CACHED_ROW_AHEAD 8192 /* the same where a step's weights fit in half the last-level cache; see the top */
 #define INLINE static inline __attribute__((always_inline))
 
 typedef float floats_v __attribute__((vector_size(4 * LANES)));
@@ -89,7 +99,7 @@ struct gemv {
     const char *x, *w;
     const void *bias, *scales; /* scales: int8's, [n] in s_dtype */
     void *out;
-    int64_t k, n, ldx, ldo;
+    int64_t k, n, ldx, ldo, row_ahead; /* row_ahead: how far ahead one row of x prefetches */
     int format, dtype, s_dtype;
 };
 
@@ -229,7 +239,7 @@ INLINE void tile(const struct gemv *g, int64_t n0, int64_t m0, int mp, int forma
     int in_order = mp == 1 && format != BYTES; /* one row of x: each weight row in one run, see the top */
     if (in_order) block = whole;
     int64_t tile_bytes = ROWS * g->k * w_bytes(format);
-    int64_t ahead = in_order ? ROW_PREFETCH_BYTES : tile_bytes * (1 + (PREFETCH_BYTES - 1) / tile_bytes);
+    int64_t ahead = in_order ? g->row_ahead : tile_bytes * (1 + (PREFETCH_BYTES - 1) / tile_bytes);
     for (int64_t k0 = 0; k0 < whole; k0 += block) {
         int64_t k1 = k0 + block < whole ? k0 + block : whole;
         for (int m = 0; m < mp; m += XROWS)
@@ -240,7 +250,7 @@ INLINE void tile(const struct gemv *g, int64_t n0, int64_t m0, int mp, int forma
 
 /* One row of x: out[r] for rows [n0, n1) of W, one row after another in address order, each whole, alternate lines
  * into two sums (a tile's by_row walk and finish, row by row: the same sums in the same order), prefetching
- * ROW_PREFETCH_BYTES ahead; see the top. */
+ * g->row_ahead bytes ahead; see the top. */
 INLINE void rows_in_order(const struct gemv *g, int64_t n0, int64_t n1, int format) {
     int64_t step = LINE / w_bytes(format), whole = g->k - g->k % step;
     int x_dtype = format == DOT ? BF16 : F32;
@@ -249,8 +259,8 @@ INLINE void rows_in_order(const struct gemv *g, int64_t n0, int64_t n1, int form
         floats_v a = {0}, b = {0};
         int64_t i = 0;
         for (; i + 2 * step <= whole; i += 2 * step) {
-            __builtin_prefetch(w + w_bytes(format) * i + ROW_PREFETCH_BYTES, 0, 1); /* to L2 */
-            __builtin_prefetch(w + w_bytes(format) * (i + step) + ROW_PREFETCH_BYTES, 0, 1);
+            __builtin_prefetch(w + w_bytes(format) * i + g->row_ahead, 0, 1); /* to L2 */
+            __builtin_prefetch(w + w_bytes(format) * (i + step) + g->row_ahead, 0, 1);
             for (int64_t j = i; j < i + step; j += vector_elements(format))
                 a = madd(a, load_w(w, j, format), g->x, j, format);
             for (int64_t j = i + step; j < i + 2 * step; j += vector_elements(format))
@@ -294,16 +304,25 @@ static void run(const struct gemv *g, int64_t m, tile_fn tile_of, int threads) {
         for (int64_t m0 = 0; m0 < m; m0 += MAX_M) tile_of(g, t * ROWS, m0, m - m0 < MAX_M ? (int)(m - m0) : MAX_M);
 }
 
+int64_t row_prefetch_bytes(int64_t step_bytes) {
+#ifdef _SC_LEVEL3_CACHE_SIZE
+    long last = sysconf(_SC_LEVEL3_CACHE_SIZE); /* 0 or -1 where the system does not say */
+#else
+    long last = 0;
+#endif
+    return step_bytes >= 0 && last > 0 && step_bytes <= last / 2 ? CACHED_ROW_AHEAD : MEMORY_ROW_AHEAD;
+}
+
 int gemv_widens(int dtype, int int8) { return int8 || (dtype == BF16 && BF16_FORMAT == WIDEN); }
 
 void gemv_part(const void *x, int64_t m, int64_t k, int64_t ldx, int dtype, const void *weight, const void *scales,
-               int s_dtype, int64_t n0, int64_t n1, void *out, int64_t ldo) {
+               int s_dtype, int64_t n0, int64_t n1, void *out, int64_t ldo, int64_t row_ahead) {
     int format = scales ? BYTES : dtype == F32 ? PLAIN : BF16_FORMAT;
     int out_bytes = dtype == F32 ? 4 : 2, s_bytes = s_dtype == F32 ? 4 : 2;
     /* rows [n0, n1) as a GEMV of their own: each output's sums run as they would in the whole one */
     struct gemv g = {x, (const char *)weight + n0 * k * w_bytes(format), NULL,
                      scales ? (const char *)scales + n0 * s_bytes : NULL, (char *)out + n0 * out_bytes, k, n1 - n0,
-                     ldx, ldo, format, dtype, s_dtype};
+                     ldx, ldo, row_ahead, format, dtype, s_dtype};
     if (m == 1 && format != BYTES) {
         (format == PLAIN ? rows_fp32 : rows_bf16)(&g, 0, g.n);
         return;
@@ -322,10 +341,11 @@ static float *widened(const void *x, int64_t m, int64_t k, int64_t ldx, int x_dt
     return wide;
 }
 
-/* x [m, k] (row stride ldx), W [n, k], bias [n] or NULL, out [m, n] (row stride ldo), all dtype (fp32 or bf16).
- * Returns 0, -1 for a dtype the kernel does not take, -2 out of memory. */
+/* x [m, k] (row stride ldx), W [n, k], bias [n] or NULL, out [m, n] (row stride ldo), all dtype (fp32 or bf16); one
+ * row of x prefetches row_ahead bytes ahead (row_prefetch_bytes). Returns 0, -1 for a dtype the kernel does not
+ * take, -2 out of memory. */
 int dense_gemv(const void *x, int64_t m, int64_t k, int64_t ldx, int dtype, const void *weight, int64_t n,
-               const void *bias, void *out, int64_t ldo, int threads) {
+               const void *bias, void *out, int64_t ldo, int64_t row_ahead, int threads) {
     if (dtype != F32 && dtype != BF16) return -1;
     if (m <= 0 || n <= 0) return 0;
     int format = dtype == F32 ? PLAIN : BF16_FORMAT;
@@ -335,7 +355,7 @@ int dense_gemv(const void *x, int64_t m, int64_t k, int64_t ldx, int dtype, cons
         x = wide;
         ldx = k;
     }
-    struct gemv g = {x, weight, bias, NULL, out, k, n, ldx, ldo, format, dtype, F32};
+    struct gemv g = {x, weight, bias, NULL, out, k, n, ldx, ldo, row_ahead, format, dtype, F32};
     run(&g, m, dtype == F32 ? tile_fp32 : tile_bf16, threads);
     free(wide);
     return 0;
@@ -349,7 +369,8 @@ int int8_gemv(const void *x, int64_t m, int64_t k, int64_t ldx, int x_dtype, con
     if (m <= 0 || n <= 0) return 0;
     float *wide = widened(x, m, k, ldx, x_dtype);
     if (!wide) return -2;
-    struct gemv g = {(const char *)wide, q, NULL, scales, out, k, n, k, ldo, BYTES, x_dtype, s_dtype};
+    struct gemv g = {(const char *)wide, q, NULL, scales, out, k, n, k, ldo, MEMORY_ROW_AHEAD, BYTES, x_dtype,
+                     s_dtype}; /* int8 walks tiles at any m: no row_ahead */
     run(&g, m, tile_int8, threads);
     free(wide);
     return 0;
@@ -360,8 +381,11 @@ int int8_gemv(const void *x, int64_t m, int64_t k, int64_t ldx, int x_dtype, con
  * with no Python between them (benchmarks/weight_streaming.py). Returns the first non-zero status, else 0. */
 int dense_gemv_layers(const void *const *x, const void *const *weight, void *const *out, const int64_t *k,
                       const int64_t *n, int64_t layers, int64_t m, int dtype, int threads) {
+    int64_t bytes = 0;
+    for (int64_t i = 0; i < layers; i++) bytes += n[i] * k[i] * (dtype == F32 ? 4 : 2);
+    int64_t row_ahead = row_prefetch_bytes(bytes); /* as a planned step's, from the bytes it streams */
     for (int64_t i = 0; i < layers; i++) {
-        int status = dense_gemv(x[i], m, k[i], k[i], dtype, weight[i], n[i], NULL, out[i], n[i], threads);
+        int status = dense_gemv(x[i], m, k[i], k[i], dtype, weight[i], n[i], NULL, out[i], n[i], row_ahead, threads);
         if (status) return status;
     }
     return 0;

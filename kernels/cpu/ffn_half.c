@@ -17,12 +17,12 @@
 /* gate_out = RMSNorm(x) gate^T and up_out = RMSNorm(x) up^T: x [batch, width] contiguous in dtype (fp32 or bf16),
  * gate and up [hidden, width] in dtype or int8 times their scales (s_dtypes) where those are not NULL; the outputs
  * [batch, hidden] in dtype. down (or NULL): the next GEMV's weights [width, down_row_bytes], whose rows each thread
- * will take in gemv_residual: the start of its share is fetched at the end. Returns 0, -1 for a dtype beyond the
- * kernels, -2 out of memory. */
+ * will take in gemv_residual: the start of its share is fetched at the end. row_ahead: gemv_part's. Returns 0, -1
+ * for a dtype beyond the kernels, -2 out of memory. */
 int ffn_gate_up(const void *x, int64_t batch, int64_t width, int dtype, const void *norm, float eps,
                 const void *gate, const void *gate_scales, const void *up, const void *up_scales, const int *s_dtypes,
                 int64_t hidden, void *gate_out, void *up_out, const void *down, int64_t down_row_bytes,
-                int threads) {
+                int64_t row_ahead, int threads) {
     if ((dtype != F32 && dtype != BF16) || batch < 1) return -1;
     int widen_gate = gemv_widens(dtype, gate_scales != NULL), widen_up = gemv_widens(dtype, up_scales != NULL);
     int64_t h_bytes = aligned(batch * width * (dtype == F32 ? 4 : 2));
@@ -45,10 +45,11 @@ int ffn_gate_up(const void *x, int64_t batch, int64_t width, int dtype, const vo
         while (claim(shares, t, threads, size, 4, &a, &b)) {
             if (a < padded)
                 gemv_part(widen_gate ? (const void *)wide : h, batch, width, width, dtype, gate, gate_scales,
-                          s_dtypes[0], a, b < hidden ? b : hidden, gate_out, hidden);
+                          s_dtypes[0], a, b < hidden ? b : hidden, gate_out, hidden, row_ahead);
             if (b > padded)
                 gemv_part(widen_up ? (const void *)wide : h, batch, width, width, dtype, up, up_scales, s_dtypes[1],
-                          a > padded ? a - padded : 0, b - padded < hidden ? b - padded : hidden, up_out, hidden);
+                          a > padded ? a - padded : 0, b - padded < hidden ? b - padded : hidden, up_out, hidden,
+                          row_ahead);
         }
         if (down) prefetch_share(down, width, down_row_bytes, t, n); /* down's rows, while torch's SiLU runs */
     }
@@ -58,9 +59,9 @@ int ffn_gate_up(const void *x, int64_t batch, int64_t width, int dtype, const vo
 
 /* out = residual + x w^T: x [batch, k] contiguous in dtype (fp32 or bf16), w [n, k] in dtype or int8 times scales
  * (s_dtype) where those are not NULL, residual and out [batch, n] contiguous in dtype, the sum rounded to dtype as
- * torch's add rounds it. Returns 0, -1 for a dtype beyond the kernels, -2 out of memory. */
+ * torch's add rounds it; row_ahead: gemv_part's. Returns 0, -1 for a dtype beyond the kernels, -2 out of memory. */
 int gemv_residual(const void *x, int64_t batch, int64_t k, int dtype, const void *w, const void *scales, int s_dtype,
-                  int64_t n, const void *residual, void *out, int threads) {
+                  int64_t n, const void *residual, void *out, int64_t row_ahead, int threads) {
     if ((dtype != F32 && dtype != BF16) || batch < 1) return -1;
     int widen = gemv_widens(dtype, scales != NULL);
     float *wide = NULL;
@@ -72,7 +73,7 @@ int gemv_residual(const void *x, int64_t batch, int64_t k, int dtype, const void
     shares_init(shares, n, 4, threads);
 #pragma omp parallel num_threads(threads)
     gemv_residual_share(widen ? (const void *)wide : x, batch, k, k, dtype, w, scales, s_dtype, n, residual, out,
-                        shares, omp_get_thread_num(), threads);
+                        row_ahead, shares, omp_get_thread_num(), threads);
     free(wide);
     return 0;
 }

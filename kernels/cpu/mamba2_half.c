@@ -20,10 +20,10 @@
 
 /* this thread's share of rows [first, first + n) of in_proj, in 4-row tiles, into proj (rows ld apart) */
 static void in_rows(const void *in, int64_t batch, int64_t width, int64_t ldx, int dtype, const void *w, int64_t first,
-                    int64_t n, int t, int threads, void *proj, int64_t ld) {
+                    int64_t n, int t, int threads, void *proj, int64_t ld, int64_t row_ahead) {
     int64_t n0, n1;
     tile_share(n, t, threads, &n0, &n1);
-    if (n0 < n1) gemv_part(in, batch, width, ldx, dtype, w, NULL, F32, first + n0, first + n1, proj, ld);
+    if (n0 < n1) gemv_part(in, batch, width, ldx, dtype, w, NULL, F32, first + n0, first + n1, proj, ld, row_ahead);
 }
 
 /* x [batch, width] (contiguous, fp32 or bf16) + out_proj(Mamba-2's step): in_w [d_inner + conv_dim + heads, width]
@@ -31,13 +31,14 @@ static void in_rows(const void *in, int64_t batch, int64_t width, int64_t ldx, i
  * gate_norm [d_inner], out_w [width, d_inner], all in dtype, contiguous; d_inner = heads * head_dim and conv_dim =
  * d_inner + 2 groups dstate. The conv state [slots, conv_dim, d_conv] and the SSM state [slots, heads, head_dim,
  * dstate], in dtype, each slot's contiguous and conv_stride and ssm_stride elements apart: sequence b's are slot
- * slots[b] (checked by the caller), updated in place. out [batch, width]. Returns 0, -1 for sizes beyond the
- * kernels, -2 out of memory. */
+ * slots[b] (checked by the caller), updated in place. out [batch, width]; row_ahead: gemv_part's. Returns 0, -1 for
+ * sizes beyond the kernels, -2 out of memory. */
 int mamba2_half(const void *x, int64_t batch, int64_t width, int dtype, const void *norm, float eps,
                 const void *in_w, const void *conv_w, const void *conv_b, const void *dt_bias, const void *A_log,
                 const void *D, const void *gate_norm, float gate_eps, const void *out_w, void *conv,
                 int64_t conv_stride, int64_t d_conv, void *ssm, int64_t ssm_stride, const int64_t *slots,
-                int64_t heads, int64_t head_dim, int64_t dstate, int64_t groups, void *out, int threads) {
+                int64_t heads, int64_t head_dim, int64_t dstate, int64_t groups, void *out, int64_t row_ahead,
+                int threads) {
     if ((dtype != F32 && dtype != BF16) || batch < 1 || d_conv < 1 || dstate < 1 || groups < 1 || heads % groups)
         return -1;
     int64_t elem = dtype == F32 ? 4 : 2, d_inner = heads * head_dim, conv_dim = d_inner + 2 * groups * dstate;
@@ -68,9 +69,9 @@ int mamba2_half(const void *x, int64_t batch, int64_t width, int dtype, const vo
         int64_t ldx, c0, c1;
         rms_norm(x, batch, width, width, dtype, norm, eps, h);
         const void *in = gemv_input(h, batch, width, width, dtype, wide, &ldx);
-        in_rows(in, batch, width, ldx, dtype, in_w, 0, d_inner, t, n, proj, in_width);
-        in_rows(in, batch, width, ldx, dtype, in_w, d_inner, conv_dim, t, n, proj, in_width);
-        in_rows(in, batch, width, ldx, dtype, in_w, d_inner + conv_dim, heads, t, n, proj, in_width);
+        in_rows(in, batch, width, ldx, dtype, in_w, 0, d_inner, t, n, proj, in_width, row_ahead);
+        in_rows(in, batch, width, ldx, dtype, in_w, d_inner, conv_dim, t, n, proj, in_width, row_ahead);
+        in_rows(in, batch, width, ldx, dtype, in_w, d_inner + conv_dim, heads, t, n, proj, in_width, row_ahead);
         tile_share(conv_dim, t, n, &c0, &c1); /* the conv channels whose in_proj rows this thread computed */
         for (int64_t b = 0; b < batch; b++) {
             char *window = (char *)conv + slots[b] * conv_stride * elem;
@@ -117,7 +118,7 @@ int mamba2_half(const void *x, int64_t batch, int64_t width, int dtype, const vo
                 }
             }
         in = gemv_input(normed, batch, d_inner, d_inner, dtype, wide, &ldx);
-        gemv_residual_share(in, batch, d_inner, ldx, dtype, out_w, NULL, F32, width, x, out, o_shares, t,
+        gemv_residual_share(in, batch, d_inner, ldx, dtype, out_w, NULL, F32, width, x, out, row_ahead, o_shares, t,
                             threads);
     }
     free(memory);

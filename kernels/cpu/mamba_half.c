@@ -25,12 +25,12 @@
  * [d_inner, dstate], D [d_inner], out_w [width, d_inner], all in dtype, contiguous. The conv state [slots, d_inner,
  * d_conv] and the SSM state [slots, d_inner, dstate], in dtype, each slot's contiguous and conv_stride and
  * ssm_stride elements apart: sequence b's are slot slots[b] (checked by the caller), updated in place. out [batch,
- * width]. Returns 0, -1 for sizes beyond the kernels, -2 out of memory. */
+ * width]; row_ahead: gemv_part's. Returns 0, -1 for sizes beyond the kernels, -2 out of memory. */
 int mamba_half(const void *x, int64_t batch, int64_t width, int dtype, const void *norm, float eps,
                const void *in_w, const void *conv_w, const void *conv_b, const void *x_w, const void *dt_w,
                const void *dt_b, const void *A_log, const void *D, const void *out_w, void *conv, int64_t conv_stride,
                int64_t d_conv, void *ssm, int64_t ssm_stride, const int64_t *slots, int64_t d_inner, int64_t dstate,
-               int64_t rank, void *out, int threads) {
+               int64_t rank, void *out, int64_t row_ahead, int threads) {
     if ((dtype != F32 && dtype != BF16) || batch < 1 || d_conv < 1 || dstate < 1) return -1;
     int64_t elem = dtype == F32 ? 4 : 2, steps_width = rank + 2 * dstate;
     int64_t widest = width > d_inner ? width : d_inner;
@@ -60,8 +60,9 @@ int mamba_half(const void *x, int64_t batch, int64_t width, int dtype, const voi
         rms_norm(x, batch, width, width, dtype, norm, eps, h);
         const void *in = gemv_input(h, batch, width, width, dtype, wide, &ldx);
         if (c0 < c1) {
-            gemv_part(in, batch, width, ldx, dtype, in_w, NULL, F32, c0, c1, proj, 2 * d_inner);
-            gemv_part(in, batch, width, ldx, dtype, in_w, NULL, F32, d_inner + c0, d_inner + c1, proj, 2 * d_inner);
+            gemv_part(in, batch, width, ldx, dtype, in_w, NULL, F32, c0, c1, proj, 2 * d_inner, row_ahead);
+            gemv_part(in, batch, width, ldx, dtype, in_w, NULL, F32, d_inner + c0, d_inner + c1, proj, 2 * d_inner,
+                      row_ahead);
         }
         for (int64_t b = 0; b < batch; b++) {
             char *window = (char *)conv + slots[b] * conv_stride * elem;
@@ -75,14 +76,14 @@ int mamba_half(const void *x, int64_t batch, int64_t width, int dtype, const voi
         int64_t r0, r1;
         tile_share(steps_width, t, n, &r0, &r1);
         in = gemv_input(xc, batch, d_inner, d_inner, dtype, wide, &ldx);
-        if (r0 < r1) gemv_part(in, batch, d_inner, ldx, dtype, x_w, NULL, F32, r0, r1, steps, steps_width);
+        if (r0 < r1) gemv_part(in, batch, d_inner, ldx, dtype, x_w, NULL, F32, r0, r1, steps, steps_width, row_ahead);
         prefetch_share(dt_w, d_inner, rank * elem, t, n);
 #pragma omp barrier
         for (int64_t b = 0; b < batch; b++) /* B and C of every sequence, in fp32 for the state rows' loop */
             for (int64_t j = 0; j < 2 * dstate; j++)
                 BC[b * 2 * dstate + j] = load1(steps, b * steps_width + rank + j, dtype);
         in = gemv_input(steps, batch, rank, steps_width, dtype, wide, &ldx);
-        if (c0 < c1) gemv_part(in, batch, rank, ldx, dtype, dt_w, NULL, F32, c0, c1, dt, d_inner);
+        if (c0 < c1) gemv_part(in, batch, rank, ldx, dtype, dt_w, NULL, F32, c0, c1, dt, d_inner, row_ahead);
         for (int64_t c = c0; c < c1; c++) {
             int64_t j;
             for (j = 0; j < dstate; j++) A[j] = load1(A_log, c * dstate + j, dtype);
@@ -104,7 +105,7 @@ int mamba_half(const void *x, int64_t batch, int64_t width, int dtype, const voi
         prefetch_share(out_w, width, d_inner * elem, t, n);
 #pragma omp barrier
         in = gemv_input(y, batch, d_inner, d_inner, dtype, wide, &ldx);
-        gemv_residual_share(in, batch, d_inner, ldx, dtype, out_w, NULL, F32, width, x, out, o_shares, t,
+        gemv_residual_share(in, batch, d_inner, ldx, dtype, out_w, NULL, F32, width, x, out, row_ahead, o_shares, t,
                             threads);
     }
     free(memory);

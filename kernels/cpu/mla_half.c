@@ -35,13 +35,13 @@ static void fold(const void *q, const void *w, int64_t ld, int64_t nope, int64_t
  * dtype; positions [batch]; inv_freq [rope / 2]; the latent cache [slots, 1, rows, rank + rope] at element strides
  * (slot, row), of cache_rows rows; this step's latent row goes to row rows[b] of slot slots[b] (checked by the
  * caller), and sequence b attends to its slot's first lengths[b] rows in `splits` key splits. out [batch, width].
- * Returns 0, -1 for sizes beyond the kernels, -2 out of memory. */
+ * row_ahead: gemv_part's. Returns 0, -1 for sizes beyond the kernels, -2 out of memory. */
 int mla_half(const void *x, int64_t batch, int64_t width, int dtype, const void *norm, float eps, const void *wq,
              const void *wkv_a, const void *kv_norm, float kv_eps, const void *wkv_b, const void *wo,
              const int64_t *positions, const float *inv_freq, void *cache, int64_t slot_stride, int64_t row_stride,
              int64_t cache_rows, const int64_t *slots, const int64_t *rows, const int32_t *lengths, float scale,
              int64_t heads, int64_t nope, int64_t rope, int64_t rank, int64_t v_dim, int splits, void *out,
-             int threads) {
+             int64_t row_ahead, int threads) {
     if ((dtype != F32 && dtype != BF16) || rope % 2 || rope / 2 > MAX_HALF || rank + rope > MAX_DIM || batch < 1 ||
         heads > MAX_HEADS)
         return -1;
@@ -91,7 +91,7 @@ int mla_half(const void *x, int64_t batch, int64_t width, int dtype, const void 
         /* units: the latent projection, then q's heads; a thread takes a contiguous run of them */
         for (int64_t u = (heads + 1) * t / n; u < (heads + 1) * (t + 1) / n; u++) {
             if (u == 0) {
-                gemv_part(h_in, batch, width, width, dtype, wkv_a, NULL, 0, 0, kv_row, kv_raw, kv_row);
+                gemv_part(h_in, batch, width, width, dtype, wkv_a, NULL, 0, 0, kv_row, kv_raw, kv_row, row_ahead);
                 for (int64_t b = 0; b < batch; b++) {
                     char *row = kv_raw + b * kv_row * elem, *latent = query;
                     rms_norm(row, 1, rank, rank, dtype, kv_norm, kv_eps, latent);
@@ -104,7 +104,7 @@ int mla_half(const void *x, int64_t batch, int64_t width, int dtype, const void 
             }
             int64_t head = u - 1;
             gemv_part(h_in, batch, width, width, dtype, wq, NULL, 0, head * q_row, (head + 1) * q_row, q_raw,
-                      heads * q_row);
+                      heads * q_row, row_ahead);
             for (int64_t b = 0; b < batch; b++) {
                 const char *q = q_raw + (b * heads + head) * q_row * elem;
                 const char *w_uk = (const char *)wkv_b + head * (nope + v_dim) * rank * elem;
@@ -127,12 +127,12 @@ int mla_half(const void *x, int64_t batch, int64_t width, int dtype, const void 
         for (int64_t head = 0; head < heads; head++)
             gemv_part(widen ? (const void *)(wide + head * rank) : att + head * rank * elem, batch, rank, heads * rank,
                       dtype, (const char *)wkv_b + (head * (nope + v_dim) + nope) * rank * elem, NULL, 0, 0, v_dim,
-                      values + head * v_dim * elem, heads * v_dim);
+                      values + head * v_dim * elem, heads * v_dim, row_ahead);
         /* o: rows claimed as each thread is done (claims.h), then the residual in dtype */
         if (widen)
             for (int64_t i = 0; i < batch * heads * v_dim; i++) wide[i] = load1(values, i, dtype);
         gemv_residual_share(widen ? (const void *)wide : values, batch, heads * v_dim, heads * v_dim, dtype, wo, NULL,
-                            0, width, x, out, o_shares, t, threads);
+                            0, width, x, out, row_ahead, o_shares, t, threads);
     }
     free(memory);
     return 0;

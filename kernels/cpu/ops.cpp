@@ -24,7 +24,8 @@
 namespace {
 
 using DenseFn = int (*)(const void *, int64_t, int64_t, int64_t, int, const void *, int64_t, const void *, void *,
-                        int64_t, int);
+                        int64_t, int64_t, int);
+using RowAheadFn = int64_t (*)(int64_t);
 using Int8Fn = int (*)(const void *, int64_t, int64_t, int64_t, int, const void *, int64_t, const void *, int, void *,
                        int64_t, int);
 using Int4Fn = int (*)(const void *, int64_t, int64_t, int64_t, int, const void *, int64_t, int64_t, const void *,
@@ -41,25 +42,25 @@ using RotaryFn = int (*)(const void *, int64_t, int64_t, int64_t, int64_t, int64
 using AttentionHalfFn = int (*)(const void *, int64_t, int64_t, int, const void *, float, const void *const *,
                                 const void *const *, const int *, int64_t, int64_t, int64_t, const int64_t *,
                                 const float *, void *, void *, const int64_t *, int64_t, const int64_t *,
-                                const int64_t *, const int32_t *, float, int, void *, int);
+                                const int64_t *, const int32_t *, float, int, void *, int64_t, int);
 
 using MlaHalfFn = int (*)(const void *, int64_t, int64_t, int, const void *, float, const void *, const void *,
                           const void *, float, const void *, const void *, const int64_t *, const float *, void *,
                           int64_t, int64_t, int64_t, const int64_t *, const int64_t *, const int32_t *, float, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, int, void *, int);
+                          int64_t, int64_t, int64_t, int64_t, int, void *, int64_t, int);
 using FfnGateUpFn = int (*)(const void *, int64_t, int64_t, int, const void *, float, const void *, const void *,
                             const void *, const void *, const int *, int64_t, void *, void *, const void *, int64_t,
-                            int);
+                            int64_t, int);
 using GemvResidualFn = int (*)(const void *, int64_t, int64_t, int, const void *, const void *, int, int64_t,
-                               const void *, void *, int);
+                               const void *, void *, int64_t, int);
 using MambaHalfFn = int (*)(const void *, int64_t, int64_t, int, const void *, float, const void *, const void *,
                             const void *, const void *, const void *, const void *, const void *, const void *,
                             const void *, void *, int64_t, int64_t, void *, int64_t, const int64_t *, int64_t,
-                            int64_t, int64_t, void *, int);
+                            int64_t, int64_t, void *, int64_t, int);
 using Mamba2HalfFn = int (*)(const void *, int64_t, int64_t, int, const void *, float, const void *, const void *,
                              const void *, const void *, const void *, const void *, const void *, float, const void *,
                              void *, int64_t, int64_t, void *, int64_t, const int64_t *, int64_t, int64_t, int64_t,
-                             int64_t, void *, int);
+                             int64_t, void *, int64_t, int);
 
 using LinearStepFn = int (*)(const float *, const float *, const float *, float *, int64_t, int64_t, float *, int64_t,
                              int64_t, const int64_t *, int, int, int, int, float, float *, int);
@@ -79,6 +80,7 @@ struct Kernels {
     GemvResidualFn gemv_residual = nullptr;
     MambaHalfFn mamba_half = nullptr;
     Mamba2HalfFn mamba2_half = nullptr;
+    RowAheadFn row_ahead = nullptr;
 };
 
 Kernels &kernels() {  // set once by archzoo_point_kernels, before the first call
@@ -121,7 +123,8 @@ at::Tensor shaped(const at::Tensor &out, const at::Tensor &x) {
     return out.view(shape);
 }
 
-at::Tensor dense_gemv(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+at::Tensor dense_gemv(int64_t row_ahead, const at::Tensor &x, const at::Tensor &weight,
+                      const std::optional<at::Tensor> &bias) {
     TORCH_CHECK(kernels().dense, "dense_gemv: the C kernels are not pointed to");
     at::Tensor rows = as_rows(x), w = weight.contiguous();
     std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
@@ -130,7 +133,7 @@ at::Tensor dense_gemv(const at::Tensor &x, const at::Tensor &weight, const std::
                       "bf16)");
     at::Tensor out = at::empty({rows.size(0), w.size(0)}, x.options());
     int status = kernels().dense(rows.data_ptr(), rows.size(0), rows.size(1), rows.stride(0), code, w.data_ptr(),
-                                 w.size(0), b ? b->data_ptr() : nullptr, out.data_ptr(), out.stride(0),
+                                 w.size(0), b ? b->data_ptr() : nullptr, out.data_ptr(), out.stride(0), row_ahead,
                                  at::get_num_threads());
     TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "dense_gemv: out of memory for the fp32 copy of x");
     TORCH_CHECK_VALUE(status == 0, "dense_gemv: dtype ", dtype_name(x.scalar_type()), " is beyond the CPU kernel "
@@ -196,11 +199,12 @@ at::Tensor rotary(const at::Tensor &x_in, const at::Tensor &positions_in, const 
 }
 
 // SwiGLU's down(silu(gate x) * up x) on three dense GEMVs, silu and the product in x's dtype as F.silu and * do
-at::Tensor swiglu_gemv(const at::Tensor &x, const at::Tensor &gate, const at::Tensor &up, const at::Tensor &down) {
-    at::Tensor hidden = dense_gemv(x, gate, std::nullopt);
+at::Tensor swiglu_gemv(int64_t row_ahead, const at::Tensor &x, const at::Tensor &gate, const at::Tensor &up,
+                       const at::Tensor &down) {
+    at::Tensor hidden = dense_gemv(row_ahead, x, gate, std::nullopt);
     at::silu_(hidden);
-    hidden.mul_(dense_gemv(x, up, std::nullopt));
-    return dense_gemv(hidden, down, std::nullopt);
+    hidden.mul_(dense_gemv(row_ahead, x, up, std::nullopt));
+    return dense_gemv(row_ahead, hidden, down, std::nullopt);
 }
 
 // (block or slot, position, head) element strides of a cache tensor in its layout
@@ -278,9 +282,10 @@ at::Tensor decode_attention(const at::Tensor &q_in, const at::Tensor &k, const s
 // x + SwiGLU(RMSNorm(x)): a block's feed-forward half of a decode step in one call (kernels/cpu_blocks.py), on
 // kernels/cpu/ffn_half.c's two parallel regions around torch's silu and product. A projection with scales is int8
 // (zoo/quantize.py's), read as the int8 GEMV reads it in its own forward
-at::Tensor ffn_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &gate,
-                     const at::Tensor &up, const at::Tensor &down, const std::optional<at::Tensor> &gate_scales,
-                     const std::optional<at::Tensor> &up_scales, const std::optional<at::Tensor> &down_scales) {
+at::Tensor ffn_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &norm, double eps,
+                     const at::Tensor &gate, const at::Tensor &up, const at::Tensor &down,
+                     const std::optional<at::Tensor> &gate_scales, const std::optional<at::Tensor> &up_scales,
+                     const std::optional<at::Tensor> &down_scales) {
     TORCH_CHECK(kernels().ffn_gate_up && kernels().gemv_residual, "ffn_block: the C kernels are not pointed to");
     int64_t width = x.size(-1), hidden = gate.size(0), rows = x.numel() / std::max<int64_t>(width, 1);
     const std::optional<at::Tensor> *scales[] = {&gate_scales, &up_scales, &down_scales};
@@ -308,13 +313,13 @@ at::Tensor ffn_block(const at::Tensor &x, const at::Tensor &norm, double eps, co
     int status = kernels().ffn_gate_up(xs.data_ptr(), rows, width, code, h_norm.data_ptr(), static_cast<float>(eps),
                                        ws[0].data_ptr(), scale_ptr(0), ws[1].data_ptr(), scale_ptr(1), s_codes,
                                        hidden, gated.data_ptr(), upped.data_ptr(), ws[2].data_ptr(),
-                                       hidden * ws[2].element_size(), threads);
+                                       hidden * ws[2].element_size(), row_ahead, threads);
     at::silu_(gated);  // torch's silu, so the rounding is the module's
     gated.mul_(upped);
     at::Tensor out = at::empty(xs.sizes(), xs.options());
     if (status == 0)
         status = kernels().gemv_residual(gated.data_ptr(), rows, hidden, code, ws[2].data_ptr(), scale_ptr(2),
-                                         s_codes[2], width, xs.data_ptr(), out.data_ptr(), threads);
+                                         s_codes[2], width, xs.data_ptr(), out.data_ptr(), row_ahead, threads);
     TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "ffn_block: out of memory for its workspace");
     TORCH_CHECK_VALUE(status == 0, "ffn_block: dtype ", dtype_name(x.scalar_type()), " is beyond the CPU kernels "
                       "(fp32, bf16)");
@@ -325,7 +330,8 @@ at::Tensor ffn_block(const at::Tensor &x, const at::Tensor &norm, double eps, co
 // (slots, rows) of a contiguous cache [slots, kv_heads, rows, head_dim] (no wk, wv: a layer that reads another's
 // cache), and decode attention over each sequence's first `lengths` rows: an attention layer's half of a decode
 // block in one call (kernels/cpu_blocks.py), in one parallel region (kernels/cpu/attention_half.c)
-at::Tensor attention_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &wq,
+at::Tensor attention_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &norm, double eps,
+                           const at::Tensor &wq,
                            const std::optional<at::Tensor> &wk, const std::optional<at::Tensor> &wv,
                            const at::Tensor &wo, const at::Tensor &positions, const at::Tensor &inv_freq,
                            at::Tensor k_cache, at::Tensor v_cache, const at::Tensor &slots_in,
@@ -386,7 +392,7 @@ at::Tensor attention_block(const at::Tensor &x, const at::Tensor &norm, double e
         xs.data_ptr(), batch, width, dtype_code(x, "x"), h_norm.data_ptr(), static_cast<float>(eps),
         weight_ptrs, scale_ptrs, s_codes, heads, kv_heads, head_dim, positions_rows.data_ptr<int64_t>(),
         freqs.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), strides, rows_held, slot, row,
-        length, static_cast<float>(scale), static_cast<int>(splits), out.data_ptr(), threads);
+        length, static_cast<float>(scale), static_cast<int>(splits), out.data_ptr(), row_ahead, threads);
     TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "attention_block: out of memory for its workspace");
     TORCH_CHECK_VALUE(status == 0, "attention_block: sizes beyond the CPU kernels (dtype ",
                       dtype_name(x.scalar_type()), ": fp32 or bf16; head dim ", head_dim, " even and <= 1024; query "
@@ -398,7 +404,8 @@ at::Tensor attention_block(const at::Tensor &x, const at::Tensor &norm, double e
 // ops, so its roundings are the module's), and one recurrent step on the fp32 state cache rows of `slots` in place
 // (kv [slots, H, dk, dv], normalizer [slots, H, dk]; kernels/cpu/linear_attention_step.c): a linear attention
 // layer's half of a decode block in one call (kernels/cpu_blocks.py)
-at::Tensor linear_attention_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &wq,
+at::Tensor linear_attention_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &norm, double eps,
+                                  const at::Tensor &wq,
                                   const at::Tensor &wk, const at::Tensor &wv, const at::Tensor &wo, at::Tensor kv,
                                   at::Tensor normalizer, const at::Tensor &slots_in, double attention_eps) {
     TORCH_CHECK(kernels().linear_step, "linear_attention_block: the C kernels are not pointed to");
@@ -418,9 +425,10 @@ at::Tensor linear_attention_block(const at::Tensor &x, const at::Tensor &norm, d
                           "linear_attention_block: slot ", slot[i], " must lie in the cache's ", kv.size(0), " slots");
     at::Tensor h = rms_norm(x, norm, eps);
     auto features = [&](const at::Tensor &w) {  // elu + 1 in x's dtype, as the module's feature map, then fp32
-        return at::elu(dense_gemv(h, w, std::nullopt)).add_(1).to(at::kFloat).contiguous();
+        return at::elu(dense_gemv(row_ahead, h, w, std::nullopt)).add_(1).to(at::kFloat).contiguous();
     };
-    at::Tensor q = features(wq), k = features(wk), v = dense_gemv(h, wv, std::nullopt).to(at::kFloat).contiguous();
+    at::Tensor q = features(wq), k = features(wk);
+    at::Tensor v = dense_gemv(row_ahead, h, wv, std::nullopt).to(at::kFloat).contiguous();
     at::Tensor out = at::empty({batch, heads * dv}, x.options().dtype(at::kFloat));
     int status = kernels().linear_step(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                                        kv.data_ptr<float>(), kv.stride(0), kv.stride(1), normalizer.data_ptr<float>(),
@@ -428,7 +436,7 @@ at::Tensor linear_attention_block(const at::Tensor &x, const at::Tensor &norm, d
                                        static_cast<int>(heads), static_cast<int>(dk), static_cast<int>(dv),
                                        static_cast<float>(attention_eps), out.data_ptr<float>(), at::get_num_threads());
     TORCH_CHECK_VALUE(status == 0, "linear_attention_block: value width ", dv, " is beyond the CPU kernel (<= 4096)");
-    return dense_gemv(out.to(x.scalar_type()).view({batch, 1, heads * dv}), wo, std::nullopt).add_(x);
+    return dense_gemv(row_ahead, out.to(x.scalar_type()).view({batch, 1, heads * dv}), wo, std::nullopt).add_(x);
 }
 
 // each slot within the cache's rows, checked before anything is written
@@ -445,7 +453,8 @@ const int64_t *checked_slots(const at::Tensor &slots, int64_t rows, const char *
 // rows) of a contiguous latent cache [slots, 1, rows, rank + rope], the query folded through W_UK, decode attention
 // over each sequence's first `lengths` rows with the latent as values, W_UV, o. An MLA layer's half of a decode
 // block in one call (kernels/cpu_blocks.py), in one parallel region (kernels/cpu/mla_half.c)
-at::Tensor mla_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &wq,
+at::Tensor mla_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &norm, double eps,
+                     const at::Tensor &wq,
                      const at::Tensor &wkv_a, const at::Tensor &kv_norm, double kv_eps, const at::Tensor &wkv_b,
                      const at::Tensor &wo, const at::Tensor &positions, const at::Tensor &inv_freq, at::Tensor cache,
                      const at::Tensor &slots_in, const at::Tensor &rows_in, const at::Tensor &lengths, double scale,
@@ -487,7 +496,7 @@ at::Tensor mla_block(const at::Tensor &x, const at::Tensor &norm, double eps, co
         ws[2].data_ptr(), ws[3].data_ptr(), static_cast<float>(kv_eps), ws[4].data_ptr(), ws[5].data_ptr(),
         positions_rows.data_ptr<int64_t>(), freqs.data_ptr<float>(), cache.data_ptr(), cache.stride(0),
         cache.stride(2), rows_held, slot, row, length, static_cast<float>(scale), heads, nope, rope, rank, v_dim,
-        static_cast<int>(splits), out.data_ptr(), threads);
+        static_cast<int>(splits), out.data_ptr(), row_ahead, threads);
     TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "mla_block: out of memory for its workspace");
     TORCH_CHECK_VALUE(status == 0, "mla_block: sizes beyond the CPU kernels (dtype ", dtype_name(x.scalar_type()),
                       ": fp32 or bf16; rotary width ", rope, " even; rank + rotary ", width, " <= 1024; heads ", heads,
@@ -499,7 +508,8 @@ at::Tensor mla_block(const at::Tensor &x, const at::Tensor &norm, double eps, co
 // conv's window shifted in the conv state cache rows of `slots` and summed; the selective state update on the SSM
 // state cache rows in place; the gated RMSNorm; out_proj. A Mamba-2 layer's half of a decode block in one call
 // (kernels/cpu_blocks.py), in one parallel region (kernels/cpu/mamba2_half.c): equal to the module's path to rounding
-at::Tensor mamba2_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &in_w,
+at::Tensor mamba2_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &norm, double eps,
+                        const at::Tensor &in_w,
                         const at::Tensor &conv_w, const std::optional<at::Tensor> &conv_b, const at::Tensor &dt_bias,
                         const at::Tensor &A_log, const at::Tensor &D, const at::Tensor &gate_norm, double gate_eps,
                         const at::Tensor &out_w, at::Tensor conv, at::Tensor ssm, const at::Tensor &slots_in,
@@ -544,7 +554,7 @@ at::Tensor mamba2_block(const at::Tensor &x, const at::Tensor &norm, double eps,
         ws[1].data_ptr(), ws[2].data_ptr(), bias.defined() ? bias.data_ptr() : nullptr, ws[3].data_ptr(),
         ws[4].data_ptr(), ws[5].data_ptr(), ws[6].data_ptr(), static_cast<float>(gate_eps), ws[7].data_ptr(),
         conv.data_ptr(), conv.stride(0), d_conv, ssm.data_ptr(), ssm.stride(0), slot, heads, head_dim, dstate,
-        groups, out.data_ptr(), at::get_num_threads());
+        groups, out.data_ptr(), row_ahead, at::get_num_threads());
     TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "mamba2_block: out of memory for its workspace");
     TORCH_CHECK_VALUE(status == 0, "mamba2_block: dtype ", dtype_name(x.scalar_type()), " is beyond the CPU kernels "
                       "(torch.float32, torch.bfloat16)");
@@ -556,7 +566,8 @@ at::Tensor mamba2_block(const at::Tensor &x, const at::Tensor &norm, double eps,
 // and C; the selective state update on the SSM state cache rows [slots, d_inner, N] in place, gated by z; out_proj.
 // A Mamba layer's half of a decode block in one call (kernels/cpu_blocks.py), in one parallel region
 // (kernels/cpu/mamba_half.c): equal to the module's path to rounding
-at::Tensor mamba_block(const at::Tensor &x, const at::Tensor &norm, double eps, const at::Tensor &in_w,
+at::Tensor mamba_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &norm, double eps,
+                       const at::Tensor &in_w,
                        const at::Tensor &conv_w, const std::optional<at::Tensor> &conv_b, const at::Tensor &x_w,
                        const at::Tensor &dt_w, const at::Tensor &dt_b, const at::Tensor &A_log, const at::Tensor &D,
                        const at::Tensor &out_w, at::Tensor conv, at::Tensor ssm, const at::Tensor &slots_in) {
@@ -595,7 +606,7 @@ at::Tensor mamba_block(const at::Tensor &x, const at::Tensor &norm, double eps, 
         xs.data_ptr(), batch, d_model, dtype_code(x, "x"), ws[0].data_ptr(), static_cast<float>(eps), ws[1].data_ptr(),
         ws[2].data_ptr(), bias.defined() ? bias.data_ptr() : nullptr, ws[3].data_ptr(), ws[4].data_ptr(),
         ws[5].data_ptr(), ws[6].data_ptr(), ws[7].data_ptr(), ws[8].data_ptr(), conv.data_ptr(), conv.stride(0),
-        conv.size(2), ssm.data_ptr(), ssm.stride(0), slot, d_inner, dstate, rank, out.data_ptr(),
+        conv.size(2), ssm.data_ptr(), ssm.stride(0), slot, d_inner, dstate, rank, out.data_ptr(), row_ahead,
         at::get_num_threads());
     TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "mamba_block: out of memory for its workspace");
     TORCH_CHECK_VALUE(status == 0, "mamba_block: dtype ", dtype_name(x.scalar_type()), " is beyond the CPU kernels "
@@ -617,6 +628,10 @@ at::Tensor decode_blocks(const at::Tensor &x_in, const c10::List<std::optional<a
     TORCH_CHECK_VALUE(rows.size() == lengths.size(), "decode_blocks: ", rows.size(), " row tensors but ",
                       lengths.size(), " lengths");
     at::Tensor x = x_in;
+    int64_t bytes = 0;  // the weights the step streams: how far ahead its GEMVs prefetch (kernels/cpu/dense_gemv.c)
+    for (const std::optional<at::Tensor> &t : weights.vec())
+        if (t) bytes += t->nbytes();
+    int64_t ahead = kernels().row_ahead(bytes);
     size_t w = 0, s = 0, f = 0, i = 0;
     while (i < ints.size()) {
         TORCH_CHECK_VALUE(i + 2 <= ints.size() && ints[i] >= 0 && ints[i] < 8, "decode_blocks: a half's kind code ",
@@ -637,34 +652,34 @@ at::Tensor decode_blocks(const at::Tensor &x_in, const c10::List<std::optional<a
         const int64_t *in = ints.data() + i + 2;
         switch (kind) {
         case 0:
-            x = ffn_block(x, need(0), fl[0], need(1), need(2), need(3), opt(4), opt(5), opt(6));
+            x = ffn_block(ahead, x, need(0), fl[0], need(1), need(2), need(3), opt(4), opt(5), opt(6));
             break;
         case 1:
-            x = attention_block(x, need(0), fl[0], need(1), opt(2), opt(3), need(4), positions, need(5), states[s],
-                                states[s + 1], slots, rows[group], lengths[group], fl[1], opt(6), opt(7), opt(8),
-                                opt(9));
+            x = attention_block(ahead, x, need(0), fl[0], need(1), opt(2), opt(3), need(4), positions, need(5),
+                                states[s], states[s + 1], slots, rows[group], lengths[group], fl[1], opt(6), opt(7),
+                                opt(8), opt(9));
             break;
         case 2:
-            x = mla_block(x, need(0), fl[0], need(1), need(2), need(3), fl[1], need(4), need(5), positions, need(6),
-                          states[s], slots, rows[group], lengths[group], fl[2], in[0], in[1], in[2]);
+            x = mla_block(ahead, x, need(0), fl[0], need(1), need(2), need(3), fl[1], need(4), need(5), positions,
+                          need(6), states[s], slots, rows[group], lengths[group], fl[2], in[0], in[1], in[2]);
             break;
         case 3:
-            x = linear_attention_block(x, need(0), fl[0], need(1), need(2), need(3), need(4), states[s],
+            x = linear_attention_block(ahead, x, need(0), fl[0], need(1), need(2), need(3), need(4), states[s],
                                        states[s + 1], slots, fl[1]);
             break;
         case 4:
-            x = mamba2_block(x, need(0), fl[0], need(1), need(2), opt(3), need(4), need(5), need(6), need(7), fl[1],
-                             need(8), states[s], states[s + 1], slots, in[0]);
+            x = mamba2_block(ahead, x, need(0), fl[0], need(1), need(2), opt(3), need(4), need(5), need(6), need(7),
+                             fl[1], need(8), states[s], states[s + 1], slots, in[0]);
             break;
         case 5:
-            x = mamba_block(x, need(0), fl[0], need(1), need(2), opt(3), need(4), need(5), need(6), need(7),
+            x = mamba_block(ahead, x, need(0), fl[0], need(1), need(2), opt(3), need(4), need(5), need(6), need(7),
                             need(8), need(9), states[s], states[s + 1], slots);
             break;
         case 6:
             x = rms_norm(x, need(0), fl[0]);
             break;
         default:
-            x = dense_gemv(x, need(0), opt(1));
+            x = dense_gemv(ahead, x, need(0), opt(1));
         }
         w += n[0], s += n[1], f += n[2], i += 2 + n[3];
     }
@@ -679,7 +694,7 @@ at::Tensor decode_blocks(const at::Tensor &x_in, const c10::List<std::optional<a
 extern "C" void archzoo_point_kernels(void *dense, void *int8, void *int4, void *attention, void *rms_norm,
                                       void *rotary, void *linear_step, void *attention_half,
                                       void *mla_half, void *ffn_gate_up, void *gemv_residual, void *mamba_half,
-                                      void *mamba2_half) {
+                                      void *mamba2_half, void *row_ahead) {
     kernels() = Kernels{reinterpret_cast<DenseFn>(dense), reinterpret_cast<Int8Fn>(int8),
                         reinterpret_cast<Int4Fn>(int4), reinterpret_cast<AttentionFn>(attention),
                         reinterpret_cast<RmsNormFn>(rms_norm), reinterpret_cast<RotaryFn>(rotary),
@@ -687,21 +702,28 @@ extern "C" void archzoo_point_kernels(void *dense, void *int8, void *int4, void 
                         reinterpret_cast<AttentionHalfFn>(attention_half),
                         reinterpret_cast<MlaHalfFn>(mla_half), reinterpret_cast<FfnGateUpFn>(ffn_gate_up),
                         reinterpret_cast<GemvResidualFn>(gemv_residual), reinterpret_cast<MambaHalfFn>(mamba_half),
-                        reinterpret_cast<Mamba2HalfFn>(mamba2_half)};
+                        reinterpret_cast<Mamba2HalfFn>(mamba2_half), reinterpret_cast<RowAheadFn>(row_ahead)};
 }
 
+// An op called on its own, outside decode_blocks: the bytes its step streams are not known here, so its GEMVs
+// prefetch as from memory (row_prefetch_bytes(-1)).
+template <auto F> struct Alone;
+template <typename... A, at::Tensor (*F)(int64_t, A...)> struct Alone<F> {
+    static at::Tensor call(A... a) { return F(kernels().row_ahead(-1), a...); }
+};
+
 TORCH_LIBRARY_IMPL(archzoo, CPU, m) {
-    m.impl("dense_gemv", &dense_gemv);
+    m.impl("dense_gemv", &Alone<&dense_gemv>::call);
     m.impl("quantized_gemv", &quantized_gemv);
     m.impl("decode_attention", &decode_attention);
     m.impl("rms_norm", &rms_norm);
     m.impl("rotary", &rotary);
-    m.impl("swiglu_gemv", &swiglu_gemv);
-    m.impl("ffn_block", &ffn_block);
-    m.impl("attention_block", &attention_block);
-    m.impl("linear_attention_block", &linear_attention_block);
-    m.impl("mamba2_block", &mamba2_block);
-    m.impl("mamba_block", &mamba_block);
-    m.impl("mla_block", &mla_block);
+    m.impl("swiglu_gemv", &Alone<&swiglu_gemv>::call);
+    m.impl("ffn_block", &Alone<&ffn_block>::call);
+    m.impl("attention_block", &Alone<&attention_block>::call);
+    m.impl("linear_attention_block", &Alone<&linear_attention_block>::call);
+    m.impl("mamba2_block", &Alone<&mamba2_block>::call);
+    m.impl("mamba_block", &Alone<&mamba_block>::call);
+    m.impl("mla_block", &Alone<&mla_block>::call);
     m.impl("decode_blocks", &decode_blocks);
 }

@@ -2,6 +2,7 @@
 batches only: fp32 to rounding, bf16 to one bf16 rounding of the fp32 product of the same bf16 inputs."""
 import platform
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,8 +71,34 @@ def test_layers_in_one_call_equal_f_linear(dtype, rows):
     got = cpu_decode.dense_gemv_layers([x for x, _ in pairs], [w for _, w in pairs])
     for out, (x, w) in zip(got, pairs):
         assert_linear(out, x, w, None)
+        # a step this small prefetches as from cache, the op on its own as from memory: the same sums either way
+        assert torch.equal(out, cpu_decode.dense_gemv(x, w, None))
     with pytest.raises(ValueError, match="the same m"):  # refused before any work
         cpu_decode.dense_gemv_layers([pairs[0][0], torch.randn(rows + 1, 37).to(dtype)], [pairs[0][1], pairs[1][1]])
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest unified cache the kernel lists for CPU 0 (Linux's sysfs), or None where it lists none."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() == "Unified":
+                size = (index / "size").read_text().strip()
+                sizes.append(int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20}[size[-1]])
+        except (OSError, ValueError, KeyError):
+            continue
+    return max(sizes, default=None)
+
+
+def test_row_prefetch_distance_by_where_the_step_lies():
+    """A step whose weights fit in a quarter of the last-level cache prefetches further ahead than one from memory
+    (twice that cache, or bytes not known); the rule reads the cache's size from the C library, the test from sysfs."""
+    memory = cpu_decode.row_prefetch_bytes(-1)
+    assert memory >= 64 and cpu_decode.row_prefetch_bytes(1 << 50) == memory
+    cache = last_level_cache_bytes()
+    if cache is not None and platform.machine() in ("x86_64", "AMD64"):  # where glibc reads the cache's size
+        assert cpu_decode.row_prefetch_bytes(cache // 4) > memory
+        assert cpu_decode.row_prefetch_bytes(2 * cache) == memory
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
