@@ -15,9 +15,16 @@
  * take exp8 (kernels/cpu/vector_exp.h, ~2e-7 relative error), 8 at a time: one expf call per score was a third of a
  * GQA step's time (kernel alone, 8 query heads over 2 KV heads x 2048 keys, fp32, 2-core EPYC: 389 -> 326 µs at
  * batch 4, 110 -> 96 at batch 1; MHA 1.06x; MLA, whose 8 heads share a 288-wide row, no change). The next tile's
- * rows are prefetched a row at a time during this tile's dot products, sums are FMAs, and the value sums keep 64
- * columns in 8 registers: fp32, 2048 keys, six layers' caches walked in turn (from memory), same run: MHA 8 heads at
- * batch 4 2279 -> 1685 µs (14.7 -> 19.9 GB/s), GQA 8/2 heads at batch 4 641 -> 470, at batch 1 112 -> 106.
+ * rows are prefetched a row at a time during this tile's dot products, sums are FMAs, and the value sums keep their
+ * columns in registers over a tile: fp32, 2048 keys, six layers' caches walked in turn (from memory), same run: MHA
+ * 8 heads at batch 4 2279 -> 1685 µs (14.7 -> 19.9 GB/s), GQA 8/2 heads at batch 4 641 -> 470, at batch 1 112 -> 106.
+ * The heads of a group run in blocks (HEAD_BLOCK: 4 with AVX-512's 32 registers, 2 with 16): a block's dot products
+ * take 4 keys at once, so each key vector loaded serves every head of the block and each query vector every key, and
+ * its value sums take 4 vectors of columns for every head of the block from one load of each value vector; the four
+ * dot products of a head are reduced together by halves in registers (summed lane by lane, each went through
+ * memory). `small` decode steps, batch 4, 2048 keys, 2-core Xeon, three processes each, ms: MLA (8 heads on one
+ * 160-wide latent) 8.85-9.00 -> 7.48-8.10, MQA 5.94-6.35 -> 5.49-6.01, GQA 7.63-8.49 either way, MHA 19.2 either
+ * way (its groups of one read as much as they compute: memory-bound).
  * The next tile's rows are asked for across every head's dot products, not all during the first head's (a GQA
  * group's four heads made them a burst in a quarter of the tile's work), a tile is 64 keys, not 32, and a tile's
  * softmax weights are summed eight lanes at a time: fp32, 2048 keys, twelve layers' caches walked in turn, old and
@@ -143,13 +150,100 @@ static inline __attribute__((always_inline)) void prefetch_row(const Cache *c, i
 }
 
 /* Asks for the next tile's rows up to the share `done` of `total` score steps: the requests spread over every head's
- * dot products of the tile, not all in the first head's. Returns the rows asked for so far. */
+ * dot products of the tile, not all in the first head's. Returns the rows asked for so far (multiplied out: a
+ * division a call was ~1000 cycles a tile). */
 static inline __attribute__((always_inline)) int fetch_paced(const Cache *c, const int64_t *next_k,
                                                              const int64_t *next_v, int fetched, int n_next, int done,
                                                              int total) {
-    for (int target = (n_next * done + total - 1) / total; fetched < target; fetched++)
+    for (; fetched < n_next && fetched * total < n_next * done; fetched++)
         prefetch_row(c, next_k[fetched], next_v[fetched]);
     return fetched;
+}
+
+#ifdef __AVX512F__
+#define LANES 16
+#define HEAD_BLOCK 4 /* heads a block of dot products or value sums shares each load with: 16 sums in 32 registers */
+#else
+#define LANES 8
+#define HEAD_BLOCK 2 /* 8 sums in 16 registers */
+#endif
+#define VALUE_VECTORS 4 /* value columns a head block keeps in registers over a tile: 4 vectors */
+typedef float lanes_v __attribute__((vector_size(4 * LANES)));
+
+static inline __attribute__((always_inline)) lanes_v load_lanes(const float *p) {
+    lanes_v v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* out[j] = the sum of v[j]'s lanes, the four reduced together by halves in registers (summed one lane at a time,
+ * each vector went through memory: most of a tile's time at head_dim 64) */
+static inline __attribute__((always_inline)) void sum4(const lanes_v *v, float *out) {
+#if LANES == 16
+    lanes_v ab = __builtin_shufflevector(v[0], v[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(v[0], v[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    lanes_v cd = __builtin_shufflevector(v[2], v[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(v[2], v[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    lanes_v quads = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                    __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    quads += __builtin_shufflevector(quads, quads, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    quads += __builtin_shufflevector(quads, quads, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    out[0] = quads[0], out[1] = quads[4], out[2] = quads[8], out[3] = quads[12];
+#else
+    lanes_v ab = __builtin_shufflevector(v[0], v[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+                 __builtin_shufflevector(v[0], v[1], 4, 5, 6, 7, 12, 13, 14, 15);
+    lanes_v cd = __builtin_shufflevector(v[2], v[3], 0, 1, 2, 3, 8, 9, 10, 11) +
+                 __builtin_shufflevector(v[2], v[3], 4, 5, 6, 7, 12, 13, 14, 15);
+    lanes_v pairs = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
+                    __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
+    pairs += __builtin_shufflevector(pairs, pairs, 1, 0, 3, 2, 5, 4, 7, 6);
+    out[0] = pairs[0], out[1] = pairs[2], out[2] = pairs[4], out[3] = pairs[6];
+#endif
+}
+
+/* scores[g][t + j] = q[g] . k[j] for hb heads (q rows dk apart, from head g0) and 4 key rows: each key vector loaded
+ * once for the hb heads, each query vector once for the 4 keys (hb is a constant at every call, so the hb x 4 sums
+ * stay in registers) */
+static inline __attribute__((always_inline)) void dot_block(const float *q, int hb, const float *const *k, int dk,
+                                                            float (*scores)[TILE], int g0, int t) {
+    lanes_v acc[HEAD_BLOCK][4];
+    for (int h = 0; h < hb; h++)
+        for (int j = 0; j < 4; j++) acc[h][j] = (lanes_v){0};
+    int whole = dk - dk % LANES;
+    for (int d = 0; d < whole; d += LANES) {
+        lanes_v kv[4];
+        for (int j = 0; j < 4; j++) kv[j] = load_lanes(k[j] + d);
+        for (int h = 0; h < hb; h++) {
+            lanes_v qv = load_lanes(q + (int64_t)h * dk + d);
+            for (int j = 0; j < 4; j++) acc[h][j] += qv * kv[j];
+        }
+    }
+    for (int h = 0; h < hb; h++) {
+        float *s = scores[g0 + h] + t;
+        sum4(acc[h], s);
+        for (int j = 0; j < 4; j++)
+            for (int d = whole; d < dk; d++) s[j] += q[(int64_t)h * dk + d] * k[j][d];
+    }
+}
+
+/* acc rows of hb heads (dv apart) += sum over the tile's n rows of p[g][t] * v[t], columns [d0, d0 + width): each
+ * value vector loaded once for the hb heads; every sum adds the rows in order, as one head's walk would */
+static inline __attribute__((always_inline)) void value_block(float *acc, int hb, const float (*p)[TILE],
+                                                              const float *const *v, int n, int dv, int d0,
+                                                              int vectors) {
+    lanes_v a[HEAD_BLOCK][VALUE_VECTORS];
+    for (int h = 0; h < hb; h++)
+        for (int c = 0; c < vectors; c++) a[h][c] = load_lanes(acc + (int64_t)h * dv + d0 + c * LANES);
+    for (int t = 0; t < n; t++) {
+        lanes_v vv[VALUE_VECTORS];
+        for (int c = 0; c < vectors; c++) vv[c] = load_lanes(v[t] + d0 + c * LANES);
+        for (int h = 0; h < hb; h++) {
+            float w = p[h][t];
+            for (int c = 0; c < vectors; c++) a[h][c] += w * vv[c];
+        }
+    }
+    for (int h = 0; h < hb; h++)
+        for (int c = 0; c < vectors; c++) memcpy(acc + (int64_t)h * dv + d0 + c * LANES, &a[h][c], sizeof a[h][c]);
 }
 
 /* An empty partial: no keys yet, so weight 0 in the merge. */
@@ -188,26 +282,28 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int6
             row_offsets(c, c->v_block, c->v_pos, c->v_head, table_row, kv, first + step, n_next, next_v);
         }
         int fetched = 0; /* rows of the next tile asked for so far */
-        for (int g = 0; g < group; g++) {  /* scores: four keys at a time, four independent dot products */
-            const float *qg = q + (int64_t)g * dk;
+        for (int g0 = 0; g0 < group; g0 += HEAD_BLOCK) {  /* scores: HEAD_BLOCK heads x 4 keys at a time */
+            int hb = group - g0 < HEAD_BLOCK ? group - g0 : HEAD_BLOCK;
+            const float *qg = q + (int64_t)g0 * dk;
             int t = 0;
             for (; t + 4 <= n; t += 4) {
-                fetched = fetch_paced(c, next_k, next_v, fetched, n_next, g * n + t + 4, group * n);
-                const float *k0 = krows[t], *k1 = krows[t + 1], *k2 = krows[t + 2], *k3 = krows[t + 3];
-                float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-                for (int d = 0; d < dk; d++) {
-                    s0 += qg[d] * k0[d];
-                    s1 += qg[d] * k1[d];
-                    s2 += qg[d] * k2[d];
-                    s3 += qg[d] * k3[d];
+                fetched = fetch_paced(c, next_k, next_v, fetched, n_next, g0 * n + (t + 4) * hb, group * n);
+                switch (hb) { /* hb a constant inside, so the sums stay in registers */
+                case 1: dot_block(qg, 1, krows + t, dk, scores, g0, t); break;
+#if HEAD_BLOCK > 2
+                case 2: dot_block(qg, 2, krows + t, dk, scores, g0, t); break;
+                case 3: dot_block(qg, 3, krows + t, dk, scores, g0, t); break;
+#endif
+                default: dot_block(qg, HEAD_BLOCK, krows + t, dk, scores, g0, t); break;
                 }
-                scores[g][t] = s0, scores[g][t + 1] = s1, scores[g][t + 2] = s2, scores[g][t + 3] = s3;
             }
             for (; t < n; t++) {
-                fetched = fetch_paced(c, next_k, next_v, fetched, n_next, g * n + t + 1, group * n);
-                float s0 = 0.0f;
-                for (int d = 0; d < dk; d++) s0 += qg[d] * krows[t][d];
-                scores[g][t] = s0;
+                fetched = fetch_paced(c, next_k, next_v, fetched, n_next, g0 * n + (t + 1) * hb, group * n);
+                for (int h = 0; h < hb; h++) {
+                    float s0 = 0.0f;
+                    for (int d = 0; d < dk; d++) s0 += qg[(int64_t)h * dk + d] * krows[t][d];
+                    scores[g0 + h][t] = s0;
+                }
             }
         }
         for (int g = 0; g < group; g++) {  /* online softmax over the tile */
@@ -233,35 +329,25 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int6
         /* a value row has one scale (a latent's value is its first dv columns, under the first) */
         tile_rows(c, (Rows){c->v, c->v_block, c->v_pos, c->v_head}, (Rows){c->vs, c->vs_block, c->vs_pos, c->vs_head},
                   dv, 0, table_row, kv, first, n, dv, work + TILE * dk, vrows);
-        for (int g = 0; g < group; g++) {  /* values: 64 output columns stay in 8 registers over the whole tile */
-            const float *p = scores[g];
-            float *acc = out + (int64_t)g * dv;
+        for (int g0 = 0; g0 < group; g0 += HEAD_BLOCK) {  /* values: HEAD_BLOCK heads x 4 vectors of columns */
+            int hb = group - g0 < HEAD_BLOCK ? group - g0 : HEAD_BLOCK;
+            float *acc = out + (int64_t)g0 * dv;
+            const float(*p)[TILE] = scores + g0;
             int d = 0;
-            for (; d + 64 <= dv; d += 64) { /* 8 independent sums: 4 waited on their adds (3-6% slower) */
-                v8 a[8];
-                for (int j = 0; j < 8; j++) a[j] = *(v8 *)(acc + d + 8 * j);
-                for (int t = 0; t < n; t++)
-                    for (int j = 0; j < 8; j++) a[j] += p[t] * *(const v8 *)(vrows[t] + d + 8 * j);
-                for (int j = 0; j < 8; j++) *(v8 *)(acc + d + 8 * j) = a[j];
-            }
-            for (; d + 32 <= dv; d += 32) {
-                v8 a0 = *(v8 *)(acc + d), a1 = *(v8 *)(acc + d + 8), a2 = *(v8 *)(acc + d + 16), a3 = *(v8 *)(acc + d + 24);
-                for (int t = 0; t < n; t++) {
-                    const float *row = vrows[t] + d;
-                    a0 += p[t] * *(const v8 *)row;
-                    a1 += p[t] * *(const v8 *)(row + 8);
-                    a2 += p[t] * *(const v8 *)(row + 16);
-                    a3 += p[t] * *(const v8 *)(row + 24);
+            for (; d + VALUE_VECTORS * LANES <= dv; d += VALUE_VECTORS * LANES)
+                switch (hb) {
+                case 1: value_block(acc, 1, p, vrows, n, dv, d, VALUE_VECTORS); break;
+#if HEAD_BLOCK > 2
+                case 2: value_block(acc, 2, p, vrows, n, dv, d, VALUE_VECTORS); break;
+                case 3: value_block(acc, 3, p, vrows, n, dv, d, VALUE_VECTORS); break;
+#endif
+                default: value_block(acc, HEAD_BLOCK, p, vrows, n, dv, d, VALUE_VECTORS); break;
                 }
-                *(v8 *)(acc + d) = a0, *(v8 *)(acc + d + 8) = a1, *(v8 *)(acc + d + 16) = a2, *(v8 *)(acc + d + 24) = a3;
-            }
-            for (; d + 8 <= dv; d += 8) {
-                v8 a = *(v8 *)(acc + d);
-                for (int t = 0; t < n; t++) a += p[t] * *(const v8 *)(vrows[t] + d);
-                *(v8 *)(acc + d) = a;
-            }
-            for (; d < dv; d++)
-                for (int t = 0; t < n; t++) acc[d] += p[t] * vrows[t][d];
+            for (; d + LANES <= dv; d += LANES)
+                for (int h = 0; h < hb; h++) value_block(acc + (int64_t)h * dv, 1, p + h, vrows, n, dv, d, 1);
+            for (int h = 0; h < hb; h++)
+                for (int e = d; e < dv; e++)
+                    for (int t = 0; t < n; t++) acc[(int64_t)h * dv + e] += p[h][t] * vrows[t][e];
         }
         }
     }

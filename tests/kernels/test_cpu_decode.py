@@ -1,10 +1,13 @@
 """The compiled CPU decode-attention kernel against the PyTorch references (and a float64 loop), in every layout."""
+import platform
+
 import pytest
 import torch
 
 from kernels import (cpu_kernels_available, contiguous_decode_attention, contiguous_decode_attention_ref,
                      mla_decode_attention, mla_decode_attention_ref, paged_decode_attention, paged_decode_attention_ref,
                      use_cpu_kernel)
+from kernels import cpu_decode
 from kernels.cpu_decode import decode_attention
 
 from cache import Retention
@@ -89,6 +92,34 @@ def test_contiguous_latent_rows():
     args = (q, k, None, torch.tensor(slots), torch.tensor(lengths, dtype=torch.int32), 0.1, 64)
     torch.testing.assert_close(contiguous_decode_attention(*args), contiguous_decode_attention_ref(*args),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 targets")
+@pytest.mark.parametrize("target", ["-march=haswell", "-march=x86-64"], ids=["avx2", "generic vectors"])
+def test_the_paths_other_cpus_take(monkeypatch, target):
+    """The AVX2 build (8 lanes, two heads a block) and GCC's generic vectors built here too: groups of 1, 3, 5 and 6
+    query heads a KV head, head dims and value dims with a tail past whole vectors, a latent row."""
+    flags = [flag for flag in cpu_decode.FLAGS if not flag.startswith("-march")]
+    monkeypatch.setattr(cpu_decode, "FLAGS", flags + [target])
+    cpu_decode._library.cache_clear()
+    try:
+        lengths, slots = [5, 300, 1, 64], [3, 0, 2, 5]
+        for heads, kv_heads, dim in ((4, 4, 32), (6, 2, 72), (5, 1, 40), (6, 1, 99)):
+            k, v = contiguous_cache(lengths, slots, kv_heads, dim, 320, torch.float32)
+            q = query(len(lengths), heads, dim, torch.float32, seed=heads)
+            table = torch.tensor(slots, dtype=torch.int32).unsqueeze(1)
+            args = (q, k, v, torch.tensor(slots), torch.tensor(lengths, dtype=torch.int32), dim**-0.5, dim)
+            got = cpu_decode.decode_attention_eager(q, k, v, table, args[4], "rows", dim**-0.5, dim)
+            torch.testing.assert_close(got, contiguous_decode_attention_ref(*args), atol=1e-5, rtol=1e-5)
+        k, _ = contiguous_cache(lengths, slots, 1, 99, 320, torch.float32, latent=True)
+        q = query(len(lengths), 7, 99, torch.float32, seed=7)
+        args = (q, k, None, torch.tensor(slots), torch.tensor(lengths, dtype=torch.int32), 0.1, 37)
+        got = cpu_decode.decode_attention_eager(q, k, None, torch.tensor(slots, dtype=torch.int32).unsqueeze(1),
+                                                args[4], "rows", 0.1, 37)
+        torch.testing.assert_close(got, contiguous_decode_attention_ref(*args), atol=1e-5, rtol=1e-5)
+    finally:
+        monkeypatch.undo()
+        cpu_decode._library.cache_clear()
 
 
 def test_dispatch_picks_the_cpu_kernel_only_on_cpu(monkeypatch):
