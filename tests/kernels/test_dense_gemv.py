@@ -102,6 +102,14 @@ def test_row_prefetch_distance_by_where_the_step_lies():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_rows_walked_in_order_sum_as_the_tiles(dtype):
+    """Two rows of x walk each weight row in address order; three take the tiles: the same sums in the same order,
+    bit for bit, tails of lines and of tiles included."""
+    x, weight, b = operands((3,), 1030, 37, dtype, True, seed=5)
+    assert torch.equal(cpu_decode.dense_gemv(x[:2], weight, b), cpu_decode.dense_gemv(x, weight, b)[:2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_more_rows_than_a_pass_holds(dtype):
     """Past 16 rows the kernel passes over the weights again: still exact (Linear does not send such batches)."""
     x, weight, b = operands((40,), 100, 37, dtype, True)
@@ -119,7 +127,7 @@ def test_the_paths_other_cpus_take(monkeypatch, target):
     cpu_decode._library.cache_clear()
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            for rows in (1, 3, 16):  # the plain functions: the ops' C++ glue holds the first build's kernels
+            for rows in (1, 2, 3, 16):  # the plain functions: the ops' C++ glue holds the first build's kernels
                 x, weight, b = operands((rows,), 1030, 37, dtype, True, seed=rows)
                 assert_linear(cpu_decode.dense_gemv_eager(x, weight, b), x, weight, b)
                 q8 = torch.randint(-127, 128, weight.shape, dtype=torch.int8)
