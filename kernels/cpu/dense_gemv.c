@@ -36,8 +36,8 @@
  * no model's step): MEMORY_ROW_AHEAD. Where a step's weights fit in half the last-level cache (row_prefetch_bytes;
  * a 2-core Xeon VM that reports a 480 MiB L3 holds a `small` model's 91 MB in fp32 and `base`'s 200 MB in bf16),
  * CACHED_ROW_AHEAD: the decode step, batch 1, both in one process alternating, twelve rounds (context 256): small
- * fp32 gqa 2.50 -> 2.20 ms, mamba2 3.81 -> 3.25, mla 2.76 -> 2.54 (context 1024: linear 3.59 -> 3.07, mamba 4.75 ->
- * 4.06), every round faster; base bf16 gqa 8.37 -> 8.00 (4 KiB 7.82, 16 KiB 7.92); but base fp32 (400 MB, most of it
+ * fp32 gqa 2.50 -> 2.21 ms, mamba2 3.81 -> 3.25, mla 2.76 -> 2.54 (context 1024: linear 3.59 -> 3.07, mamba 4.75 ->
+ * 4.06), every round faster; base bf16 gqa 8.37 -> 8.01 (4 KiB 7.82, 16 KiB 7.92); but base fp32 (400 MB, most of it
  * from memory) 15.2 -> 15.9, slower in every round, as 4 KiB (16.4). Rows of x walked in tiles (batch 2 and more)
  * gained nothing from further (8-32 KiB within 1.5%).
  * That one row adds alternate lines into two sums, not one: one sum waited on each add (4 cycles) and ran at a third
