@@ -201,11 +201,12 @@ static inline __attribute__((always_inline)) void sum4(const lanes_v *v, float *
 #endif
 }
 
-/* scores[g][t + j] = q[g] . k[j] for hb heads (q rows dk apart, from head g0) and 4 key rows: each key vector loaded
- * once for the hb heads, each query vector once for the 4 keys (hb is a constant at every call, so the hb x 4 sums
- * stay in registers) */
-static inline __attribute__((always_inline)) void dot_block(const float *q, int hb, const float *const *k, int dk,
-                                                            float (*scores)[TILE], int g0, int t) {
+/* scores[g][t + j] = q[g] . k[j] for hb heads (q rows dk apart, from head g0) and the first `keys` of 4 key rows (a
+ * tile's last keys repeat its last row, not stored): each key vector loaded once for the hb heads, each query vector
+ * once for the 4 keys (hb is a constant at every call, so the hb x 4 sums stay in registers). Every score is summed
+ * the same way wherever its key falls in a tile. */
+static inline __attribute__((always_inline)) void dot_block(const float *q, int hb, const float *const *k, int keys,
+                                                            int dk, float (*scores)[TILE], int g0, int t) {
     lanes_v acc[HEAD_BLOCK][4];
     for (int h = 0; h < hb; h++)
         for (int j = 0; j < 4; j++) acc[h][j] = (lanes_v){0};
@@ -219,10 +220,12 @@ static inline __attribute__((always_inline)) void dot_block(const float *q, int 
         }
     }
     for (int h = 0; h < hb; h++) {
-        float *s = scores[g0 + h] + t;
-        sum4(acc[h], s);
-        for (int j = 0; j < 4; j++)
-            for (int d = whole; d < dk; d++) s[j] += q[(int64_t)h * dk + d] * k[j][d];
+        float sums[4];
+        sum4(acc[h], sums);
+        for (int j = 0; j < keys; j++) {
+            for (int d = whole; d < dk; d++) sums[j] += q[(int64_t)h * dk + d] * k[j][d];
+            scores[g0 + h][t + j] = sums[j];
+        }
     }
 }
 
@@ -285,24 +288,18 @@ static void attend_split(const Cache *c, const int32_t *table_row, int kv0, int6
         for (int g0 = 0; g0 < group; g0 += HEAD_BLOCK) {  /* scores: HEAD_BLOCK heads x 4 keys at a time */
             int hb = group - g0 < HEAD_BLOCK ? group - g0 : HEAD_BLOCK;
             const float *qg = q + (int64_t)g0 * dk;
-            int t = 0;
-            for (; t + 4 <= n; t += 4) {
-                fetched = fetch_paced(c, next_k, next_v, fetched, n_next, g0 * n + (t + 4) * hb, group * n);
+            for (int t = 0; t < n; t += 4) {
+                int keys = n - t < 4 ? n - t : 4;
+                const float *k4[4];
+                for (int j = 0; j < 4; j++) k4[j] = krows[t + (j < keys ? j : keys - 1)];
+                fetched = fetch_paced(c, next_k, next_v, fetched, n_next, g0 * n + (t + keys) * hb, group * n);
                 switch (hb) { /* hb a constant inside, so the sums stay in registers */
-                case 1: dot_block(qg, 1, krows + t, dk, scores, g0, t); break;
+                case 1: dot_block(qg, 1, k4, keys, dk, scores, g0, t); break;
 #if HEAD_BLOCK > 2
-                case 2: dot_block(qg, 2, krows + t, dk, scores, g0, t); break;
-                case 3: dot_block(qg, 3, krows + t, dk, scores, g0, t); break;
+                case 2: dot_block(qg, 2, k4, keys, dk, scores, g0, t); break;
+                case 3: dot_block(qg, 3, k4, keys, dk, scores, g0, t); break;
 #endif
-                default: dot_block(qg, HEAD_BLOCK, krows + t, dk, scores, g0, t); break;
-                }
-            }
-            for (; t < n; t++) {
-                fetched = fetch_paced(c, next_k, next_v, fetched, n_next, g0 * n + (t + 1) * hb, group * n);
-                for (int h = 0; h < hb; h++) {
-                    float s0 = 0.0f;
-                    for (int d = 0; d < dk; d++) s0 += qg[(int64_t)h * dk + d] * krows[t][d];
-                    scores[g0 + h][t] = s0;
+                default: dot_block(qg, HEAD_BLOCK, k4, keys, dk, scores, g0, t); break;
                 }
             }
         }
