@@ -7,6 +7,8 @@ import torch
 import harness
 
 TOP_K = 5  # vLLM's model tests compare greedy runs by their top-5 logprobs
+# generate() runs without an EOS id, as archzoo's engine does: with Llama's default (2) it would stop there, and
+# min_new_tokens would mask token 2 out of the scores (a vocab-512 model picked it at step 29, and the check failed)
 
 
 def time_hf(hf, prompts: torch.Tensor, new_tokens: int) -> float:
@@ -14,7 +16,7 @@ def time_hf(hf, prompts: torch.Tensor, new_tokens: int) -> float:
     start = time.perf_counter()
     with torch.inference_mode():
         hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                    do_sample=False, eos_token_id=None, pad_token_id=0)
     return time.perf_counter() - start
 
 
@@ -40,10 +42,12 @@ def agreement(hf, engine, prompts: torch.Tensor, new_tokens: int) -> str:
     side's token is in the other's top 5 (rows are not compared past that step: their inputs differ)."""
     with torch.inference_mode():
         hf_out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_scores=True,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, output_scores=True,
                              return_dict_in_generate=True)
     ours = engine.generate(prompts.tolist(), harness.SamplingParams(max_new_tokens=new_tokens, temperature=0.0, return_logits=True))
     hf_tokens = hf_out.sequences[:, prompts.shape[1]:].tolist()
+    if any(len(row) != new_tokens for row in hf_tokens):
+        raise RuntimeError(f"transformers generated {len(hf_tokens[0])} tokens, not {new_tokens}")
     diverged = []
     for row, out in enumerate(ours):
         step = first_difference(hf_tokens[row], out.token_ids)
