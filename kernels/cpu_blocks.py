@@ -405,8 +405,9 @@ def flatten_halves(halves: list[Half]) -> tuple[list, list, list[float], list[in
 
 def decode_blocks_eager(x: torch.Tensor, weights: list, states: list, floats: list[float], ints: list[int],
                         positions: torch.Tensor, slots: torch.Tensor, rows: list[torch.Tensor],
-                        lengths: list[torch.Tensor]) -> torch.Tensor:
-    """x after every half flatten_halves laid out, in order, each by its Python function (the op's reference)."""
+                        lengths: list[torch.Tensor], buffers: list[torch.Tensor]) -> torch.Tensor:
+    """x after every half flatten_halves laid out, in order, each by its Python function (the op's reference).
+    buffers (step_buffers'): where the C++ op may write a half's output and hidden rows; unused here."""
     w = s = f = i = 0
     while i < len(ints):
         kind, group = KINDS[ints[i]], ints[i + 1]
@@ -435,4 +436,16 @@ def decode_blocks_fake(x, weights, states, floats, ints, *args):
 
 decode_blocks_op = cache_writing_op(
     "decode_blocks", "Tensor x, Tensor?[] weights, Tensor(a!)[] states, float[] floats, int[] ints, "
-    "Tensor positions, Tensor slots, Tensor[] rows, Tensor[] lengths", decode_blocks_eager, decode_blocks_fake)
+    "Tensor positions, Tensor slots, Tensor[] rows, Tensor[] lengths, Tensor(b!)[] buffers", decode_blocks_eager,
+    decode_blocks_fake)
+
+
+def step_buffers(x: torch.Tensor, halves: list[Half]) -> list[torch.Tensor]:
+    """Where decode_blocks writes x between halves (two of x's shape, in turn) and the feed-forward's gated and up
+    rows ([B, hidden]; the widest feed-forward's: a narrower one allocates its own), for a plan to hold and pass
+    every step; the last half's output is always fresh, since the step returns it. Normal tensors, not inference
+    ones, though a plan is decided in an engine's inference_mode: a step run under no_grad writes them too."""
+    hidden = max((half.weights[1].shape[0] for half in halves if half.kind == "ffn"), default=0)
+    with torch.inference_mode(False):
+        return [torch.empty_like(x), torch.empty_like(x), x.new_empty(x.shape[0], hidden),
+                x.new_empty(x.shape[0], hidden)]

@@ -225,7 +225,7 @@ def planned_call(arch: str, preset: str, batch: int):
         copies = [s.clone() for s in states]
         with torch.no_grad():
             return fn(x, weights, copies, floats, ints, rows.positions, rows.slots, [r for r, _ in found],
-                      [n for _, n in found]), copies
+                      [n for _, n in found], plan.buffers), copies
     return call, states
 
 
@@ -245,6 +245,41 @@ def test_decode_blocks_op_equals_its_python_reference(arch):
     assert not all(torch.equal(a, b) for a, b in zip(results[0][1], states))  # the op wrote its copies
 
 
+@pytest.mark.parametrize("arch", ["gqa", "mamba2"])
+def test_the_halves_write_the_plans_buffers_and_the_step_returns_a_fresh_tensor(arch):
+    """A plan's halves write their outputs and hidden rows into its buffers, the same every step; the step's own
+    result (the head's logits) is a new tensor each step, so logits an engine keeps are never written over. Steps with
+    the buffers equal steps without them (each half allocating), bit for bit."""
+    torch.manual_seed(0)
+    model = zoo.build(arch, preset="tiny").eval()
+    planned, plain = engine_pair(model)
+    first = step(planned)
+    plan = next(iter(plans_of(planned).values()))
+    assert len(plan.buffers) == 4 and plan.buffers[2].shape[-1] > 0  # the feed-forward's rows
+    kept = first.clone()
+    marks = [buffer.fill_(float("nan")) for buffer in plan.buffers]  # a step must write over these
+    second = step(planned)
+    assert torch.equal(first, kept) and second.data_ptr() != first.data_ptr()
+    assert all(not buffer.isnan().any() for buffer in marks)
+    assert torch.equal(first, step(plain)) and torch.equal(second, step(plain))
+
+
+def test_buffers_that_overlap_are_refused_and_ill_sized_ones_left_alone():
+    call, _ = planned_call("gqa", "tiny", 2)
+    want, _ = call(cpu_blocks.decode_blocks_op)
+    torch.manual_seed(0)
+    x, shared = torch.randn(2, 1, 64), torch.empty(2 * 64 + 8)
+    overlapping = [shared[:128].view(2, 1, 64), shared[8:].view(2, 1, 64), torch.empty(2, 192), torch.empty(2, 192)]
+    with pytest.raises(ValueError, match="buffers 0 and 1 overlap"):
+        cpu_blocks.decode_blocks_op(x, [], [], [], [], x, x, [], [], overlapping)
+    with pytest.raises(ValueError, match="none or four"):
+        cpu_blocks.decode_blocks_op(x, [], [], [], [], x, x, [], [], overlapping[:2])
+    wrong = [torch.empty(3, 1, 64), torch.empty(2, 1, 32), torch.empty(2, 7), torch.empty(2, 192, dtype=torch.bfloat16)]
+    got, _ = call(lambda *args: cpu_blocks.decode_blocks_op(*args[:-1], wrong))
+    assert torch.equal(got, want)
+    assert not any(buffer.data_ptr() == got.data_ptr() for buffer in wrong)
+
+
 def test_bad_layouts_are_refused():
     with pytest.raises(ValueError, match="'ffn' half takes"):
         cpu_blocks.Half("ffn", (None,) * 6, floats=(1e-5,))
@@ -253,11 +288,11 @@ def test_bad_layouts_are_refused():
     x = torch.zeros(1, 1, 8)
     empty = torch.zeros(0, dtype=torch.long)
     with pytest.raises(ValueError, match="kind code 9"):
-        cpu_blocks.decode_blocks_op(x, [], [], [], [9, -1], empty, empty, [], [])
+        cpu_blocks.decode_blocks_op(x, [], [], [], [9, -1], empty, empty, [], [], [])
     with pytest.raises(ValueError, match="the lists end inside half"):
-        cpu_blocks.decode_blocks_op(x, [None] * 3, [], [1e-5], [0, -1], empty, empty, [], [])
+        cpu_blocks.decode_blocks_op(x, [None] * 3, [], [1e-5], [0, -1], empty, empty, [], [], [])
     with pytest.raises(ValueError, match="left after the last half"):
-        cpu_blocks.decode_blocks_op(x, [torch.zeros(8)], [], [], [], empty, empty, [], [])
+        cpu_blocks.decode_blocks_op(x, [torch.zeros(8)], [], [], [], empty, empty, [], [], [])
 
 
 @pytest.mark.parametrize("arch", ["gqa", "mla", "mamba", "mamba2", "hybrid-1in6"])

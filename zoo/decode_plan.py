@@ -20,7 +20,7 @@ loaded) need nothing: the plan reads them where they lie. Not seen: a plain attr
 value (its eps, its scale): set those before an engine's first step, or build a new engine.
 """
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
@@ -100,11 +100,12 @@ class DecodePlan:
     lists: tuple | None  # flatten_halves' (weights, states, floats, ints); None: no plan
     row_caches: list  # one cache per row rule: decode_rows is called once a step for each
     ends_at: str = "blocks"
+    buffers: list = field(default_factory=list)  # cpu_blocks.step_buffers': the halves' outputs, reused every step
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
         found = [cache.decode_rows(batch) for cache in self.row_caches]
         return cpu_blocks.decode_blocks_op(x, *self.lists, positions, batch.slots, [r for r, _ in found],
-                                           [n for _, n in found])
+                                           [n for _, n in found], self.buffers)
 
 
 def decide(model, x: torch.Tensor, caches: list, batch) -> DecodePlan:
@@ -130,7 +131,7 @@ def decide(model, x: torch.Tensor, caches: list, batch) -> DecodePlan:
             halves.append(cpu_blocks.Half("head", (head.weight, head.bias)))
             ends_at = "head"
     weights, states, floats, ints, row_caches = cpu_blocks.flatten_halves(halves)
-    return DecodePlan(guard, (weights, states, floats, ints), row_caches, ends_at)
+    return DecodePlan(guard, (weights, states, floats, ints), row_caches, ends_at, cpu_blocks.step_buffers(x, halves))
 
 
 class DecodePlans:

@@ -279,10 +279,41 @@ at::Tensor decode_attention(const at::Tensor &q_in, const at::Tensor &k, const s
     return out;
 }
 
+// What decode_blocks tells each half of its step: how far ahead its GEMVs prefetch (kernels/cpu/dense_gemv.c's
+// row_prefetch_bytes) and where it may write what it would otherwise allocate: a plan's buffers, the same every step
+// (zoo/decode_plan.py). A fresh at::empty for each half's output and hidden rows, 34 a `small` gqa step, took 8% of
+// the step at batch 1 (3.02 against 2.77 ms, twelve alternating rounds in one process, 2-core Xeon): allocations
+// between weight streams that have evicted the allocator's and the dispatcher's data. Undefined: a fresh tensor, as
+// an op called on its own gets.
+struct Step {
+    int64_t row_ahead;
+    at::Tensor out;           // x after the half [B, 1, D]; never the last half's, which the step returns
+    at::Tensor gated, upped;  // the feed-forward's hidden rows [B, hidden]
+};
+
+// whether two tensors' bytes (from the first element's to the last's) share an address
+bool overlap(const at::Tensor &a, const at::Tensor &b) {
+    if (!a.numel() || !b.numel()) return false;
+    auto start = [](const at::Tensor &t) { return static_cast<const char *>(t.data_ptr()); };
+    auto end = [&](const at::Tensor &t) {
+        int64_t last = 0;
+        for (int64_t d = 0; d < t.dim(); d++) last += (t.size(d) - 1) * t.stride(d);
+        return start(t) + (last + 1) * t.element_size();
+    };
+    return start(a) < end(b) && start(b) < end(a);
+}
+
+// `buffer` where it has the sizes and dtype asked for, else a fresh tensor
+at::Tensor buffer_or_empty(const at::Tensor &buffer, at::IntArrayRef sizes, const at::TensorOptions &options) {
+    if (buffer.defined() && buffer.sizes() == sizes && buffer.dtype() == options.dtype() && buffer.is_contiguous())
+        return buffer;
+    return at::empty(sizes, options);
+}
+
 // x + SwiGLU(RMSNorm(x)): a block's feed-forward half of a decode step in one call (kernels/cpu_blocks.py), on
 // kernels/cpu/ffn_half.c's two parallel regions around torch's silu and product. A projection with scales is int8
 // (zoo/quantize.py's), read as the int8 GEMV reads it in its own forward
-at::Tensor ffn_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &norm, double eps,
+at::Tensor ffn_block(const Step &step, const at::Tensor &x, const at::Tensor &norm, double eps,
                      const at::Tensor &gate, const at::Tensor &up, const at::Tensor &down,
                      const std::optional<at::Tensor> &gate_scales, const std::optional<at::Tensor> &up_scales,
                      const std::optional<at::Tensor> &down_scales) {
@@ -309,17 +340,18 @@ at::Tensor ffn_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &n
     }
     auto scale_ptr = [&](int i) { return ss[i].defined() ? ss[i].data_ptr() : nullptr; };
     int code = dtype_code(x, "x"), threads = at::get_num_threads();
-    at::Tensor gated = at::empty({rows, hidden}, x.options()), upped = at::empty({rows, hidden}, x.options());
+    at::Tensor gated = buffer_or_empty(step.gated, {rows, hidden}, x.options());
+    at::Tensor upped = buffer_or_empty(step.upped, {rows, hidden}, x.options());
     int status = kernels().ffn_gate_up(xs.data_ptr(), rows, width, code, h_norm.data_ptr(), static_cast<float>(eps),
                                        ws[0].data_ptr(), scale_ptr(0), ws[1].data_ptr(), scale_ptr(1), s_codes,
                                        hidden, gated.data_ptr(), upped.data_ptr(), ws[2].data_ptr(),
-                                       hidden * ws[2].element_size(), row_ahead, threads);
+                                       hidden * ws[2].element_size(), step.row_ahead, threads);
     at::silu_(gated);  // torch's silu, so the rounding is the module's
     gated.mul_(upped);
-    at::Tensor out = at::empty(xs.sizes(), xs.options());
+    at::Tensor out = buffer_or_empty(step.out, xs.sizes(), xs.options());
     if (status == 0)
         status = kernels().gemv_residual(gated.data_ptr(), rows, hidden, code, ws[2].data_ptr(), scale_ptr(2),
-                                         s_codes[2], width, xs.data_ptr(), out.data_ptr(), row_ahead, threads);
+                                         s_codes[2], width, xs.data_ptr(), out.data_ptr(), step.row_ahead, threads);
     TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "ffn_block: out of memory for its workspace");
     TORCH_CHECK_VALUE(status == 0, "ffn_block: dtype ", dtype_name(x.scalar_type()), " is beyond the CPU kernels "
                       "(fp32, bf16)");
@@ -330,7 +362,7 @@ at::Tensor ffn_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &n
 // (slots, rows) of a contiguous cache [slots, kv_heads, rows, head_dim] (no wk, wv: a layer that reads another's
 // cache), and decode attention over each sequence's first `lengths` rows: an attention layer's half of a decode
 // block in one call (kernels/cpu_blocks.py), in one parallel region (kernels/cpu/attention_half.c)
-at::Tensor attention_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &norm, double eps,
+at::Tensor attention_block(const Step &step, const at::Tensor &x, const at::Tensor &norm, double eps,
                            const at::Tensor &wq,
                            const std::optional<at::Tensor> &wk, const std::optional<at::Tensor> &wv,
                            const at::Tensor &wo, const at::Tensor &positions, const at::Tensor &inv_freq,
@@ -387,12 +419,12 @@ at::Tensor attention_block(int64_t row_ahead, const at::Tensor &x, const at::Ten
     int64_t rows_held = k_cache.size(2), splits = key_splits(batch * kv_heads, rows_held, threads);
     int64_t strides[6] = {k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                           v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
-    at::Tensor out = at::empty(xs.sizes(), xs.options());
+    at::Tensor out = buffer_or_empty(step.out, xs.sizes(), xs.options());
     int status = kernels().attention_half(
         xs.data_ptr(), batch, width, dtype_code(x, "x"), h_norm.data_ptr(), static_cast<float>(eps),
         weight_ptrs, scale_ptrs, s_codes, heads, kv_heads, head_dim, positions_rows.data_ptr<int64_t>(),
         freqs.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), strides, rows_held, slot, row,
-        length, static_cast<float>(scale), static_cast<int>(splits), out.data_ptr(), row_ahead, threads);
+        length, static_cast<float>(scale), static_cast<int>(splits), out.data_ptr(), step.row_ahead, threads);
     TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "attention_block: out of memory for its workspace");
     TORCH_CHECK_VALUE(status == 0, "attention_block: sizes beyond the CPU kernels (dtype ",
                       dtype_name(x.scalar_type()), ": fp32 or bf16; head dim ", head_dim, " even and <= 1024; query "
@@ -404,7 +436,7 @@ at::Tensor attention_block(int64_t row_ahead, const at::Tensor &x, const at::Ten
 // ops, so its roundings are the module's), and one recurrent step on the fp32 state cache rows of `slots` in place
 // (kv [slots, H, dk, dv], normalizer [slots, H, dk]; kernels/cpu/linear_attention_step.c): a linear attention
 // layer's half of a decode block in one call (kernels/cpu_blocks.py)
-at::Tensor linear_attention_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &norm, double eps,
+at::Tensor linear_attention_block(const Step &step, const at::Tensor &x, const at::Tensor &norm, double eps,
                                   const at::Tensor &wq,
                                   const at::Tensor &wk, const at::Tensor &wv, const at::Tensor &wo, at::Tensor kv,
                                   at::Tensor normalizer, const at::Tensor &slots_in, double attention_eps) {
@@ -425,10 +457,10 @@ at::Tensor linear_attention_block(int64_t row_ahead, const at::Tensor &x, const 
                           "linear_attention_block: slot ", slot[i], " must lie in the cache's ", kv.size(0), " slots");
     at::Tensor h = rms_norm(x, norm, eps);
     auto features = [&](const at::Tensor &w) {  // elu + 1 in x's dtype, as the module's feature map, then fp32
-        return at::elu(dense_gemv(row_ahead, h, w, std::nullopt)).add_(1).to(at::kFloat).contiguous();
+        return at::elu(dense_gemv(step.row_ahead, h, w, std::nullopt)).add_(1).to(at::kFloat).contiguous();
     };
     at::Tensor q = features(wq), k = features(wk);
-    at::Tensor v = dense_gemv(row_ahead, h, wv, std::nullopt).to(at::kFloat).contiguous();
+    at::Tensor v = dense_gemv(step.row_ahead, h, wv, std::nullopt).to(at::kFloat).contiguous();
     at::Tensor out = at::empty({batch, heads * dv}, x.options().dtype(at::kFloat));
     int status = kernels().linear_step(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
                                        kv.data_ptr<float>(), kv.stride(0), kv.stride(1), normalizer.data_ptr<float>(),
@@ -436,7 +468,7 @@ at::Tensor linear_attention_block(int64_t row_ahead, const at::Tensor &x, const 
                                        static_cast<int>(heads), static_cast<int>(dk), static_cast<int>(dv),
                                        static_cast<float>(attention_eps), out.data_ptr<float>(), at::get_num_threads());
     TORCH_CHECK_VALUE(status == 0, "linear_attention_block: value width ", dv, " is beyond the CPU kernel (<= 4096)");
-    return dense_gemv(row_ahead, out.to(x.scalar_type()).view({batch, 1, heads * dv}), wo, std::nullopt).add_(x);
+    return dense_gemv(step.row_ahead, out.to(x.scalar_type()).view({batch, 1, heads * dv}), wo, std::nullopt).add_(x);
 }
 
 // each slot within the cache's rows, checked before anything is written
@@ -453,7 +485,7 @@ const int64_t *checked_slots(const at::Tensor &slots, int64_t rows, const char *
 // rows) of a contiguous latent cache [slots, 1, rows, rank + rope], the query folded through W_UK, decode attention
 // over each sequence's first `lengths` rows with the latent as values, W_UV, o. An MLA layer's half of a decode
 // block in one call (kernels/cpu_blocks.py), in one parallel region (kernels/cpu/mla_half.c)
-at::Tensor mla_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &norm, double eps,
+at::Tensor mla_block(const Step &step, const at::Tensor &x, const at::Tensor &norm, double eps,
                      const at::Tensor &wq,
                      const at::Tensor &wkv_a, const at::Tensor &kv_norm, double kv_eps, const at::Tensor &wkv_b,
                      const at::Tensor &wo, const at::Tensor &positions, const at::Tensor &inv_freq, at::Tensor cache,
@@ -490,13 +522,13 @@ at::Tensor mla_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &n
                        wkv_b.contiguous(), wo.contiguous()};
     int threads = at::get_num_threads();
     int64_t rows_held = cache.size(2), splits = key_splits(batch, rows_held, threads);  // one KV head
-    at::Tensor out = at::empty(xs.sizes(), xs.options());
+    at::Tensor out = buffer_or_empty(step.out, xs.sizes(), xs.options());
     int status = kernels().mla_half(
         xs.data_ptr(), batch, d_model, dtype_code(x, "x"), ws[0].data_ptr(), static_cast<float>(eps), ws[1].data_ptr(),
         ws[2].data_ptr(), ws[3].data_ptr(), static_cast<float>(kv_eps), ws[4].data_ptr(), ws[5].data_ptr(),
         positions_rows.data_ptr<int64_t>(), freqs.data_ptr<float>(), cache.data_ptr(), cache.stride(0),
         cache.stride(2), rows_held, slot, row, length, static_cast<float>(scale), heads, nope, rope, rank, v_dim,
-        static_cast<int>(splits), out.data_ptr(), row_ahead, threads);
+        static_cast<int>(splits), out.data_ptr(), step.row_ahead, threads);
     TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "mla_block: out of memory for its workspace");
     TORCH_CHECK_VALUE(status == 0, "mla_block: sizes beyond the CPU kernels (dtype ", dtype_name(x.scalar_type()),
                       ": fp32 or bf16; rotary width ", rope, " even; rank + rotary ", width, " <= 1024; heads ", heads,
@@ -508,7 +540,7 @@ at::Tensor mla_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &n
 // conv's window shifted in the conv state cache rows of `slots` and summed; the selective state update on the SSM
 // state cache rows in place; the gated RMSNorm; out_proj. A Mamba-2 layer's half of a decode block in one call
 // (kernels/cpu_blocks.py), in one parallel region (kernels/cpu/mamba2_half.c): equal to the module's path to rounding
-at::Tensor mamba2_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &norm, double eps,
+at::Tensor mamba2_block(const Step &step, const at::Tensor &x, const at::Tensor &norm, double eps,
                         const at::Tensor &in_w,
                         const at::Tensor &conv_w, const std::optional<at::Tensor> &conv_b, const at::Tensor &dt_bias,
                         const at::Tensor &A_log, const at::Tensor &D, const at::Tensor &gate_norm, double gate_eps,
@@ -548,13 +580,13 @@ at::Tensor mamba2_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor
     at::Tensor ws[] = {norm.contiguous(), in_w.contiguous(), conv_w.contiguous(), dt_bias.contiguous(),
                        A_log.contiguous(), D.contiguous(), gate_norm.contiguous(), out_w.contiguous()};
     at::Tensor bias = conv_b ? conv_b->contiguous() : at::Tensor();
-    at::Tensor out = at::empty(xs.sizes(), xs.options());
+    at::Tensor out = buffer_or_empty(step.out, xs.sizes(), xs.options());
     int status = kernels().mamba2_half(
         xs.data_ptr(), batch, x.size(2), dtype_code(x, "x"), ws[0].data_ptr(), static_cast<float>(eps),
         ws[1].data_ptr(), ws[2].data_ptr(), bias.defined() ? bias.data_ptr() : nullptr, ws[3].data_ptr(),
         ws[4].data_ptr(), ws[5].data_ptr(), ws[6].data_ptr(), static_cast<float>(gate_eps), ws[7].data_ptr(),
         conv.data_ptr(), conv.stride(0), d_conv, ssm.data_ptr(), ssm.stride(0), slot, heads, head_dim, dstate,
-        groups, out.data_ptr(), row_ahead, at::get_num_threads());
+        groups, out.data_ptr(), step.row_ahead, at::get_num_threads());
     TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "mamba2_block: out of memory for its workspace");
     TORCH_CHECK_VALUE(status == 0, "mamba2_block: dtype ", dtype_name(x.scalar_type()), " is beyond the CPU kernels "
                       "(torch.float32, torch.bfloat16)");
@@ -566,7 +598,7 @@ at::Tensor mamba2_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor
 // and C; the selective state update on the SSM state cache rows [slots, d_inner, N] in place, gated by z; out_proj.
 // A Mamba layer's half of a decode block in one call (kernels/cpu_blocks.py), in one parallel region
 // (kernels/cpu/mamba_half.c): equal to the module's path to rounding
-at::Tensor mamba_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor &norm, double eps,
+at::Tensor mamba_block(const Step &step, const at::Tensor &x, const at::Tensor &norm, double eps,
                        const at::Tensor &in_w,
                        const at::Tensor &conv_w, const std::optional<at::Tensor> &conv_b, const at::Tensor &x_w,
                        const at::Tensor &dt_w, const at::Tensor &dt_b, const at::Tensor &A_log, const at::Tensor &D,
@@ -601,12 +633,12 @@ at::Tensor mamba_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor 
     at::Tensor ws[] = {norm.contiguous(), in_w.contiguous(), conv_w.contiguous(), x_w.contiguous(),
                        dt_w.contiguous(), dt_b.contiguous(), A_log.contiguous(), D.contiguous(), out_w.contiguous()};
     at::Tensor bias = conv_b ? conv_b->contiguous() : at::Tensor();
-    at::Tensor out = at::empty(xs.sizes(), xs.options());
+    at::Tensor out = buffer_or_empty(step.out, xs.sizes(), xs.options());
     int status = kernels().mamba_half(
         xs.data_ptr(), batch, d_model, dtype_code(x, "x"), ws[0].data_ptr(), static_cast<float>(eps), ws[1].data_ptr(),
         ws[2].data_ptr(), bias.defined() ? bias.data_ptr() : nullptr, ws[3].data_ptr(), ws[4].data_ptr(),
         ws[5].data_ptr(), ws[6].data_ptr(), ws[7].data_ptr(), ws[8].data_ptr(), conv.data_ptr(), conv.stride(0),
-        conv.size(2), ssm.data_ptr(), ssm.stride(0), slot, d_inner, dstate, rank, out.data_ptr(), row_ahead,
+        conv.size(2), ssm.data_ptr(), ssm.stride(0), slot, d_inner, dstate, rank, out.data_ptr(), step.row_ahead,
         at::get_num_threads());
     TORCH_CHECK_WITH(OutOfMemoryError, status != -2, "mamba_block: out of memory for its workspace");
     TORCH_CHECK_VALUE(status == 0, "mamba_block: dtype ", dtype_name(x.scalar_type()), " is beyond the CPU kernels "
@@ -621,17 +653,24 @@ at::Tensor mamba_block(int64_t row_ahead, const at::Tensor &x, const at::Tensor 
 at::Tensor decode_blocks(const at::Tensor &x_in, const c10::List<std::optional<at::Tensor>> &weights,
                          at::TensorList states, at::ArrayRef<double> floats, at::IntArrayRef ints,
                          const at::Tensor &positions, const at::Tensor &slots, at::TensorList rows,
-                         at::TensorList lengths) {
+                         at::TensorList lengths, at::TensorList buffers) {
     static const int64_t sizes[8][4] = {{7, 0, 1, 0}, {10, 2, 2, 0}, {7, 1, 3, 3}, {5, 2, 2, 0}, {9, 2, 2, 1},
                                         {10, 2, 1, 0}, {1, 0, 1, 0}, {2, 0, 0, 0}};
     // ffn, attention, mla, linear_attention, mamba2, mamba; the model's final norm and its head
     TORCH_CHECK_VALUE(rows.size() == lengths.size(), "decode_blocks: ", rows.size(), " row tensors but ",
                       lengths.size(), " lengths");
+    TORCH_CHECK_VALUE(buffers.empty() || buffers.size() == 4, "decode_blocks: buffers are none or four (x twice, the "
+                      "feed-forward's gated and up rows), got ", buffers.size());
+    for (size_t a = 0; a < buffers.size(); a++)  // a half's output written over its input would be wrong
+        for (size_t b = a + 1; b < buffers.size(); b++)
+            TORCH_CHECK_VALUE(!overlap(buffers[a], buffers[b]), "decode_blocks: buffers ", a, " and ", b, " overlap");
     at::Tensor x = x_in;
     int64_t bytes = 0;  // the weights the step streams: how far ahead its GEMVs prefetch (kernels/cpu/dense_gemv.c)
     for (const std::optional<at::Tensor> &t : weights.vec())
         if (t) bytes += t->nbytes();
-    int64_t ahead = kernels().row_ahead(bytes);
+    Step step{kernels().row_ahead(bytes)};
+    if (!buffers.empty())
+        step.gated = buffers[2], step.upped = buffers[3];
     size_t w = 0, s = 0, f = 0, i = 0;
     while (i < ints.size()) {
         TORCH_CHECK_VALUE(i + 2 <= ints.size() && ints[i] >= 0 && ints[i] < 8, "decode_blocks: a half's kind code ",
@@ -650,36 +689,39 @@ at::Tensor decode_blocks(const at::Tensor &x_in, const c10::List<std::optional<a
         };
         const double *fl = floats.data() + f;
         const int64_t *in = ints.data() + i + 2;
+        // x alternates between the two x buffers; the last half's output is fresh: the step returns it
+        bool last = i + 2 + static_cast<size_t>(n[3]) == ints.size();
+        step.out = buffers.empty() || last ? at::Tensor() : buffers[x.is_same(buffers[0]) ? 1 : 0];
         switch (kind) {
         case 0:
-            x = ffn_block(ahead, x, need(0), fl[0], need(1), need(2), need(3), opt(4), opt(5), opt(6));
+            x = ffn_block(step, x, need(0), fl[0], need(1), need(2), need(3), opt(4), opt(5), opt(6));
             break;
         case 1:
-            x = attention_block(ahead, x, need(0), fl[0], need(1), opt(2), opt(3), need(4), positions, need(5),
+            x = attention_block(step, x, need(0), fl[0], need(1), opt(2), opt(3), need(4), positions, need(5),
                                 states[s], states[s + 1], slots, rows[group], lengths[group], fl[1], opt(6), opt(7),
                                 opt(8), opt(9));
             break;
         case 2:
-            x = mla_block(ahead, x, need(0), fl[0], need(1), need(2), need(3), fl[1], need(4), need(5), positions,
+            x = mla_block(step, x, need(0), fl[0], need(1), need(2), need(3), fl[1], need(4), need(5), positions,
                           need(6), states[s], slots, rows[group], lengths[group], fl[2], in[0], in[1], in[2]);
             break;
         case 3:
-            x = linear_attention_block(ahead, x, need(0), fl[0], need(1), need(2), need(3), need(4), states[s],
+            x = linear_attention_block(step, x, need(0), fl[0], need(1), need(2), need(3), need(4), states[s],
                                        states[s + 1], slots, fl[1]);
             break;
         case 4:
-            x = mamba2_block(ahead, x, need(0), fl[0], need(1), need(2), opt(3), need(4), need(5), need(6), need(7),
+            x = mamba2_block(step, x, need(0), fl[0], need(1), need(2), opt(3), need(4), need(5), need(6), need(7),
                              fl[1], need(8), states[s], states[s + 1], slots, in[0]);
             break;
         case 5:
-            x = mamba_block(ahead, x, need(0), fl[0], need(1), need(2), opt(3), need(4), need(5), need(6), need(7),
+            x = mamba_block(step, x, need(0), fl[0], need(1), need(2), opt(3), need(4), need(5), need(6), need(7),
                             need(8), need(9), states[s], states[s + 1], slots);
             break;
         case 6:
             x = rms_norm(x, need(0), fl[0]);
             break;
         default:
-            x = dense_gemv(ahead, x, need(0), opt(1));
+            x = dense_gemv(step.row_ahead, x, need(0), opt(1));
         }
         w += n[0], s += n[1], f += n[2], i += 2 + n[3];
     }
@@ -710,6 +752,9 @@ extern "C" void archzoo_point_kernels(void *dense, void *int8, void *int4, void 
 template <auto F> struct Alone;
 template <typename... A, at::Tensor (*F)(int64_t, A...)> struct Alone<F> {
     static at::Tensor call(A... a) { return F(kernels().row_ahead(-1), a...); }
+};
+template <typename... A, at::Tensor (*F)(const Step &, A...)> struct Alone<F> {  // and allocates what it writes
+    static at::Tensor call(A... a) { return F(Step{kernels().row_ahead(-1)}, a...); }
 };
 
 TORCH_LIBRARY_IMPL(archzoo, CPU, m) {
