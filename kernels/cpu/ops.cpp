@@ -111,6 +111,12 @@ int dtype_code(const at::Tensor &t, const char *what) {
     return -1;
 }
 
+// t in `dtype` and contiguous: t itself where it already is, without a call through the dispatcher (a step's halves
+// ask ~40 times for the step's own slots, rows, positions and lengths, each already so)
+at::Tensor as_dtype(const at::Tensor &t, at::ScalarType dtype) {
+    return t.scalar_type() == dtype && t.is_contiguous() ? t : t.to(dtype).contiguous();
+}
+
 // x [..., K] as rows [M, K] with unit column stride
 at::Tensor as_rows(const at::Tensor &x) {
     at::Tensor rows = x.reshape({-1, x.size(-1)});
@@ -187,7 +193,7 @@ at::Tensor rotary(const at::Tensor &x_in, const at::Tensor &positions_in, const 
                       "rotary: x ", x_in.sizes(), " must be [B, H, T, D] with positions [B, T] and D / 2 frequencies, "
                       "got positions ", positions_in.sizes(), " and ", inv_freq_in.numel(), " frequencies");
     at::Tensor x = x_in.stride(3) == 1 ? x_in : x_in.contiguous();
-    at::Tensor positions = positions_in.to(at::kLong), inv_freq = inv_freq_in.to(at::kFloat).contiguous();
+    at::Tensor positions = positions_in.to(at::kLong), inv_freq = as_dtype(inv_freq_in, at::kFloat);
     at::Tensor out = at::empty(x.sizes(), x.options());
     int status = kernels().rotary(x.data_ptr(), x.size(0), x.size(1), x.size(2), x.size(3), x.stride(0), x.stride(1),
                                   x.stride(2), positions.data_ptr<int64_t>(), positions.stride(0),
@@ -236,7 +242,7 @@ void check_cache_rows(const char *what, const int64_t *slot, const int64_t *row,
                           " must lie in the cache's ", slots, " slots and ", rows, " rows");
 }
 
-at::Tensor int32_rows(const at::Tensor &t) { return t.to(at::kInt).contiguous(); }
+at::Tensor int32_rows(const at::Tensor &t) { return as_dtype(t, at::kInt); }
 
 at::Tensor decode_attention(const at::Tensor &q_in, const at::Tensor &k, const std::optional<at::Tensor> &v,
                             const at::Tensor &table_in, const at::Tensor &seq_lens_in, c10::string_view layout,
@@ -389,10 +395,10 @@ at::Tensor attention_block(const Step &step, const at::Tensor &x, const at::Tens
                           "attention_block: weights in x's dtype ", dtype_name(x.scalar_type()),
                           " or int8 with scales, got ", dtype_name(weights[i]->scalar_type()));
     TORCH_CHECK(kernels().attention_half, "attention_block: the C kernels are not pointed to");
-    at::Tensor slots = slots_in.to(at::kLong).contiguous(), rows = rows_in.to(at::kLong).contiguous();
+    at::Tensor slots = as_dtype(slots_in, at::kLong), rows = as_dtype(rows_in, at::kLong);
     const int64_t *slot = slots.data_ptr<int64_t>(), *row = rows.data_ptr<int64_t>();
-    at::Tensor xs = x.contiguous(), h_norm = norm.contiguous(), positions_rows = positions.to(at::kLong).contiguous();
-    at::Tensor freqs = inv_freq.to(at::kFloat).contiguous(), seq_lens = int32_rows(lengths);
+    at::Tensor xs = x.contiguous(), h_norm = norm.contiguous(), positions_rows = as_dtype(positions, at::kLong);
+    at::Tensor freqs = as_dtype(inv_freq, at::kFloat), seq_lens = int32_rows(lengths);
     int64_t width = x.size(2), q_width = heads * head_dim, kv_width = kv_heads * head_dim;
     TORCH_CHECK_VALUE(h_norm.scalar_type() == x.scalar_type() && h_norm.numel() == width && wq.size(1) == width &&
                       (!wk || (wk->sizes() == wv->sizes() && wk->size(0) == kv_width && wk->size(1) == width)) &&
@@ -450,7 +456,7 @@ at::Tensor linear_attention_block(const Step &step, const at::Tensor &x, const a
                       "linear_attention_block: x ", x.sizes(), " must be [B, 1, D], the fp32 states ",
                       "[slots, H, dk, dv] ", kv.sizes(), " (rows contiguous) and [slots, H, dk] ", normalizer.sizes(),
                       ", q and k ", heads, " x ", dk, " rows, v ", heads, " x ", dv, ", and B slots");
-    at::Tensor slots = slots_in.to(at::kLong).contiguous();
+    at::Tensor slots = as_dtype(slots_in, at::kLong);
     auto slot = slots.data_ptr<int64_t>();
     for (int64_t i = 0; i < batch; i++)
         TORCH_CHECK_INDEX(slot[i] >= 0 && slot[i] < kv.size(0) && slot[i] < normalizer.size(0),
@@ -511,13 +517,13 @@ at::Tensor mla_block(const Step &step, const at::Tensor &x, const at::Tensor &no
                       wo.sizes(), " must match width ", d_model, " and ", heads, " heads of ", v_dim,
                       ", with positions ", positions.sizes(), " and lengths ", lengths.sizes(), " one a sequence and ",
                       inv_freq.numel(), " frequencies half the rotary width ", rope);
-    at::Tensor slots = slots_in.to(at::kLong).contiguous(), rows = rows_in.to(at::kLong).contiguous();
+    at::Tensor slots = as_dtype(slots_in, at::kLong), rows = as_dtype(rows_in, at::kLong);
     at::Tensor seq_lens = int32_rows(lengths);
     const int64_t *slot = slots.data_ptr<int64_t>(), *row = rows.data_ptr<int64_t>();
     const int32_t *length = seq_lens.data_ptr<int32_t>();
     check_cache_rows("mla_block", slot, row, length, batch, cache.size(0), cache.size(2), true);
-    at::Tensor xs = x.contiguous(), positions_rows = positions.to(at::kLong).contiguous();
-    at::Tensor freqs = inv_freq.to(at::kFloat).contiguous();
+    at::Tensor xs = x.contiguous(), positions_rows = as_dtype(positions, at::kLong);
+    at::Tensor freqs = as_dtype(inv_freq, at::kFloat);
     at::Tensor ws[] = {norm.contiguous(), wq.contiguous(), wkv_a.contiguous(), kv_norm.contiguous(),
                        wkv_b.contiguous(), wo.contiguous()};
     int threads = at::get_num_threads();
@@ -574,7 +580,7 @@ at::Tensor mamba2_block(const Step &step, const at::Tensor &x, const at::Tensor 
                       " and out_proj ", out_w.sizes(), " must match width ", x.size(2), " and ", d_inner,
                       " channels, with dt_bias ", dt_bias.sizes(), ", A_log ", A_log.sizes(), " and D ", D.sizes(),
                       " one a head");
-    at::Tensor slots = slots_in.to(at::kLong).contiguous();
+    at::Tensor slots = as_dtype(slots_in, at::kLong);
     const int64_t *slot = checked_slots(slots, std::min(conv.size(0), ssm.size(0)), "mamba2_block");
     at::Tensor xs = x.contiguous();
     at::Tensor ws[] = {norm.contiguous(), in_w.contiguous(), conv_w.contiguous(), dt_bias.contiguous(),
@@ -627,7 +633,7 @@ at::Tensor mamba_block(const Step &step, const at::Tensor &x, const at::Tensor &
                       D.numel() == d_inner, "mamba_block: norm ", norm.sizes(), ", in_proj ", in_w.sizes(),
                       ", x_proj ", x_w.sizes(), " and out_proj ", out_w.sizes(), " must match width ", d_model,
                       " and ", d_inner, " channels, with dt_proj's bias ", dt_b.sizes(), " and D ", D.sizes());
-    at::Tensor slots = slots_in.to(at::kLong).contiguous();
+    at::Tensor slots = as_dtype(slots_in, at::kLong);
     const int64_t *slot = checked_slots(slots, std::min(conv.size(0), ssm.size(0)), "mamba_block");
     at::Tensor xs = x.contiguous();
     at::Tensor ws[] = {norm.contiguous(), in_w.contiguous(), conv_w.contiguous(), x_w.contiguous(),
