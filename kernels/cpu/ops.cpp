@@ -287,10 +287,10 @@ at::Tensor decode_attention(const at::Tensor &q_in, const at::Tensor &k, const s
 
 // What decode_blocks tells each half of its step: how far ahead its GEMVs prefetch (kernels/cpu/dense_gemv.c's
 // row_prefetch_bytes) and where it may write what it would otherwise allocate: a plan's buffers, the same every step
-// (zoo/decode_plan.py). A fresh at::empty for each half's output and hidden rows, 34 a `small` gqa step, took 8% of
-// the step at batch 1 (3.02 against 2.77 ms, twelve alternating rounds in one process, 2-core Xeon): allocations
-// between weight streams that have evicted the allocator's and the dispatcher's data. Undefined: a fresh tensor, as
-// an op called on its own gets.
+// (zoo/decode_plan.py). A fresh at::empty for each half's output and hidden rows, 34 a `small` gqa step, took 6-7%
+// of a `small` step (batch 1: gqa 3.23 against 3.00 ms, mamba2 4.38 against 4.14; twelve alternating rounds in one
+// process, 2-core Xeon): allocations between weight streams that have evicted the allocator's and the dispatcher's
+// data. Undefined: a fresh tensor, as an op called on its own gets.
 struct Step {
     int64_t row_ahead;
     at::Tensor out;           // x after the half [B, 1, D]; never the last half's, which the step returns
