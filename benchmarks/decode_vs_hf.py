@@ -75,7 +75,17 @@ def build_pair(arch: str, preset: str, dtype: torch.dtype, device: str):
     return model.to(device, dtype), hf.to(device, dtype)
 
 
+# Untimed tokens a side decodes just before its timed runs: its weights back in the caches whoever ran before. On a
+# 2-core Xeon VM whose L3 holds a `small` model, the first ~8 steps after other work ran up to 2x slower while the
+# L3 refilled: archzoo, timed right after decode_vs_peers' 1 GiB read sweep, measured 217-260 tok/s (0.74-0.85x
+# llama.cpp), and 307.5 (1.00x) warmed.
+WARM_TOKENS = 16
+
+
 def decode_rate(timer, prompts, new_tokens, rates: list) -> None:
+    """Decode tokens/s of `timer` (seconds for n new tokens per prompt): the time of new_tokens less that of one,
+    after an untimed warm-up, appended to rates."""
+    timer(prompts, min(new_tokens, WARM_TOKENS))
     t_full = timer(prompts, new_tokens)
     t_prefill = timer(prompts, 1)
     if t_full <= t_prefill:  # an H100 run drew a negative rate: a one-off cost (a compile) landed in the shorter run
