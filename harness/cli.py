@@ -332,8 +332,8 @@ def parser() -> argparse.ArgumentParser:
                                                      f"{joined(cpu.contexts)}; CUDA default: {joined(gpu.contexts)})")
     c.add_argument("--batches", type=int_list, help=f"comma-separated batch sizes (default: {joined(cpu.batches)}; "
                                                     f"CUDA default: {joined(gpu.batches)})")
-    c.add_argument("--new-tokens", type=int, default=d.new_tokens, help=f"tokens decoded per request, greedy; with "
-                   f"--measure decode-probe, decode steps timed (default: {d.new_tokens})")
+    c.add_argument("--new-tokens", type=int, help=f"tokens decoded per request, greedy; with --measure decode-probe, "
+                   f"decode steps timed (default: {cpu.new_tokens}; CUDA default: {gpu.new_tokens})")
     c.add_argument("--dtype", choices=list(DTYPES), help=f"weights and cache dtype (default: {cpu.dtype}; CUDA "
                                                          f"default: {gpu.dtype})")
     c.add_argument("--kv-cache", choices=["contiguous", "paged"], help=f"KV cache layout (default: {cpu.kv_cache}; "

@@ -59,7 +59,7 @@ class CompareSettings:
     preset: str | None = None
     contexts: list[int] | None = None
     batches: list[int] | None = None
-    new_tokens: int = 16  # tokens decoded per request (decode-probe: decode steps timed)
+    new_tokens: int | None = None  # tokens decoded per request (decode-probe: decode steps timed)
     dtype: str | None = None
     kv_cache: str | None = None
     block_size: int = 16

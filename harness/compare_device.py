@@ -21,15 +21,21 @@ class DeviceDefaults:
     dtype: str
     kv_cache: str
     measure: str
+    new_tokens: int
 
 
+# 64 new tokens on the CPU: a cell's decode steps follow its read sweep and its prefill, and on a VM whose L3 holds a
+# `small` model's weights the first ~10 of them ran up to 2x slower while the L3 refilled (the read kernel ramps the
+# same way after a 100 ms pause: 128 MB at 9, 21, 22 ... 26 GB/s over 8 passes, against 40 without it). With 16,
+# the median step fell on that ramp: batch 1 at 1.80-1.90x its floor (median), 64 gave 1.62x, and TPOT 1.05x the
+# median step instead of 1.10-1.13x, in the same ~3.3 minutes (2-core Xeon VM, BENCHMARKS.md).
 CPU_DEFAULTS = DeviceDefaults(preset="small", contexts=(256, 1024, 2048),
                               batches=(1, 2, 4),  # 8 made the CPU default prefill-bound (BENCHMARKS.md)
-                              dtype="float32", kv_cache="contiguous", measure="generate")
+                              dtype="float32", kv_cache="contiguous", measure="generate", new_tokens=64)
 # One H100 in 65 s (measured 2026-11-26, BENCHMARKS.md "Issue 30"): the large preset streams its weights in over
 # 1 ms, so the floor is HBM's; prefilling 64 x 32k tokens would take minutes, so the decode step is probed without it.
 CUDA_DEFAULTS = DeviceDefaults(preset="large", contexts=(1024, 8192, 32768), batches=(1, 16, 64),
-                               dtype="bfloat16", kv_cache="paged", measure="decode-probe")
+                               dtype="bfloat16", kv_cache="paged", measure="decode-probe", new_tokens=16)
 
 
 def is_cuda(device) -> bool:
