@@ -27,8 +27,8 @@ class DeviceDefaults:
 # 64 new tokens on the CPU: a cell's decode steps follow its read sweep and its prefill, and on a VM whose L3 holds a
 # `small` model's weights the first ~10 of them ran up to 2x slower while the L3 refilled (the read kernel ramps the
 # same way after a 100 ms pause: 128 MB at 9, 21, 22 ... 26 GB/s over 8 passes, against 40 without it). With 16,
-# the median step fell on that ramp: batch 1 at 1.80-1.90x its floor (median), 64 gave 1.62x, and TPOT 1.05x the
-# median step instead of 1.10-1.13x, in the same ~3.3 minutes (2-core Xeon VM, BENCHMARKS.md).
+# the median step fell on that ramp: batch 1 at a median 1.80-1.90x its floor, 64 gave 1.59-1.62x, and TPOT
+# 1.05-1.06x the median step instead of 1.10-1.13x, in the same ~3.3 minutes (2-core Xeon VM, BENCHMARKS.md).
 CPU_DEFAULTS = DeviceDefaults(preset="small", contexts=(256, 1024, 2048),
                               batches=(1, 2, 4),  # 8 made the CPU default prefill-bound (BENCHMARKS.md)
                               dtype="float32", kv_cache="contiguous", measure="generate", new_tokens=64)
