@@ -12,9 +12,9 @@ from harness.compare import CompareSettings, run_compare
 H100_COPY_BYTES_PER_S = 3.0e12  # device-to-device copy, read + write counted (BENCHMARKS.md: 2993 GB/s measured)
 H200_COPY_BYTES_PER_S = 4.3e12
 GPU_DEFAULT = {"preset": "large", "contexts": [1024, 8192, 32768], "batches": [1, 16, 64], "dtype": "bfloat16",
-               "kv_cache": "paged", "measure": "decode-probe", "cuda_graphs": None}
+               "kv_cache": "paged", "measure": "decode-probe", "cuda_graphs": None, "new_tokens": 16}
 CPU_DEFAULT = {"preset": "small", "contexts": [256, 1024, 2048], "batches": [1, 2, 4], "dtype": "float32",
-               "kv_cache": "contiguous", "measure": "generate", "cuda_graphs": None}
+               "kv_cache": "contiguous", "measure": "generate", "cuda_graphs": None, "new_tokens": 64}
 
 
 def settings_fields(settings: CompareSettings, names) -> dict:
@@ -44,7 +44,7 @@ def test_the_cpu_defaults_are_unchanged():
 
 @pytest.mark.parametrize("name,value", [("preset", "base"), ("contexts", [512]), ("batches", [2, 8]),
                                         ("dtype", "float32"), ("kv_cache", "contiguous"), ("measure", "generate"),
-                                        ("cuda_graphs", False)])
+                                        ("cuda_graphs", False), ("new_tokens", 32)])
 def test_an_explicit_setting_wins_over_the_gpu_default(name, value):
     settings = CompareSettings(device="cuda", **{name: value})
     assert getattr(settings, name) == value
